@@ -1,0 +1,112 @@
+"""The `RolloutEngine` contract: token ids in, token ids and their logprobs out."""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from typing import Any
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling settings for one generate call.
+
+    `top_k <= 0` and `top_p >= 1` disable those filters; `temperature == 0` is greedy decoding.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 128
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["stop_token_ids"] = list(self.stop_token_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
+        data = dict(data)
+        data["stop_token_ids"] = tuple(data.get("stop_token_ids") or ())
+        return cls(**data)
+
+
+class FinishReason(str, Enum):
+    """Why generation stopped: a stop token, the token budget, or an abort."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+@dataclass
+class GenerateResult:
+    """What one generate call produced. `output_logprobs[i]` is the logprob of `output_ids[i]`."""
+
+    output_ids: list[int]
+    output_logprobs: list[float]
+    finish_reason: FinishReason
+    weight_version: int
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    latency_s: float = 0.0
+    engine_id: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if len(self.output_ids) != len(self.output_logprobs):
+            raise ValueError(
+                f"output_ids ({len(self.output_ids)}) and output_logprobs ({len(self.output_logprobs)}) differ in length")
+
+
+class EngineError(RuntimeError):
+    """An infrastructure failure (connection refused, 5xx, dead engine). Callers may retry it."""
+
+    def __init__(self, message: str, *, engine_id: str = "", retryable: bool = True) -> None:
+        super().__init__(message)
+        self.engine_id = engine_id
+        self.retryable = retryable
+
+
+class RolloutEngine(abc.ABC):
+    """An async generator of token ids. SGLang servers, the embedded engine and routers implement it."""
+
+    engine_id: str = ""
+
+    @abc.abstractmethod
+    async def generate(self, input_ids: list[int], sampling_params: SamplingParams, *,
+                       session_id: str | None = None, rid: str | None = None) -> GenerateResult:
+        """Continue `input_ids`. Raises `EngineError` on infrastructure failure."""
+
+    @abc.abstractmethod
+    async def abort(self, rid: str) -> None:
+        """Stop the request `rid` if it is still running; its generate call returns with `FinishReason.ABORT`."""
+
+    @abc.abstractmethod
+    async def health(self) -> bool:
+        """True when the engine can serve a generate call now."""
+
+    @abc.abstractmethod
+    async def update_weights(self, *, state_dict: dict[str, Any] | None = None, path: str | None = None) -> int:
+        """Load new weights from an in-memory HF-layout state dict or from an HF checkpoint folder.
+
+        Returns the new weight version.
+        """
+
+    @property
+    @abc.abstractmethod
+    def weight_version(self) -> int:
+        """The version of the weights that the next generate call will use."""
+
+    async def close(self) -> None:
+        """Release connections, threads or models. Idempotent."""
+        return None
+
+    async def __aenter__(self) -> RolloutEngine:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,190 @@
+"""Token-exact trajectories and the batch form the trainers consume."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from miles.types import Message, TerminationReason
+
+
+class TrajectoryInvariantError(ValueError):
+    """`token_ids`, `loss_mask` and `rollout_logprobs` disagree, or a span points outside them."""
+
+
+@dataclass
+class TurnSpan:
+    """Tokens `[start, end)` came from one turn of `role`; model turns carry the weight version that made them."""
+
+    role: str
+    start: int
+    end: int
+    weight_version: int | None = None
+
+
+@dataclass
+class TrajectoryMeta:
+    """Where a trajectory came from."""
+
+    env_id: str = ""
+    task_id: str = ""
+    seed: int | None = None
+    group_id: str = ""
+    sample_index: int = 0
+    session_id: str = ""
+    sampling_params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Trajectory:
+    """One session as tokens. `loss_mask` is 1 exactly on model-generated tokens; logprobs are 0.0 elsewhere."""
+
+    token_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    rollout_logprobs: list[float] = field(default_factory=list)
+    spans: list[TurnSpan] = field(default_factory=list)
+    reward: float = 0.0
+    reward_components: dict[str, float] = field(default_factory=dict)
+    termination: TerminationReason | None = None
+    meta: TrajectoryMeta = field(default_factory=TrajectoryMeta)
+    messages: list[Message] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return sum(self.loss_mask)
+
+    def check(self) -> None:
+        """Raise `TrajectoryInvariantError` unless the per-token lists and spans are consistent."""
+        n = len(self.token_ids)
+        if len(self.loss_mask) != n or len(self.rollout_logprobs) != n:
+            raise TrajectoryInvariantError(
+                f"lengths differ: token_ids={n} loss_mask={len(self.loss_mask)} "
+                f"rollout_logprobs={len(self.rollout_logprobs)}")
+        for i, (m, lp) in enumerate(zip(self.loss_mask, self.rollout_logprobs, strict=True)):
+            if m not in (0, 1):
+                raise TrajectoryInvariantError(f"loss_mask[{i}]={m} is not 0 or 1")
+            if m == 0 and lp != 0.0:
+                raise TrajectoryInvariantError(f"rollout_logprobs[{i}]={lp} on a masked-out token")
+        prev_end = 0
+        for s in self.spans:
+            if not (prev_end <= s.start <= s.end <= n):
+                raise TrajectoryInvariantError(f"span {s} is out of order or outside [0, {n}]")
+            prev_end = s.end
+
+    def append(self, ids: list[int], *, role: str, generated: bool, logprobs: list[float] | None = None,
+               weight_version: int | None = None) -> TurnSpan:
+        """Append one turn's tokens verbatim; generated tokens get mask 1 and their logprobs."""
+        if generated:
+            if logprobs is None or len(logprobs) != len(ids):
+                raise TrajectoryInvariantError("generated tokens need one logprob each")
+        start = len(self.token_ids)
+        self.token_ids.extend(ids)
+        self.loss_mask.extend([1 if generated else 0] * len(ids))
+        self.rollout_logprobs.extend(logprobs if generated else [0.0] * len(ids))
+        span = TurnSpan(role=role, start=start, end=len(self.token_ids), weight_version=weight_version)
+        self.spans.append(span)
+        return span
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "token_ids": self.token_ids,
+            "loss_mask": self.loss_mask,
+            "rollout_logprobs": self.rollout_logprobs,
+            "spans": [asdict(s) for s in self.spans],
+            "reward": self.reward,
+            "reward_components": self.reward_components,
+            "termination": self.termination.value if self.termination else None,
+            "meta": asdict(self.meta),
+            "messages": [m.to_dict() for m in self.messages],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Trajectory:
+        term = data.get("termination")
+        return cls(
+            token_ids=list(data["token_ids"]),
+            loss_mask=list(data["loss_mask"]),
+            rollout_logprobs=[float(x) for x in data["rollout_logprobs"]],
+            spans=[TurnSpan(**s) for s in data.get("spans", [])],
+            reward=float(data.get("reward", 0.0)),
+            reward_components=dict(data.get("reward_components", {})),
+            termination=TerminationReason(term) if term else None,
+            meta=TrajectoryMeta(**data.get("meta", {})),
+            messages=[Message.from_dict(m) for m in data.get("messages", [])],
+        )
+
+    def to_json(self) -> str:
+        """One JSON line, lossless: floats are written with full precision."""
+        return json.dumps(self.to_dict(), ensure_ascii=False)
+
+    @classmethod
+    def from_json(cls, line: str) -> Trajectory:
+        return cls.from_dict(json.loads(line))
+
+
+@dataclass
+class TrajectoryBatch:
+    """Trajectories packed end to end into flat tensors (padding-free), with offsets per sequence.
+
+    `advantages` has one entry per sequence; `group_ids` maps each sequence to its GRPO group.
+    """
+
+    token_ids: torch.Tensor  # int64 [T]
+    loss_mask: torch.Tensor  # float32 [T]
+    rollout_logprobs: torch.Tensor  # float32 [T]
+    cu_seqlens: torch.Tensor  # int64 [B+1]
+    rewards: torch.Tensor  # float32 [B]
+    group_ids: torch.Tensor  # int64 [B]
+    meta: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.cu_seqlens.numel() - 1)
+
+    @classmethod
+    def from_trajectories(cls, trajectories: list[Trajectory]) -> TrajectoryBatch:
+        """Pack trajectories; group ids are assigned in order of first appearance of `meta.group_id`."""
+        groups: dict[str, int] = {}
+        lengths = [len(t) for t in trajectories]
+        cu = torch.zeros(len(trajectories) + 1, dtype=torch.int64)
+        cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0)
+        return cls(
+            token_ids=torch.tensor([i for t in trajectories for i in t.token_ids], dtype=torch.int64),
+            loss_mask=torch.tensor([m for t in trajectories for m in t.loss_mask], dtype=torch.float32),
+            rollout_logprobs=torch.tensor([x for t in trajectories for x in t.rollout_logprobs],
+                                          dtype=torch.float32),
+            cu_seqlens=cu,
+            rewards=torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
+            group_ids=torch.tensor([groups.setdefault(t.meta.group_id or f"_{i}", len(groups))
+                                    for i, t in enumerate(trajectories)], dtype=torch.int64),
+            meta=[asdict(t.meta) for t in trajectories],
+        )
+
+    def sequence(self, i: int) -> slice:
+        return slice(int(self.cu_seqlens[i]), int(self.cu_seqlens[i + 1]))
+
+    def save(self, path: str | Path) -> None:
+        """Write the tensors as safetensors, with the metadata as a JSON header entry."""
+        tensors = {k: getattr(self, k).contiguous() for k in
+                   ("token_ids", "loss_mask", "rollout_logprobs", "cu_seqlens", "rewards", "group_ids")}
+        save_file(tensors, str(path), metadata={"meta": json.dumps(self.meta)})
+
+    @classmethod
+    def load(cls, path: str | Path) -> TrajectoryBatch:
+        from safetensors import safe_open
+
+        tensors = load_file(str(path))
+        with safe_open(str(path), framework="pt") as f:
+            meta = json.loads((f.metadata() or {}).get("meta", "[]"))
+        return cls(meta=meta, **tensors)

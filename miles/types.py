@@ -1,0 +1,131 @@
+"""Contracts shared by every floor: chat messages, tool calls, tool results, termination reasons."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+
+class TerminationReason(str, Enum):
+    """Why a session ended. Every recorded session carries exactly one."""
+
+    DONE = "done"
+    MAX_TURNS = "max_turns"
+    CONTEXT_FULL = "context_full"
+    TIMEOUT = "timeout"
+    ENV_ERROR = "env_error"
+    ENGINE_ERROR = "engine_error"
+    ABORTED = "aborted"
+
+
+class ToolErrorType(str, Enum):
+    """The ways a tool call can go wrong. The model sees a precise error; the env counts these in `info`."""
+
+    INVALID_JSON = "invalid_json"
+    UNKNOWN_TOOL = "unknown_tool"
+    SCHEMA_VIOLATION = "schema_violation"
+    TOOL_EXCEPTION = "tool_exception"
+    TIMEOUT = "timeout"
+    OUTPUT_TRUNCATED = "output_truncated"
+
+
+@dataclass
+class ToolCall:
+    """One tool call parsed from model text.
+
+    `arguments` is None when `raw_arguments` is not a JSON object; `parse_error` then says why.
+    """
+
+    name: str
+    arguments: dict[str, Any] | None
+    id: str = ""
+    raw_arguments: str = ""
+    parse_error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """OpenAI-style `tool_calls` entry, as chat templates expect it."""
+        args: Any = self.arguments if self.arguments is not None else self.raw_arguments
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": args}}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ToolCall:
+        """Inverse of `to_dict`; accepts arguments as a dict or as a JSON string."""
+        fn = data.get("function", data)
+        args = fn.get("arguments")
+        raw = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+        parsed: dict[str, Any] | None = args if isinstance(args, dict) else None
+        error = None
+        if isinstance(args, str):
+            try:
+                value = json.loads(args)
+                parsed = value if isinstance(value, dict) else None
+                if parsed is None:
+                    error = "arguments are not a JSON object"
+            except json.JSONDecodeError as exc:
+                error = f"invalid JSON: {exc}"
+        return cls(name=fn.get("name", ""), arguments=parsed, id=data.get("id", ""), raw_arguments=raw,
+                   parse_error=error)
+
+
+@dataclass
+class Message:
+    """One chat message. `reasoning` holds thinking content (Qwen3 `<think>`), kept apart from `content`."""
+
+    role: str
+    content: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    tool_call_id: str | None = None
+    name: str | None = None
+    reasoning: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The dict form that HF chat templates and JSONL recordings use."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [c.to_dict() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        if self.reasoning is not None:
+            out["reasoning_content"] = self.reasoning
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Message:
+        """Inverse of `to_dict`."""
+        return cls(
+            role=data["role"],
+            content=data.get("content") or "",
+            tool_calls=[ToolCall.from_dict(c) for c in data.get("tool_calls") or []],
+            tool_call_id=data.get("tool_call_id"),
+            name=data.get("name"),
+            reasoning=data.get("reasoning_content"),
+        )
+
+
+@dataclass
+class ToolResult:
+    """The outcome of one tool call. `error` is None on success."""
+
+    call_id: str
+    name: str
+    content: str
+    error: ToolErrorType | None = None
+    duration_s: float = 0.0
+
+    def to_message(self) -> Message:
+        """The tool message that goes back to the model."""
+        return Message(role="tool", content=self.content, tool_call_id=self.call_id or None, name=self.name)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"call_id": self.call_id, "name": self.name, "content": self.content,
+                "error": self.error.value if self.error else None, "duration_s": self.duration_s}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ToolResult:
+        err = data.get("error")
+        return cls(call_id=data.get("call_id", ""), name=data.get("name", ""), content=data.get("content", ""),
+                   error=ToolErrorType(err) if err else None, duration_s=data.get("duration_s", 0.0))
