@@ -1,0 +1,150 @@
+"""Typed configs: YAML files and dotted overrides into nested dataclasses, with errors that name the bad key."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import types
+import typing
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A config value is unknown, missing or of the wrong type. `key` is its dotted path."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"{key or '<root>'}: {message}")
+        self.key = key
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _convert(tp: Any, value: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _convert(arg, value, key)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(key, f"{value!r} matches none of {tp}")
+    if origin is typing.Literal:
+        if value not in args:
+            raise ConfigError(key, f"{value!r} is not one of {list(args)}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(key, f"expected a mapping for {tp.__name__}, got {type(value).__name__}")
+        return from_dict(tp, value, key)
+    if origin in (list, tuple):
+        if not isinstance(value, list | tuple):
+            raise ConfigError(key, f"expected a list, got {type(value).__name__}")
+        item = args[0] if args else Any
+        items = [_convert(item, v, f"{key}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(key, f"expected a mapping, got {type(value).__name__}")
+        vt = args[1] if len(args) == 2 else Any
+        return {str(k): _convert(vt, v, _join(key, str(k))) for k, v in value.items()}
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        try:
+            return tp(value)
+        except ValueError:
+            raise ConfigError(key, f"{value!r} is not one of {[m.value for m in tp]}") from None
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(key, f"expected true/false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(key, f"expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(key, f"expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(key, f"expected a string, got {value!r}")
+        return value
+    return value
+
+
+def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
+    """Build dataclass `cls` from a nested mapping, converting and checking every field."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(_join(prefix, unknown[0]), f"unknown key (known: {', '.join(sorted(fields))})")
+    kwargs = {}
+    for name, f in fields.items():
+        key = _join(prefix, name)
+        if name in data:
+            kwargs[name] = _convert(hints[name], data[name], key)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(key, "missing required key")
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(prefix, str(exc)) from exc
+
+
+def to_dict(obj: Any) -> Any:
+    """The plain-data form of a config dataclass (enums as values), for YAML and run records."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, enum.Enum):
+        return obj.value
+    if isinstance(obj, list | tuple):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    return obj
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `a.b.c=value` overrides (values parsed as YAML scalars) to a nested mapping, in place."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(item, "override must look like key.path=value")
+        path, raw = item.split("=", 1)
+        parts = path.strip().split(".")
+        node = data
+        for i, part in enumerate(parts[:-1]):
+            nxt = node.setdefault(part, {})
+            if not isinstance(nxt, dict):
+                raise ConfigError(".".join(parts[: i + 1]), "is not a section, cannot set a key inside it")
+            node = nxt
+        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+    return data
+
+
+def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] | None = None) -> T:
+    """Read YAML at `path` (optional), apply dotted overrides, and validate into `cls`."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        loaded = yaml.safe_load(Path(path).read_text())
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError("", f"{path} must hold a mapping at the top level")
+        data = loaded or {}
+    apply_overrides(data, overrides or [])
+    return from_dict(cls, data)
