@@ -1,1 +1,34 @@
-"""miles subpackage."""
+"""miles.envs: text-agent environments with the gymnasium API, tools, hooks, tasks and a registry.
+
+Built-in ids (also gymnasium ids "miles/<id>"): Calculator-v0, SQL-v0, Orders-v0, PythonSandbox-v0.
+"""
+
+from miles.envs.base import (
+    Env,
+    EnvError,
+    EpisodeOverError,
+    HookError,
+    InvalidActionError,
+    NoOracleError,
+    OraclePolicy,
+    ResetNeededError,
+)
+from miles.envs.episode import EpisodeResult, arun_episode, run_episode
+from miles.envs.hooks import HookDefinitionError, cleanup, reward, stop_condition
+from miles.envs.registry import EnvSpec, RegistryError, UnknownEnvError, make, register, registry
+from miles.envs.spaces import MessageSpace, MessagesSpace
+from miles.envs.tasks import Task, TaskSource, TaskSourceError, UnknownTaskError
+from miles.envs.tool_env import ToolEnv
+
+register("Calculator-v0", "miles.envs.calculator:CalculatorEnv")
+register("SQL-v0", "miles.envs.sql:SQLEnv")
+register("Orders-v0", "miles.envs.orders:OrdersEnv")
+register("PythonSandbox-v0", "miles.envs.python_sandbox:PythonSandboxEnv")
+
+__all__ = [
+    "Env", "EnvError", "EnvSpec", "EpisodeOverError", "EpisodeResult", "HookDefinitionError", "HookError",
+    "InvalidActionError", "MessageSpace", "MessagesSpace", "NoOracleError", "OraclePolicy", "RegistryError",
+    "ResetNeededError", "Task", "TaskSource", "TaskSourceError", "ToolEnv", "UnknownEnvError",
+    "UnknownTaskError", "arun_episode", "cleanup", "make", "register", "registry", "reward", "run_episode",
+    "stop_condition",
+]
