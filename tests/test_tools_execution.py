@@ -7,10 +7,10 @@ import threading
 from dataclasses import dataclass
 
 import pytest
+
 from miles.tools import Injected, ToolBox, ToolDefinitionError, collect_tools, count_errors, tool
 from miles.tools.parsers import get_parser
 from miles.tools.threads import DaemonThreadPool
-
 from miles.types import ToolCall, ToolErrorType
 
 

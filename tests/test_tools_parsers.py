@@ -5,6 +5,7 @@ import json
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from miles.tools import (
     HermesParser,
     ParsedOutput,
@@ -14,7 +15,6 @@ from miles.tools import (
     get_parser,
     register_parser,
 )
-
 from miles.types import ToolCall
 
 HERMES = get_parser("hermes")

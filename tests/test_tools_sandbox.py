@@ -5,6 +5,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from miles.tools import (
     SandboxError,
     ToolBox,
@@ -14,7 +15,6 @@ from miles.tools import (
     run_python,
     run_python_sandboxed,
 )
-
 from miles.types import ToolCall
 
 

@@ -6,6 +6,7 @@ from typing import Annotated, Any, Literal, NotRequired, Optional, TypedDict
 
 import pytest
 from jsonschema import Draft202012Validator
+
 from miles.tools import Injected, ToolDefinitionError, ToolSpec, collect_tools, get_spec, tool
 
 

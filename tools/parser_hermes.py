@@ -12,7 +12,6 @@ from miles.tools.parser_base import (
     garbage_call,
     loads_strict,
 )
-
 from miles.types import ToolCall
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"

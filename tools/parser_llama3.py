@@ -15,7 +15,6 @@ from miles.tools.parser_base import (
     garbage_call,
     reject_constant,
 )
-
 from miles.types import ToolCall
 
 PYTHON_TAG = "<|python_tag|>"

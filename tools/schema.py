@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Annotated, Any, Literal, Union
 
 import docstring_parser
+
 from miles.tools.errors import ToolDefinitionError
 
 Converter = Callable[[Any], Any]

@@ -12,6 +12,7 @@ from typing import Any
 
 import docstring_parser
 from jsonschema import Draft202012Validator
+
 from miles.tools.errors import ToolDefinitionError
 from miles.tools.schema import Converter, is_injected, json_default, make_converter, type_schema
 

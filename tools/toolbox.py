@@ -15,7 +15,6 @@ from typing import Any
 from miles.tools.errors import ToolDefinitionError
 from miles.tools.spec import ArgumentConversionError, ToolSpec, build_spec, get_spec
 from miles.tools.threads import DaemonThreadPool
-
 from miles.types import ToolCall, ToolErrorType, ToolResult
 
 

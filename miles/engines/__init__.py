@@ -1,1 +1,21 @@
-"""miles subpackage."""
+"""Rollout engines: the embedded transformers engine (default), its SGLang-native HTTP server, the SGLang
+HTTP client, and routers (the real sglang-router and an in-process one)."""
+
+from miles.engines.client import SGLangClient
+from miles.engines.embedded import EmbeddedEngine
+from miles.engines.errors import InvalidRequestError
+from miles.engines.inprocess_router import InProcessRouter
+from miles.engines.server import create_app, run_server, serve, serve_in_thread
+from miles.engines.sglang_router import SGLangRouter
+from miles.engines.weight_broadcast import (
+    WeightBroadcaster,
+    WeightReceiver,
+    broadcast_weights,
+    init_weight_update_group,
+)
+
+__all__ = [
+    "EmbeddedEngine", "InProcessRouter", "InvalidRequestError", "SGLangClient", "SGLangRouter",
+    "WeightBroadcaster", "WeightReceiver", "broadcast_weights", "create_app", "init_weight_update_group",
+    "run_server", "serve", "serve_in_thread",
+]
