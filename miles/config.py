@@ -20,6 +20,7 @@ class ConfigError(ValueError):
     def __init__(self, key: str, message: str) -> None:
         super().__init__(f"{key or '<root>'}: {message}")
         self.key = key
+        self.message = message
 
 
 def _join(prefix: str, name: str) -> str:
@@ -103,8 +104,9 @@ def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
     try:
         return cls(**kwargs)
     except (ValueError, TypeError) as exc:
-        if isinstance(exc, ConfigError):
-            raise
+        key = getattr(exc, "key", None)
+        if isinstance(key, str):  # a nested or section-level error that names its own key
+            raise ConfigError(_join(prefix, key), getattr(exc, "message", str(exc))) from exc
         raise ConfigError(prefix, str(exc)) from exc
 
 

@@ -101,6 +101,11 @@ class RolloutEngine(abc.ABC):
     def weight_version(self) -> int:
         """The version of the weights that the next generate call will use."""
 
+    @property
+    def num_in_flight(self) -> int:
+        """Generate calls made through this object that have not returned yet (0 when not tracked)."""
+        return 0
+
     async def close(self) -> None:
         """Release connections, threads or models. Idempotent."""
         return None

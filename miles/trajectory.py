@@ -13,6 +13,26 @@ from safetensors.torch import load_file, save_file
 from miles.types import Message, TerminationReason
 
 
+def _message_record(m: Message) -> dict[str, Any]:
+    """`Message.to_dict()` plus each tool call's `raw_arguments` / `parse_error`, so the JSON form is lossless."""
+    out = m.to_dict()
+    for entry, call in zip(out.get("tool_calls", []), m.tool_calls, strict=True):
+        entry["raw_arguments"] = call.raw_arguments
+        entry["parse_error"] = call.parse_error
+    return out
+
+
+def _message_from_record(data: dict[str, Any]) -> Message:
+    m = Message.from_dict(data)
+    for entry, call in zip(data.get("tool_calls") or [], m.tool_calls, strict=True):
+        if "raw_arguments" in entry:
+            call.raw_arguments = entry["raw_arguments"]
+            call.parse_error = entry.get("parse_error")
+            if isinstance(entry.get("function", entry).get("arguments"), str):
+                call.arguments = None
+    return m
+
+
 class TrajectoryInvariantError(ValueError):
     """`token_ids`, `loss_mask` and `rollout_logprobs` disagree, or a span points outside them."""
 
@@ -106,7 +126,7 @@ class Trajectory:
             "reward_components": self.reward_components,
             "termination": self.termination.value if self.termination else None,
             "meta": asdict(self.meta),
-            "messages": [m.to_dict() for m in self.messages],
+            "messages": [_message_record(m) for m in self.messages],
         }
 
     @classmethod
@@ -121,7 +141,7 @@ class Trajectory:
             reward_components=dict(data.get("reward_components", {})),
             termination=TerminationReason(term) if term else None,
             meta=TrajectoryMeta(**data.get("meta", {})),
-            messages=[Message.from_dict(m) for m in data.get("messages", [])],
+            messages=[_message_from_record(m) for m in data.get("messages", [])],
         )
 
     def to_json(self) -> str:

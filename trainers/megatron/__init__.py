@@ -5,15 +5,15 @@ Public entry points: `MegatronTrainer` / `MegatronTrainerConfig` (same interface
 (weights), `cpu_compat` / `enable_cpu_compat` (megatron-core on CPU), `launch_torchrun` (spawning ranks).
 """
 
+from miles.trainers.megatron.compat import cpu_compat, disable_cpu_compat, enable_cpu_compat
 from miles.trainers.megatron.convert import ConversionError, hf_to_megatron, megatron_to_hf
-from miles.trainers.megatron.cpu_compat import cpu_compat, disable_cpu_compat, enable_cpu_compat
 from miles.trainers.megatron.launch import in_torchrun_worker, launch_torchrun, torchrun_command
 from miles.trainers.megatron.model import (
     ModelLayout,
     UnsupportedModelError,
     build_gpt_model,
-    layout_from_hf,
     layer_spec,
+    layout_from_hf,
     pad_vocab_size,
     transformer_config,
 )

@@ -1,0 +1,188 @@
+"""`SGLangClient`: a `RolloutEngine` over SGLang's native HTTP API (a real SGLang server, the embedded
+server, or an sglang-router in front of either), on one pooled `httpx.AsyncClient`."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import httpx
+
+from miles.engine import EngineError, GenerateResult, RolloutEngine, SamplingParams
+from miles.engines.errors import InvalidRequestError
+from miles.engines.wire import (
+    ROUTING_KEY_HEADER,
+    SESSION_HEADER,
+    abort_body,
+    generate_body,
+    init_group_body,
+    parse_generate_response,
+    parse_weight_version,
+    update_distributed_body,
+    update_from_disk_body,
+)
+
+
+class SGLangClient(RolloutEngine):
+    """Talks to one SGLang-compatible endpoint.
+
+    Connection failures, timeouts and 5xx answers raise `EngineError(retryable=True)`; 4xx answers raise
+    `InvalidRequestError` (not retryable). `lora_path` names an adapter to use for every generate call.
+    """
+
+    def __init__(self, base_url: str, *, timeout_s: float = 600.0, engine_id: str | None = None,
+                 lora_path: str | None = None, max_connections: int = 256,
+                 headers: dict[str, str] | None = None) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.engine_id = engine_id or self.base_url
+        self.lora_path = lora_path
+        self._version = 0
+        self._weight_group: Any = None
+        self._in_flight = 0
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url, headers=headers,
+            timeout=httpx.Timeout(timeout_s, connect=min(10.0, timeout_s)),
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections))
+
+    # ------------------------------------------------------------------ plumbing
+    async def _request(self, method: str, path: str, *, json: Any = None, headers: dict[str, str] | None = None,
+                       timeout: float | None = None) -> httpx.Response:
+        kwargs: dict[str, Any] = {"json": json, "headers": headers}
+        if timeout is not None:
+            kwargs["timeout"] = timeout
+        try:
+            resp = await self._http.request(method, path, **kwargs)
+        except httpx.TransportError as exc:  # connect/read/write errors, timeouts, protocol errors
+            raise EngineError(f"{method} {self.base_url}{path}: {type(exc).__name__}: {exc}",
+                              engine_id=self.engine_id) from exc
+        if resp.status_code >= 500:
+            raise EngineError(f"{method} {self.base_url}{path}: HTTP {resp.status_code}: {resp.text[:300]}",
+                              engine_id=self.engine_id)
+        if resp.status_code >= 400:
+            raise InvalidRequestError(f"{method} {self.base_url}{path}: HTTP {resp.status_code}: "
+                                      f"{resp.text[:300]}", engine_id=self.engine_id)
+        return resp
+
+    async def _json(self, method: str, path: str, **kwargs: Any) -> Any:
+        resp = await self._request(method, path, **kwargs)
+        try:
+            return resp.json()
+        except ValueError as exc:
+            raise EngineError(f"{path}: the answer is not JSON: {resp.text[:200]}", engine_id=self.engine_id,
+                              retryable=False) from exc
+
+    # ------------------------------------------------------------------ RolloutEngine
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    @property
+    def num_in_flight(self) -> int:
+        return self._in_flight
+
+    async def generate(self, input_ids: list[int], sampling_params: SamplingParams, *,
+                       session_id: str | None = None, rid: str | None = None) -> GenerateResult:
+        body = generate_body(input_ids, sampling_params, rid=rid or uuid.uuid4().hex, lora_path=self.lora_path)
+        headers = {SESSION_HEADER: session_id, ROUTING_KEY_HEADER: session_id} if session_id else None
+        self._in_flight += 1
+        try:
+            data = await self._json("POST", "/generate", json=body, headers=headers)
+        finally:
+            self._in_flight -= 1
+        result = parse_generate_response(data, engine_id=self.engine_id, fallback_version=self._version)
+        self._version = max(self._version, result.weight_version)
+        return result
+
+    async def abort(self, rid: str) -> None:
+        await self._request("POST", "/abort_request", json=abort_body(rid))
+
+    async def abort_all(self) -> None:
+        await self._request("POST", "/abort_request", json=abort_body(abort_all=True))
+
+    async def health(self) -> bool:
+        """`GET /health_generate` answers 200 (the server generated a token)."""
+        try:
+            await self._request("GET", "/health_generate", timeout=30.0)
+        except EngineError:
+            return False
+        return True
+
+    async def update_weights(self, *, state_dict: dict[str, Any] | None = None, path: str | None = None) -> int:
+        """From disk via `/update_weights_from_disk`, or an in-memory state dict by broadcast.
+
+        The broadcast needs a group set up with `miles.engines.weight_broadcast.init_weight_update_group`
+        that has this engine as its only member; for several engines use `broadcast_weights`.
+        """
+        if (state_dict is None) == (path is None):
+            raise InvalidRequestError("pass exactly one of state_dict= or path=", engine_id=self.engine_id)
+        new = self._version + 1
+        if path is not None:
+            await self.update_weights_from_disk(path, weight_version=new)
+            return self._version
+        group = self._weight_group
+        if group is None or group.world_size != 2:
+            raise InvalidRequestError(
+                "an in-memory state dict reaches an HTTP engine only through a weight update group of this "
+                "engine alone (init_weight_update_group); use path= or broadcast_weights instead",
+                engine_id=self.engine_id)
+        from miles.engines.weight_broadcast import broadcast_weights
+
+        await broadcast_weights(group, [self], state_dict, version=new)
+        return self._version
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    # ------------------------------------------------------------------ SGLang admin endpoints
+    async def get_model_info(self) -> dict[str, Any]:
+        return await self._json("GET", "/get_model_info")
+
+    async def get_server_info(self) -> dict[str, Any]:
+        return await self._json("GET", "/get_server_info")
+
+    async def flush_cache(self) -> None:
+        await self._request("POST", "/flush_cache")
+
+    async def refresh_weight_version(self) -> int:
+        """Read the server's weight version from `/get_model_info` (when it is an integer)."""
+        version = parse_weight_version((await self.get_model_info()).get("weight_version"))
+        if version is not None:
+            self._version = version
+        return self._version
+
+    async def update_weights_from_disk(self, path: str, *, weight_version: int | None = None) -> None:
+        data = await self._json("POST", "/update_weights_from_disk",
+                                json=update_from_disk_body(path, weight_version=weight_version))
+        self._check_success(data, "update_weights_from_disk")
+        if weight_version is not None:
+            self._version = weight_version
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, *, group_name: str = "weight_update_group",
+                                        backend: str = "nccl") -> None:
+        body = init_group_body(master_address, master_port, rank_offset, world_size, group_name=group_name,
+                               backend=backend)
+        data = await self._json("POST", "/init_weights_update_group", json=body)
+        self._check_success(data, "init_weights_update_group")
+
+    def attach_weight_group(self, broadcaster: Any) -> None:
+        """Remember the trainer-side group this engine joined (see `weight_broadcast`)."""
+        self._weight_group = broadcaster
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                              *, group_name: str = "weight_update_group",
+                                              weight_version: int | None = None) -> None:
+        body = update_distributed_body(names, dtypes, shapes, group_name=group_name, weight_version=weight_version)
+        data = await self._json("POST", "/update_weights_from_distributed", json=body)
+        self._check_success(data, "update_weights_from_distributed")
+        if weight_version is not None:
+            self._version = weight_version
+
+    async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> Any:
+        return await self._json("POST", "/get_weights_by_name", json={"name": name, "truncate_size": truncate_size})
+
+    def _check_success(self, data: Any, what: str) -> None:
+        if not isinstance(data, dict) or not data.get("success"):
+            message = data.get("message") if isinstance(data, dict) else data
+            raise EngineError(f"{what} failed on {self.base_url}: {message}", engine_id=self.engine_id,
+                              retryable=False)

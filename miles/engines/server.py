@@ -1,0 +1,268 @@
+"""The embedded engine's HTTP server, speaking SGLang's native API (FastAPI + uvicorn, like SGLang).
+
+Endpoints: `POST /generate`, `POST /abort_request`, `GET /health`, `GET /health_generate`,
+`GET /get_model_info` and `/model_info`, `GET /get_server_info` and `/server_info`, `POST|GET /flush_cache`,
+`POST /update_weights_from_disk`, `POST /init_weights_update_group`, `POST /update_weights_from_distributed`,
+`POST /destroy_weights_update_group`, `POST /update_weight_version`, `GET|POST /get_weights_by_name`.
+Bad requests answer 400 with `{"error": {"message", "type"}}`; engine failures answer 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from typing import Any
+
+import fastapi
+import uvicorn
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from miles.engine import EngineError
+from miles.engines.embedded import EmbeddedEngine
+from miles.engines.errors import InvalidRequestError
+from miles.engines.weight_broadcast import WeightReceiver
+from miles.engines.wire import (
+    ROUTING_KEY_HEADER,
+    SESSION_HEADER,
+    generate_response,
+    parse_generate_request,
+    parse_weight_version,
+)
+
+SERVER_VERSION = "miles-embedded-0.1"
+
+
+def _error(status: int, message: str, kind: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status)
+
+
+async def _json_body(request: fastapi.Request) -> dict[str, Any]:
+    raw = await request.body()
+    if not raw:
+        return {}
+    try:
+        body = await request.json()
+    except ValueError as exc:
+        raise InvalidRequestError(f"the body is not JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise InvalidRequestError("the body must be a JSON object")
+    return body
+
+
+def _require(body: dict[str, Any], *names: str) -> None:
+    missing = [n for n in names if n not in body]
+    if missing:
+        raise InvalidRequestError(f"missing fields: {missing}")
+
+
+def create_app(engine: EmbeddedEngine) -> fastapi.FastAPI:
+    """A FastAPI app that serves `engine` over SGLang's native HTTP API."""
+    app = fastapi.FastAPI(title="miles embedded engine")
+    receivers: dict[str, WeightReceiver] = {}
+    started = time.time()
+
+    @app.exception_handler(InvalidRequestError)
+    async def _bad_request(_: fastapi.Request, exc: InvalidRequestError) -> JSONResponse:
+        return _error(400, str(exc), "invalid_request_error")
+
+    @app.exception_handler(EngineError)
+    async def _engine_error(_: fastapi.Request, exc: EngineError) -> JSONResponse:
+        return _error(503, str(exc), "engine_error")
+
+    def _decode(ids: list[int]) -> str | None:
+        if engine.tokenizer is None:
+            return None
+        return engine.tokenizer.decode(ids, skip_special_tokens=True)
+
+    @app.api_route("/generate", methods=["POST", "PUT"])
+    async def generate(request: fastapi.Request) -> JSONResponse:
+        req = parse_generate_request(await _json_body(request), engine.tokenizer)
+        if req["lora_path"]:
+            raise InvalidRequestError(f"the embedded engine has no LoRA adapter {req['lora_path']!r}")
+        rid = req["rid"] or uuid.uuid4().hex
+        session_id = request.headers.get(SESSION_HEADER) or request.headers.get(ROUTING_KEY_HEADER)
+        result = await engine.generate(req["input_ids"], req["params"], rid=rid, ignore_eos=req["ignore_eos"],
+                                       session_id=session_id)
+        return JSONResponse(generate_response(result, rid=rid, text=_decode(result.output_ids),
+                                              return_logprob=req["return_logprob"]))
+
+    @app.post("/abort_request")
+    async def abort_request(request: fastapi.Request) -> Response:
+        body = await _json_body(request)
+        if body.get("abort_all"):
+            await engine.abort_all()
+        elif body.get("rid"):
+            await engine.abort(str(body["rid"]))
+        return Response(status_code=200)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if await engine.health() else 503)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        if not await engine.health():
+            return Response(status_code=503)
+        from miles.engine import SamplingParams
+
+        await engine.generate([0], SamplingParams(temperature=0.0, max_new_tokens=1),
+                              rid=f"HEALTH_CHECK_{uuid.uuid4().hex}")
+        return Response(status_code=200)
+
+    def model_info() -> dict[str, Any]:
+        cfg = engine.model.config
+        return {
+            "model_path": engine.model_path, "served_model_name": engine.model_path or "miles-embedded",
+            "tokenizer_path": engine.model_path, "is_generation": True, "preferred_sampling_params": None,
+            "weight_version": str(engine.weight_version), "load_format": "auto", "reasoning_parser": None,
+            "tool_call_parser": None, "disaggregation_mode": "null", "has_image_understanding": False,
+            "has_audio_understanding": False, "model_type": getattr(cfg, "model_type", None),
+            "architectures": getattr(cfg, "architectures", None),
+        }
+
+    def server_info() -> dict[str, Any]:
+        return {
+            "model_path": engine.model_path, "tokenizer_path": engine.model_path, "served_model_name":
+            engine.model_path or "miles-embedded", "device": str(engine.device), "tp_size": 1, "dp_size": 1,
+            "context_length": engine.max_context, "max_running_requests": engine.max_batch_size,
+            "max_total_num_tokens": engine.max_context * engine.max_batch_size, "weight_version":
+            str(engine.weight_version), "internal_states": [{"num_running_requests": engine.num_active}],
+            "engine_id": engine.engine_id, "startup_time": started, "version": SERVER_VERSION,
+            "frontend": "python", "disaggregation_mode": "null",
+        }
+
+    for path in ("/get_model_info", "/model_info"):
+        app.add_api_route(path, model_info, methods=["GET"])
+    for path in ("/get_server_info", "/server_info"):
+        app.add_api_route(path, server_info, methods=["GET"])
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> PlainTextResponse:
+        await engine.flush_cache()
+        return PlainTextResponse("Cache flushed.\n")
+
+    def _version(body: dict[str, Any]) -> int | None:
+        return parse_weight_version(body.get("weight_version"))
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: fastapi.Request) -> JSONResponse:
+        body = await _json_body(request)
+        _require(body, "model_path")
+        try:
+            version = await engine.update_weights(path=str(body["model_path"]), version=_version(body))
+        except InvalidRequestError as exc:
+            return JSONResponse({"success": False, "message": str(exc), "num_paused_requests": 0}, 400)
+        engine.model_path = str(body["model_path"])
+        return JSONResponse({"success": True, "message": f"weights loaded, version {version}",
+                             "num_paused_requests": 0})
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(request: fastapi.Request) -> JSONResponse:
+        body = await _json_body(request)
+        _require(body, "master_address", "master_port", "rank_offset", "world_size")
+        name = str(body.get("group_name") or "weight_update_group")
+        try:
+            receiver = await asyncio.to_thread(
+                WeightReceiver, str(body["master_address"]), int(body["master_port"]), int(body["rank_offset"]),
+                int(body["world_size"]), group_name=name, backend=str(body.get("backend") or "nccl"))
+        except (InvalidRequestError, RuntimeError, ValueError) as exc:
+            return JSONResponse({"success": False, "message": f"group init failed: {exc}"}, 400)
+        receivers[name] = receiver
+        return JSONResponse({"success": True, "message": f"joined {name} over {receiver.backend}"})
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(request: fastapi.Request) -> JSONResponse:
+        body = await _json_body(request)
+        _require(body, "names", "dtypes", "shapes")
+        name = str(body.get("group_name") or "weight_update_group")
+        receiver = receivers.get(name)
+        if receiver is None:
+            return JSONResponse({"success": False, "message": f"no weight update group {name!r}"}, 400)
+        try:
+            tensors = await asyncio.to_thread(receiver.receive, body["names"], body["dtypes"], body["shapes"])
+            version = await asyncio.to_thread(engine.load_weights_sync, tensors, _version(body))
+        except (InvalidRequestError, RuntimeError, ValueError, TypeError) as exc:
+            return JSONResponse({"success": False, "message": str(exc)}, 400)
+        return JSONResponse({"success": True, "message": f"weights loaded, version {version}"})
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(request: fastapi.Request) -> JSONResponse:
+        body = await _json_body(request)
+        name = str(body.get("group_name") or "weight_update_group")
+        found = receivers.pop(name, None) is not None
+        return JSONResponse({"success": found, "message": "destroyed" if found else f"no group {name!r}"},
+                            200 if found else 400)
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(request: fastapi.Request) -> JSONResponse:
+        body = await _json_body(request)
+        _require(body, "new_version")
+        version = parse_weight_version(body["new_version"])
+        if version is None:
+            raise InvalidRequestError("new_version must be an integer string for the embedded engine")
+        if body.get("abort_all_requests", True):
+            await engine.abort_all()
+        await asyncio.to_thread(engine.load_weights_sync, {}, version)
+        return JSONResponse({"success": True, "message": f"version {version}"})
+
+    @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
+    async def get_weights_by_name(request: fastapi.Request) -> JSONResponse:
+        body = await _json_body(request)
+        _require(body, "name")
+        params = engine.model.state_dict()
+        if body["name"] not in params:
+            raise InvalidRequestError(f"unknown parameter {body['name']!r}")
+        t = params[body["name"]].detach().float().cpu()
+        size = int(body.get("truncate_size", 100))
+        return JSONResponse(t[:size].tolist() if t.dim() else t.item())
+
+    return app
+
+
+class ServerHandle:
+    """A uvicorn server running in a background thread (for tests and in-process use)."""
+
+    def __init__(self, server: uvicorn.Server, thread: threading.Thread, host: str, port: int) -> None:
+        self.server, self.thread, self.host, self.port = server, thread, host, port
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10.0)
+
+
+def _config(engine: EmbeddedEngine, host: str, port: int) -> uvicorn.Config:
+    return uvicorn.Config(create_app(engine), host=host, port=port, log_level="warning", access_log=False,
+                          timeout_keep_alive=30)
+
+
+async def serve(engine: EmbeddedEngine, host: str = "127.0.0.1", port: int = 30001) -> None:
+    """Serve `engine` until cancelled (runs on the current event loop)."""
+    await uvicorn.Server(_config(engine, host, port)).serve()
+
+
+def serve_in_thread(engine: EmbeddedEngine, host: str = "127.0.0.1", port: int = 0,
+                    startup_timeout_s: float = 30.0) -> ServerHandle:
+    """Start a server in a daemon thread with its own event loop; `port=0` picks a free port."""
+    server = uvicorn.Server(_config(engine, host, port))
+    thread = threading.Thread(target=server.run, name="miles-engine-server", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + startup_timeout_s
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise EngineError(f"server on {host}:{port} did not start")
+        time.sleep(0.02)
+    bound = server.servers[0].sockets[0].getsockname()[1]
+    return ServerHandle(server, thread, host, bound)
+
+
+def run_server(model: str, host: str = "127.0.0.1", port: int = 30001, *, device: str = "cpu",
+               max_batch_size: int = 64) -> None:
+    """Blocking entry point for `miles rollout --model PATH|tiny --host H --port P`."""
+    engine = EmbeddedEngine.from_pretrained(model, device=device, max_batch_size=max_batch_size)
+    asyncio.run(serve(engine, host, port))

@@ -1,0 +1,84 @@
+"""Helpers for tests and benchmarks of the engines: small random Qwen2 models and server subprocesses."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from transformers import Qwen2ForCausalLM
+
+from miles.engine import EngineError
+from miles.engines.sglang_router import free_port
+from miles.tiny import make_tiny_model
+
+
+def small_qwen2(seed: int = 0, *, vocab_size: int = 512, size: str = "0.1m", eos_token_id: int | None = None,
+                max_position_embeddings: int = 2048) -> Qwen2ForCausalLM:
+    """`miles.tiny.make_tiny_model` (0.1M parameters by default, deterministic for a seed) with a small
+    vocabulary and, unless `eos_token_id` is given, no EOS, so random weights generate to the budget."""
+    model = make_tiny_model(size, vocab_size=vocab_size, seed=seed, max_position_embeddings=max_position_embeddings)
+    model.config.eos_token_id = eos_token_id
+    model.generation_config.eos_token_id = eos_token_id
+    model.generation_config.pad_token_id = None
+    return model.eval()
+
+
+class ServerProcess:
+    """`python -m miles.engines --model PATH` in a subprocess on a free loopback port (killable)."""
+
+    def __init__(self, model_path: str | Path, *, port: int | None = None, startup_timeout_s: float = 90.0,
+                 log_path: str | Path | None = None, wait: bool = True) -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
+        env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "miles.engines", "--model", str(model_path), "--port", str(self.port)],
+            stdout=out, stderr=subprocess.STDOUT, env=env)
+        self.startup_timeout_s = startup_timeout_s
+        if wait:
+            self.wait_ready()
+
+    @classmethod
+    def start_many(cls, model_path: str | Path, n: int, **kwargs: object) -> list[ServerProcess]:
+        """Start `n` servers at once (their imports overlap) and wait for all of them."""
+        servers = [cls(model_path, wait=False, **kwargs) for _ in range(n)]  # type: ignore[arg-type]
+        try:
+            for s in servers:
+                s.wait_ready()
+        except EngineError:
+            for s in servers:
+                s.kill()
+            raise
+        return servers
+
+    def wait_ready(self) -> None:
+        """Block until `/health` answers 200."""
+        deadline = time.monotonic() + self.startup_timeout_s
+        while True:
+            if self.process.poll() is not None:
+                raise EngineError(f"server exited with {self.process.returncode}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.kill()
+                raise EngineError(f"server on {self.url} did not come up")
+            time.sleep(0.1)
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(10)
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.kill()

@@ -1,0 +1,158 @@
+"""`Conversation`: one session's ids, grown append-only from the first prompt, engine outputs and deltas."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from miles.engine import FinishReason
+from miles.tito.errors import ConversationStateError, InvalidTokenError, TITOMismatchError
+from miles.tito.report import TITOReport, compare_ids
+from miles.tito.tokenizer import MessageLike
+from miles.trajectory import Trajectory
+from miles.types import Message
+
+if TYPE_CHECKING:
+    from miles.tito.tokenizer import TITOTokenizer
+
+PROMPT, ASSISTANT, CLOSE, OBSERVATION = "prompt", "assistant", "close", "observation"
+
+
+def _as_message(m: MessageLike) -> Message:
+    return m if isinstance(m, Message) else Message.from_dict(m)
+
+
+class Conversation:
+    """The token record of one session. Earlier ids are never re-tokenized.
+
+    Spans: "prompt" (first render), "assistant" (engine output, loss mask 1), "close" (a stop token that the
+    engine did not emit, inserted with loss mask 0), "observation" (tool results / user messages and the next
+    generation prompt, loss mask 0).
+    """
+
+    def __init__(self, tito: TITOTokenizer, messages: Sequence[MessageLike], tools: list[dict] | None = None):
+        self.tito = tito
+        self.tools = list(tools) if tools else None
+        self.messages: list[Message] = [_as_message(m) for m in messages]
+        self._traj = Trajectory()
+        self._traj.append(tito.render_ids(self.messages, self.tools, add_generation_prompt=True),
+                          role=PROMPT, generated=False)
+        self._turn_start = len(self._traj.token_ids)  # where the current, not yet recorded, model turn begins
+        self._generating = False  # engine output appended since the last observation
+        self._closed = False  # the current model turn ends with a stop token
+        self._recorded_final = False  # finish() recorded the last assistant message
+        self.finish_reasons: list[FinishReason] = []
+        self.finished = False
+
+    def __len__(self) -> int:
+        return len(self._traj.token_ids)
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        """Every id so far; before a generation it ends with the generation prompt. Send this to the engine."""
+        return list(self._traj.token_ids)
+
+    @property
+    def last_turn_closed(self) -> bool:
+        """Whether the current model turn has ended with a stop token."""
+        return self._generating and self._closed
+
+    @property
+    def trajectory(self) -> Trajectory:
+        """The trajectory so far (ids, mask, logprobs, spans with weight versions, recorded messages)."""
+        self._traj.messages = list(self.messages)
+        return self._traj
+
+    def _require_open(self) -> None:
+        if self.finished:
+            raise ConversationStateError("the conversation is finished")
+
+    def append_generation(self, output_ids: Sequence[int], logprobs: Sequence[float] | None, *,
+                          weight_version: int, finish_reason: FinishReason) -> str:
+        """Append engine output verbatim (loss mask 1, its logprobs) and return its text without the stop token.
+
+        A generation that did not end in a stop token may be continued by another `append_generation`.
+        """
+        self._require_open()
+        if self.last_turn_closed:
+            raise ConversationStateError("the model turn already ended with a stop token; append an observation "
+                                         "or finish first")
+        ids = [int(i) for i in output_ids]
+        bad = [i for i in ids if not 0 <= i < self.tito.vocab_size]
+        if bad:
+            raise InvalidTokenError(f"output ids outside the vocabulary [0, {self.tito.vocab_size}): {bad[:5]}")
+        lps = [0.0] * len(ids) if logprobs is None else [float(x) for x in logprobs]
+        if len(lps) != len(ids):
+            raise InvalidTokenError(f"{len(ids)} output ids but {len(lps)} logprobs")
+        self._traj.append(ids, role=ASSISTANT, generated=True, logprobs=lps, weight_version=weight_version)
+        self._generating = True
+        self._closed = bool(ids) and self.tito.is_stop(ids[-1])
+        self.finish_reasons.append(FinishReason(finish_reason))
+        text_ids = ids[:-1] if ids and self.tito.is_stop(ids[-1]) else ids
+        return self.tito.decode(text_ids)
+
+    def _close_turn(self) -> list[int]:
+        if self.last_turn_closed:
+            return []
+        self._traj.append([self.tito.close_token_id], role=CLOSE, generated=False)
+        self._closed = True
+        return [self.tito.close_token_id]
+
+    def append_observation(self, assistant: MessageLike, observation: Sequence[MessageLike]) -> list[int]:
+        """Record the parsed assistant message and append `observation` plus the next generation prompt.
+
+        Returns the appended ids (loss mask 0): the closing stop token when the engine did not emit one, then
+        the template's delta for `observation`.
+        """
+        self._require_open()
+        if not self._generating:
+            raise ConversationStateError("append_observation needs a generation first")
+        obs = [_as_message(m) for m in observation]
+        delta_ids = self.tito.observation_delta(obs)
+        closed = self._close_turn()
+        self._traj.append(delta_ids, role=OBSERVATION, generated=False)
+        self.messages.append(_as_message(assistant))
+        self.messages.extend(obs)
+        self._generating = False
+        self._turn_start = len(self._traj.token_ids)
+        return closed + delta_ids
+
+    def finish(self, assistant: MessageLike | None = None) -> None:
+        """Close the conversation; record the last assistant message if given and close its turn.
+
+        Without a generation since the last observation there is no turn to record (`assistant` must be None).
+        """
+        self._require_open()
+        if assistant is not None and not self._generating:
+            raise ConversationStateError("finish(assistant) needs a generation since the last observation")
+        if self._generating:
+            self._close_turn()
+        if assistant is not None:
+            self.messages.append(_as_message(assistant))
+            self._recorded_final = True
+        self.finished = True
+
+    def canonical_ids(self) -> tuple[list[int], int]:
+        """The canonical render to compare with, and how many accumulated ids it covers.
+
+        A model turn that is not recorded as a message is left out of the comparison.
+        """
+        tito, n = self.tito, len(self._traj.token_ids)
+        if self._recorded_final:
+            return tito.cut_after_last_stop(tito.render_ids(self.messages, self.tools)), n
+        covered = self._turn_start if self._generating else n
+        return tito.render_ids(self.messages, self.tools, add_generation_prompt=True), covered
+
+    def check(self, strict: bool = False) -> TITOReport:
+        """Re-render the recorded messages canonically and classify every difference from the accumulated ids.
+
+        `strict=True` raises `TITOMismatchError` when a difference is not explained by the family handler.
+        """
+        canonical, covered = self.canonical_ids()
+        acc = self._traj.token_ids[:covered]
+        report = compare_ids(acc, canonical, spans=self._traj.spans, special_ids=self.tito.special_ids,
+                             decode=self.tito.decode, family=self.tito.family, explain=self.tito.handler.explain,
+                             num_tokens=len(self._traj.token_ids))
+        if strict and not report.ok:
+            raise TITOMismatchError(report)
+        return report

@@ -1,0 +1,352 @@
+"""`Session`: one multi-turn episode of one environment against a pool of rollout engines.
+
+The loop: TITO prompt ids -> `engine.generate` -> append the generation -> parse tool calls -> `env.astep`
+-> append the observation -> repeat. A session never raises: every way of ending (including being
+cancelled) produces a `SessionRecord` holding a `Trajectory`, partial where it has to be.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Awaitable, Sequence
+from typing import Any, Protocol
+
+from miles.engine import EngineError, FinishReason, GenerateResult, RolloutEngine, SamplingParams
+from miles.sessions.config import SessionConfig
+from miles.sessions.pool import EnginePool, EngineSlot
+from miles.sessions.records import AttemptRecord, ErrorInfo, SessionRecord, TurnRecord, jsonable
+from miles.sessions.retry import backoff_delay_s, is_retryable
+from miles.sessions.spec import SessionSpec
+from miles.trajectory import Trajectory, TrajectoryMeta
+from miles.types import Message, TerminationReason
+
+_ERROR_ENDS = (TerminationReason.ENV_ERROR, TerminationReason.ENGINE_ERROR, TerminationReason.TIMEOUT,
+               TerminationReason.ABORTED)
+
+
+class SessionEnv(Protocol):
+    """What a session needs from an environment (`miles.envs.Env` provides it)."""
+
+    env_id: str
+    max_turns: int
+
+    async def areset(self, *, seed: int | None = None, options: dict[str, Any] | None = None
+                     ) -> tuple[list[Message], dict[str, Any]]: ...
+
+    async def astep(self, action: Message) -> tuple[list[Message], float, bool, bool, dict[str, Any]]: ...
+
+    def tool_schemas(self) -> list[dict[str, Any]]: ...
+
+
+class _End(Exception):
+    def __init__(self, reason: TerminationReason, error: ErrorInfo | None = None) -> None:
+        super().__init__(reason.value)
+        self.reason = reason
+        self.error = error
+
+
+def _call_dict(call: Any) -> dict[str, Any]:
+    d = call.to_dict()
+    if getattr(call, "parse_error", None):
+        d["parse_error"] = call.parse_error
+    return d
+
+
+def tool_results_of(observation: list[Message], info: dict[str, Any]) -> list[dict[str, Any]]:
+    """The tool results of one step: `info["tool_results"]` when the env gives them, else its tool messages."""
+    given = info.get("tool_results")
+    if isinstance(given, list):
+        return [jsonable(r) for r in given]
+    return [{"call_id": m.tool_call_id or "", "name": m.name or "", "content": m.content}
+            for m in observation if m.role == "tool"]
+
+
+class Session:
+    """One episode. `run()` returns its `SessionRecord`; `request_abort()` followed by cancelling the task
+    running it ends it as `aborted` (the in-flight request is aborted on its engine).
+
+    `tokenizer` is a `miles.tito.TITOTokenizer`; `engines` one engine, several, or an `EnginePool`;
+    `parser` a `miles.tools` parser instance (default: `config.parser` by name; None in the config means
+    the env's own `parse_action`).
+    """
+
+    def __init__(self, spec: SessionSpec, *, env: SessionEnv, tokenizer: Any,
+                 engines: EnginePool | RolloutEngine | Sequence[RolloutEngine],
+                 config: SessionConfig | None = None, parser: Any = None) -> None:
+        self.spec = spec
+        self.env = env
+        self.tokenizer = tokenizer
+        self.config = config or SessionConfig()
+        if isinstance(engines, EnginePool):
+            self.pool = engines
+        else:
+            self.pool = EnginePool(engines, timeouts=self.config.timeouts,
+                                   cooldown_s=self.config.retry.engine_cooldown_s)
+        if parser is None and self.config.parser is not None:
+            from miles.tools import get_parser
+
+            parser = get_parser(self.config.parser)
+        self.parser = parser
+        sampling = self.config.sampling
+        if spec.seed is not None and sampling.seed is None:
+            sampling = dataclasses.replace(sampling, seed=spec.seed)
+        if not sampling.stop_token_ids:
+            sampling = dataclasses.replace(sampling, stop_token_ids=tuple(getattr(tokenizer, "stop_token_ids", ())))
+        self.sampling: SamplingParams = sampling
+        first = self.pool.slots[0].engine
+        self.context_length: int | None = (self.config.context_length or getattr(first, "context_length", None)
+                                           or getattr(first, "max_context", None))
+        self.record: SessionRecord | None = None
+        self.conversation: Any = None
+        self._abort_requested = False
+        self._inflight: tuple[RolloutEngine, str] | None = None
+        self._cached_len: dict[str, int] = {}
+        self._budget_end: float | None = None
+        self._reward = 0.0
+        self._final_info: dict[str, Any] = {}
+
+    def request_abort(self) -> None:
+        """Mark the session as aborted on purpose; cancel its task next."""
+        self._abort_requested = True
+
+    # ---- the episode ---------------------------------------------------------------------------------
+    async def run(self) -> SessionRecord:
+        """Run the episode to its end. Never raises; cancellation ends it as `aborted`."""
+        spec, env = self.spec, self.env
+        tok = getattr(self.tokenizer, "tokenizer", None)
+        rec = self.record = SessionRecord(
+            session_id=spec.session_id, env_id=str(getattr(env, "env_id", "") or type(env).__name__),
+            env_class=f"{type(env).__module__}:{type(env).__qualname__}", task=spec.task.to_record(),
+            group_id=spec.group_id, sample_index=spec.sample_index, seed=spec.seed,
+            sampling_params=self.sampling.to_dict(),
+            tokenizer=f"{getattr(self.tokenizer, 'family', '')}:{getattr(tok, 'name_or_path', '')}",
+            parser=self.config.parser or "env", started_at=time.time())
+        t0 = time.monotonic()
+        budget = self.config.timeouts.session_budget_s
+        self._budget_end = t0 + budget if budget is not None else None
+        try:
+            rec.termination = await self._episode(rec)
+        except _End as end:
+            rec.termination, rec.error = end.reason, end.error
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
+            await self._abort_inflight()
+            rec.termination = TerminationReason.ABORTED
+            rec.error = ErrorInfo("session", "Aborted", "aborted by the scheduler" if self._abort_requested
+                                  else "cancelled")
+        except Exception as exc:  # a failure outside env and engine (TITO, parser): keep the record
+            rec.termination = TerminationReason.ENV_ERROR
+            rec.error = ErrorInfo.from_exception("session", exc)
+        rec.duration_s = time.monotonic() - t0
+        self._finish(rec)
+        return rec
+
+    async def _episode(self, rec: SessionRecord) -> TerminationReason:
+        env, cfg = self.env, self.config
+        task = self.spec.task
+        seed = task.seed if task.seed is not None else self.spec.seed
+        obs, info = await self._env_call("reset", env.areset(seed=seed, options=dict(task.options)),
+                                         cfg.timeouts.env_reset_s)
+        rec.initial_messages = [m.to_dict() for m in obs]
+        rec.reset_info = jsonable(info)
+        try:
+            tools = list(env.tool_schemas())
+        except Exception as exc:
+            raise _End(TerminationReason.ENV_ERROR, ErrorInfo.from_exception("reset", exc)) from exc
+        rec.tools = tools
+        conv = self.conversation = self.tokenizer.start(list(obs), tools=tools or None)
+        max_turns = cfg.max_turns or int(getattr(env, "max_turns", 0) or 0) or 1
+        mnt = self.sampling.max_new_tokens
+        seen_errors: dict[str, int] = {}
+        for index in range(max_turns):
+            prompt = conv.prompt_ids
+            if self.context_length is not None and len(prompt) + mnt > self.context_length:
+                raise _End(TerminationReason.CONTEXT_FULL,
+                           ErrorInfo("generate", "ContextFull", f"prompt {len(prompt)} + max_new_tokens {mnt} "
+                                     f"> context {self.context_length}"))
+            turn = TurnRecord(index=index, prompt_tokens=len(prompt))
+            rec.turns.append(turn)
+            result = await self._generate(prompt, turn)
+            turn.output_start = len(conv)
+            try:
+                text = conv.append_generation(result.output_ids, result.output_logprobs,
+                                              weight_version=result.weight_version,
+                                              finish_reason=result.finish_reason)
+            except Exception as exc:  # output TITO cannot take (ids outside the vocabulary): a model error
+                raise _End(TerminationReason.ENGINE_ERROR,
+                           ErrorInfo.from_exception("generate", exc, turn.engine_id)) from exc
+            turn.output_end = len(conv)
+            turn.text = text
+            action = self._parse(text)
+            turn.assistant = action.to_dict()
+            turn.tool_calls = [_call_dict(c) for c in action.tool_calls]
+            t_env = time.monotonic()
+            try:
+                obs, reward, terminated, truncated, info = await self._env_call(
+                    "step", env.astep(action), cfg.timeouts.env_step_s)
+            except _End:
+                conv.finish(action)
+                raise
+            finally:
+                turn.env_s = time.monotonic() - t_env
+            self._reward += float(reward)
+            turn.reward, turn.terminated, turn.truncated = float(reward), bool(terminated), bool(truncated)
+            turn.observation = [m.to_dict() for m in obs]
+            turn.tool_results = tool_results_of(obs, info)
+            cumulative = {str(k): int(v) for k, v in dict(info.get("tool_errors") or {}).items()}
+            turn.tool_errors = {k: v - seen_errors.get(k, 0) for k, v in cumulative.items()
+                                if v > seen_errors.get(k, 0)}  # info counts per episode; keep this turn's
+            seen_errors = cumulative
+            self._final_info = info
+            if terminated or truncated:
+                conv.finish(action)
+                return TerminationReason.DONE if terminated else TerminationReason.MAX_TURNS
+            conv.append_observation(action, list(obs))
+        return TerminationReason.MAX_TURNS
+
+    def _parse(self, text: str) -> Message:
+        if self.parser is None:
+            return self.env.parse_action(text)  # type: ignore[attr-defined]
+        parsed = self.parser.parse(text)
+        return Message(role="assistant", content=parsed.content, tool_calls=list(parsed.calls))
+
+    def _limit(self, timeout_s: float, where: str) -> float:
+        if self._budget_end is None:
+            return timeout_s
+        left = self._budget_end - time.monotonic()
+        if left <= 0:
+            raise _End(TerminationReason.TIMEOUT,
+                       ErrorInfo(where, "SessionBudgetExceeded",
+                                 f"session budget of {self.config.timeouts.session_budget_s}s used up"))
+        return min(timeout_s, left)
+
+    async def _env_call(self, where: str, coro: Awaitable[Any], timeout_s: float) -> Any:
+        try:
+            limit = self._limit(timeout_s, where)
+        except _End:
+            coro.close()  # type: ignore[attr-defined]
+            raise
+        try:
+            async with asyncio.timeout(limit) as cm:
+                return await coro
+        except TimeoutError as exc:
+            if cm.expired():
+                raise _End(TerminationReason.TIMEOUT,
+                           ErrorInfo(where, "EnvTimeout", f"env {where} took longer than {limit:.3g}s")) from exc
+            raise _End(TerminationReason.ENV_ERROR, ErrorInfo.from_exception(where, exc)) from exc
+        except Exception as exc:
+            raise _End(TerminationReason.ENV_ERROR, ErrorInfo.from_exception(where, exc)) from exc
+
+    async def _generate(self, prompt: list[int], turn: TurnRecord) -> GenerateResult:
+        retry = self.config.retry
+        sid = self.spec.session_id
+        mnt = self.sampling.max_new_tokens
+        attempt = 0
+        exclude: frozenset[str] = frozenset()
+        while True:
+            t_q = time.monotonic()
+            slot: EngineSlot = await self.pool.acquire(exclude)
+            turn.queue_s += time.monotonic() - t_q
+            eid = slot.engine_id
+            rid = f"{sid}-t{turn.index}-a{attempt}"
+            uncached = len(prompt) - self._cached_len.get(eid, 0)
+            try:
+                limit = self._limit(slot.throughput.turn_deadline_s(max(uncached, 0), mnt), "generate")
+            except _End:
+                self.pool.release(slot)
+                raise
+            turn.deadline_s = limit
+            error: BaseException | None = None
+            expired = False
+            self._inflight = (slot.engine, rid)
+            t0 = time.monotonic()
+            try:
+                async with asyncio.timeout(limit) as cm:
+                    result = await slot.engine.generate(prompt, self.sampling, session_id=sid, rid=rid)
+            except TimeoutError as exc:
+                expired, error = cm.expired(), exc
+            except asyncio.CancelledError:
+                self.pool.release(slot)
+                raise
+            except Exception as exc:
+                error = exc
+            dt = time.monotonic() - t0
+            self.pool.release(slot)
+            self._inflight = None
+            if expired:
+                await self._abort(slot.engine, rid)
+                turn.engine_id, turn.rid, turn.generate_s = eid, rid, dt
+                raise _End(TerminationReason.TIMEOUT,
+                           ErrorInfo("generate", "TurnTimeout", f"{eid} gave no reply to {rid} within {limit:.3g}s "
+                                     f"(prompt {len(prompt)}, max_new_tokens {mnt})", eid))
+            if error is None and result.finish_reason == FinishReason.ABORT:
+                error = EngineError(f"{eid} aborted {rid} on its own", engine_id=eid, retryable=True)
+            if error is None:
+                cached = result.cached_tokens if result.cached_tokens else len(prompt) - max(uncached, 0)
+                slot.throughput.observe(max(0, len(prompt) - cached), len(result.output_ids),
+                                        result.latency_s or dt)
+                self._cached_len[eid] = len(prompt) + len(result.output_ids)
+                self.pool.mark_ok(slot)
+                turn.engine_id = result.engine_id or eid
+                turn.rid, turn.weight_version = rid, result.weight_version
+                turn.cached_tokens, turn.finish_reason = result.cached_tokens, result.finish_reason.value
+                turn.generate_s = dt
+                return result
+            info = ErrorInfo.from_exception("generate", error, eid)
+            turn.attempts.append(AttemptRecord(eid, rid, info, dt))
+            if not is_retryable(error):
+                raise _End(TerminationReason.ENGINE_ERROR, info)
+            self.pool.mark_failed(slot)
+            self._cached_len.pop(eid, None)
+            if attempt >= retry.max_retries:
+                raise _End(TerminationReason.ENGINE_ERROR,
+                           ErrorInfo("generate", info.type, f"gave up after {attempt + 1} attempts; last: "
+                                     f"{info.message}", eid))
+            delay = backoff_delay_s(attempt, retry)
+            if self._budget_end is not None:
+                delay = min(delay, max(0.0, self._budget_end - time.monotonic()))
+            await asyncio.sleep(delay)
+            attempt += 1
+            exclude = frozenset({eid})
+
+    async def _abort(self, engine: RolloutEngine, rid: str) -> None:
+        try:
+            async with asyncio.timeout(self.config.timeouts.abort_s):
+                await engine.abort(rid)
+        except Exception:  # the engine may be gone; the request then died with it
+            pass
+
+    async def _abort_inflight(self) -> None:
+        inflight, self._inflight = self._inflight, None
+        if inflight is not None:
+            try:
+                await self._abort(*inflight)
+            except asyncio.CancelledError:
+                pass
+
+    def _finish(self, rec: SessionRecord) -> None:
+        traj: Trajectory | None = None
+        if self.conversation is not None:
+            try:
+                traj = self.conversation.trajectory
+            except Exception as exc:
+                if rec.error is None:
+                    rec.termination = TerminationReason.ENV_ERROR
+                    rec.error = ErrorInfo.from_exception("session", exc)
+        if traj is None:
+            traj = Trajectory(messages=[Message.from_dict(m) for m in rec.initial_messages])
+        failed = rec.termination in _ERROR_ENDS
+        rec.reward = 0.0 if failed else self._reward
+        comps = {} if failed else dict(self._final_info.get("reward_components") or {})
+        rec.reward_components = {str(k): float(v) for k, v in comps.items()}
+        rec.final_info = jsonable(self._final_info)
+        traj.reward, traj.reward_components, traj.termination = rec.reward, rec.reward_components, rec.termination
+        task_id = rec.task.get("task_id") or str(rec.reset_info.get("task_id", "") or "")
+        traj.meta = TrajectoryMeta(env_id=rec.env_id, task_id=task_id, seed=rec.seed, group_id=rec.group_id,
+                                   sample_index=rec.sample_index, session_id=rec.session_id,
+                                   sampling_params=rec.sampling_params)
+        rec.trajectory = traj

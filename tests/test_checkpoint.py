@@ -1,0 +1,126 @@
+"""Checkpoints: atomic layout, RNG round trips, and bit-identical resume of training."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from miles.tiny import make_tiny_model
+from miles.trainers.checkpoint import (
+    capture_rng_state,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    restore_rng_state,
+    save_checkpoint,
+)
+from miles.trainers.errors import CheckpointError
+from miles.trainers.losses import LossConfig
+from miles.trainers.torch_backend import AlgorithmConfig, TorchTrainer, TorchTrainerConfig
+from miles.trajectory import Trajectory, TrajectoryBatch, TrajectoryMeta
+
+VOCAB = 64
+
+
+def random_batch() -> TrajectoryBatch:
+    """A batch drawn from the *global* RNGs (python, numpy, torch), so resuming must restore all three."""
+    trajs = []
+    for i in range(6):
+        n = random.randint(4, 10)
+        ids = torch.randint(0, VOCAB, (n,)).tolist()
+        lps = (-np.random.rand(n - 2) * 3).tolist()
+        trajs.append(Trajectory(token_ids=ids, loss_mask=[0, 0] + [1] * (n - 2), rollout_logprobs=[0.0, 0.0] + lps,
+                                reward=float(np.random.rand() > 0.5), meta=TrajectoryMeta(group_id=f"g{i // 3}")))
+    return TrajectoryBatch.from_trajectories(trajs)
+
+
+def new_trainer(seed: int = 0) -> TorchTrainer:
+    cfg = TorchTrainerConfig(lr=5e-3, micro_batch_tokens=20, lr_schedule="cosine", warmup_steps=1, total_steps=6)
+    alg = AlgorithmConfig(loss=LossConfig(tis_cap=2.0), num_mini_batches=2)
+    return TorchTrainer(make_tiny_model("0.1m", vocab_size=VOCAB, seed=seed), cfg, alg)
+
+
+def seed_all(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def test_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path):
+    seed_all(7)
+    straight = new_trainer()
+    want = [straight.train_step(random_batch()) for _ in range(4)]
+
+    seed_all(7)
+    first = new_trainer()
+    got = [first.train_step(random_batch()) for _ in range(2)]
+    path = first.save_checkpoint(tmp_path / "ckpt", data_cursor={"epoch": 0, "index": 12})
+    del first
+    seed_all(999)  # a different process state, and a differently initialised model
+    resumed = new_trainer(seed=3)
+    ckpt = resumed.load_checkpoint(tmp_path / "ckpt")
+    assert ckpt.path == path and ckpt.data_cursor == {"epoch": 0, "index": 12}
+    assert resumed.step == 4  # 2 train steps x 2 mini-batches
+    got += [resumed.train_step(random_batch()) for _ in range(2)]
+
+    drop = {"step_time_s"}
+    for g, w in zip(got, want, strict=True):
+        assert {k: v for k, v in g.items() if k not in drop} == {k: v for k, v in w.items() if k not in drop}
+    a, b = straight.hf_state_dict(), resumed.hf_state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    sa, sb = straight.optimizer.state_dict()["state"], resumed.optimizer.state_dict()["state"]
+    assert all(torch.equal(sa[i]["exp_avg_sq"], sb[i]["exp_avg_sq"]) for i in sa)
+
+
+def test_layout_latest_pointer_and_pruning(tmp_path):
+    model = {"w": torch.arange(6.0).reshape(2, 3)}
+    for step in (1, 2, 3):
+        save_checkpoint(tmp_path, step=step, model_state=model, data_cursor={"i": step}, keep_last=2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000002", "step_00000003"]
+    assert (tmp_path / "latest").read_text() == "step_00000003"
+    assert json.loads((tmp_path / "step_00000003" / "meta.json").read_text())["data_cursor"] == {"i": 3}
+    ckpt = load_checkpoint(tmp_path)
+    assert ckpt.step == 3 and torch.equal(ckpt.model["w"], model["w"]) and ckpt.optimizer is None
+    assert not any(p.name.startswith(".") for p in tmp_path.iterdir() if p.is_dir())
+
+
+def test_incomplete_checkpoints_are_ignored(tmp_path):
+    save_checkpoint(tmp_path, step=5, model_state={"w": torch.ones(2)})
+    # what a run killed mid-save leaves behind: a hidden temp dir and a step dir without meta.json
+    (tmp_path / ".tmp-step_00000009-abc").mkdir()
+    (tmp_path / ".tmp-step_00000009-abc" / "model.safetensors").write_bytes(b"partial")
+    (tmp_path / "step_00000008").mkdir()
+    (tmp_path / "step_00000008" / "model.safetensors").write_bytes(b"partial")
+    (tmp_path / "latest").write_text("step_00000008")
+    assert latest_checkpoint(tmp_path).name == "step_00000005"
+    assert load_checkpoint(tmp_path).step == 5
+
+
+def test_saving_the_same_step_twice_replaces_it(tmp_path):
+    save_checkpoint(tmp_path, step=1, model_state={"w": torch.zeros(2)})
+    save_checkpoint(tmp_path, step=1, model_state={"w": torch.ones(2)})
+    assert torch.equal(load_checkpoint(tmp_path / "step_00000001").model["w"], torch.ones(2))
+
+
+def test_errors_are_named(tmp_path):
+    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+        load_checkpoint(tmp_path / "nothing")
+    with pytest.raises(CheckpointError, match="JSON"):
+        save_checkpoint(tmp_path, step=1, model_state={}, data_cursor={"obj": object()})
+    assert list_checkpoints(tmp_path) == []
+    save_checkpoint(tmp_path, step=1, model_state={"not.a.param": torch.zeros(1)})
+    with pytest.raises(CheckpointError, match="do not fit"):
+        new_trainer().load_checkpoint(tmp_path)
+
+
+def test_rng_state_round_trip():
+    seed_all(11)
+    state = capture_rng_state()
+    want = (random.random(), float(np.random.rand()), float(torch.rand(())), float(np.random.randn()))
+    seed_all(12)
+    restore_rng_state(state)
+    assert (random.random(), float(np.random.rand()), float(torch.rand(())), float(np.random.randn())) == want

@@ -1,0 +1,129 @@
+"""SGLangClient against the embedded engine's SGLang-native server, over real HTTP on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+import torch
+
+from miles.engine import EngineError, FinishReason, SamplingParams
+from miles.engines import EmbeddedEngine, SGLangClient, WeightBroadcaster, init_weight_update_group
+from miles.engines.errors import InvalidRequestError
+from miles.engines.server import serve_in_thread
+from miles.engines.sglang_router import free_port
+from miles.engines.testing import small_qwen2
+
+
+@pytest.fixture(scope="module")
+def served():
+    engine = EmbeddedEngine(small_qwen2(0), model_path="tiny-test")
+    handle = serve_in_thread(engine)
+    yield engine, handle
+    handle.stop()
+
+
+@pytest.fixture
+async def client(served):
+    c = SGLangClient(served[1].url)
+    yield c
+    await c.close()
+
+
+async def test_generate_over_http_matches_in_process(served, client):
+    engine, _ = served
+    params = SamplingParams(temperature=0.8, top_k=50, max_new_tokens=12, seed=3)
+    remote = await client.generate([1, 2, 3, 4], params, rid="same-seed-1")
+    local = await engine.generate([1, 2, 3, 4], params)
+    assert remote.output_ids == local.output_ids
+    assert remote.output_logprobs == pytest.approx(local.output_logprobs, abs=1e-6)
+    assert remote.finish_reason is FinishReason.LENGTH and remote.prompt_tokens == 4
+    assert remote.weight_version == engine.weight_version
+
+
+async def test_sessions_reuse_the_kv_cache_over_http(client):
+    ctx = [9, 8, 7, 6, 5]
+    params = SamplingParams(temperature=0.0, max_new_tokens=6)
+    first = await client.generate(ctx, params, session_id="http-s")
+    ctx2 = ctx + first.output_ids + [1, 1]
+    second = await client.generate(ctx2, params, session_id="http-s")
+    assert second.cached_tokens == len(ctx2) - 3
+    assert second.output_ids == (await client.generate(ctx2, params)).output_ids
+
+
+async def test_info_and_health_endpoints(client, served):
+    assert await client.health()
+    info = await client.get_model_info()
+    assert info["model_path"] == "tiny-test" and info["is_generation"] is True and info["model_type"] == "qwen2"
+    server = await client.get_server_info()
+    assert server["context_length"] == 2048 and "version" in server
+    async with httpx.AsyncClient(base_url=served[1].url) as raw:
+        for path in ("/health", "/model_info", "/server_info"):
+            assert (await raw.get(path)).status_code == 200
+        assert (await raw.post("/flush_cache")).status_code == 200
+
+
+async def test_abort_over_http(client):
+    task = asyncio.create_task(client.generate([1, 2], SamplingParams(max_new_tokens=1800), rid="to-abort"))
+    await asyncio.sleep(0.4)
+    await client.abort("to-abort")
+    r = await asyncio.wait_for(task, 15)
+    assert r.finish_reason is FinishReason.ABORT and len(r.output_ids) < 1800
+
+
+async def test_bad_requests_get_400_and_named_errors(served, client):
+    async with httpx.AsyncClient(base_url=served[1].url) as raw:
+        resp = await raw.post("/generate", json={"input_ids": [1], "bogus_field": 1})
+        assert resp.status_code == 400 and "bogus_field" in resp.json()["error"]["message"]
+        resp = await raw.post("/generate", json={"input_ids": [1], "sampling_params": {"frequency_penalty": 0.5}})
+        assert resp.status_code == 400
+        resp = await raw.post("/generate", content=b"not json", headers={"content-type": "application/json"})
+        assert resp.status_code == 400
+        resp = await raw.post("/update_weights_from_disk", json={})
+        assert resp.status_code == 400
+    with pytest.raises(InvalidRequestError):
+        await client.generate([100_000], SamplingParams(max_new_tokens=2))
+    lora = SGLangClient(served[1].url, lora_path="some-adapter")
+    with pytest.raises(InvalidRequestError, match="LoRA"):
+        await lora.generate([1], SamplingParams(max_new_tokens=2))
+    await lora.close()
+
+
+async def test_dead_server_is_a_retryable_engine_error():
+    dead = SGLangClient(f"http://127.0.0.1:{free_port()}", timeout_s=5)
+    with pytest.raises(EngineError) as err:
+        await dead.generate([1], SamplingParams(max_new_tokens=2))
+    assert err.value.retryable
+    assert not await dead.health()
+    await dead.close()
+
+
+async def test_weight_updates_from_disk_and_by_broadcast(tmp_path):
+    engine = EmbeddedEngine(small_qwen2(0))
+    handle = serve_in_thread(engine)
+    client = SGLangClient(handle.url)
+    try:
+        params = SamplingParams(temperature=0.0, max_new_tokens=8)
+        base = await client.generate([1, 2, 3], params)
+        new_model = small_qwen2(5)
+        new_model.save_pretrained(tmp_path / "ckpt")
+        assert await client.update_weights(path=str(tmp_path / "ckpt")) == 1
+        r = await client.generate([1, 2, 3], params)
+        ref = new_model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=8, do_sample=False)[0, 3:].tolist()
+        assert r.weight_version == 1 and r.output_ids == ref
+        with pytest.raises(InvalidRequestError):
+            await client.update_weights(state_dict=small_qwen2(0).state_dict())  # no group yet
+        bc = WeightBroadcaster("127.0.0.1", free_port(), world_size=2, timeout_s=30)
+        await init_weight_update_group(bc, [client])
+        assert await client.update_weights(state_dict=small_qwen2(0).state_dict()) == 2
+        back = await client.generate([1, 2, 3], params)
+        assert back.weight_version == 2 and back.output_ids == base.output_ids
+        got = await client.get_weights_by_name("lm_head.weight", truncate_size=2)
+        assert torch.allclose(torch.tensor(got), small_qwen2(0).lm_head.weight[:2])
+        with pytest.raises(InvalidRequestError):
+            await client.update_weights(path=str(tmp_path / "missing"))
+    finally:
+        await client.close()
+        handle.stop()
+        await engine.close()

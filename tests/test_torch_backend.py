@@ -1,0 +1,270 @@
+"""TorchTrainer on a tiny HF Qwen2 model on CPU: packing, logprob recomputation, accumulation, FSDP2."""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from miles.tiny import make_tiny_model
+from miles.trainers.errors import ConfigError
+from miles.trainers.losses import LossConfig
+from miles.trainers.torch_backend import (
+    AlgorithmConfig,
+    TorchTrainer,
+    TorchTrainerConfig,
+    lr_lambda,
+    plan_micro_batches,
+)
+from miles.trajectory import Trajectory, TrajectoryBatch, TrajectoryMeta
+
+VOCAB = 64
+LENGTHS = (5, 9, 3, 12, 7, 6, 4)
+
+
+def make_batch(lengths=LENGTHS, *, seed=1, temperature=None) -> TrajectoryBatch:
+    g = torch.Generator().manual_seed(seed)
+    trajs = []
+    for i, n in enumerate(lengths):
+        ids = torch.randint(0, VOCAB, (n,), generator=g).tolist()
+        gen = n - 2
+        lps = (-torch.rand(gen, generator=g) * 4).tolist()
+        sp = {} if temperature is None else {"temperature": temperature}
+        trajs.append(Trajectory(token_ids=ids, loss_mask=[0, 0] + [1] * gen, rollout_logprobs=[0.0, 0.0] + lps,
+                                reward=float(i % 2), meta=TrajectoryMeta(group_id=f"g{i // 3}", sampling_params=sp)))
+    return TrajectoryBatch.from_trajectories(trajs)
+
+
+def tiny(seed: int = 0):
+    return make_tiny_model("0.1m", vocab_size=VOCAB, seed=seed)
+
+
+def per_sequence_logprobs(model, batch: TrajectoryBatch, temperature: float = 1.0) -> torch.Tensor:
+    """Independent reference: one plain forward per sequence, log_softmax(logits / T), gather the next token."""
+    out = []
+    with torch.no_grad():
+        for i in range(batch.num_sequences):
+            ids = batch.token_ids[batch.sequence(i)]
+            logp = torch.log_softmax(model(input_ids=ids[None]).logits[0].float() / temperature, -1)
+            lp = torch.zeros(ids.numel())
+            lp[1:] = logp[:-1].gather(-1, ids[1:, None])[:, 0]
+            out.append(lp)
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("packing", ["packed", "padded"])
+def test_packed_forward_equals_per_sequence_forward(packing):
+    model = tiny()
+    batch = make_batch()
+    trainer = TorchTrainer(model, TorchTrainerConfig(micro_batch_tokens=20, packing=packing))
+    got = trainer.compute_logprobs(batch)
+    want = per_sequence_logprobs(model, batch)
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+
+
+def test_naive_concatenation_would_leak_across_sequences():
+    # the control for the test above: positions that do not restart make later sequences differ
+    model = tiny()
+    batch = make_batch()
+    with torch.no_grad():
+        logits = model(input_ids=batch.token_ids[None]).logits[0]
+    want = per_sequence_logprobs(model, batch)
+    logp = torch.log_softmax(logits.float(), -1)
+    leaky = torch.zeros_like(want)
+    leaky[1:] = logp[:-1].gather(-1, batch.token_ids[1:, None])[:, 0]
+    s = batch.sequence(1)
+    assert not torch.allclose(leaky[s][1:], want[s][1:], atol=1e-4)
+
+
+def test_temperature_from_batch_and_from_config():
+    model = tiny()
+    batch = make_batch(temperature=0.7)
+    want = per_sequence_logprobs(model, batch, temperature=0.7)
+    assert torch.allclose(TorchTrainer(model).compute_logprobs(batch), want, atol=1e-5)
+    cfg = TorchTrainerConfig(temperature=0.7)
+    assert torch.allclose(TorchTrainer(model, cfg).compute_logprobs(make_batch()), want, atol=1e-5)
+
+
+def test_mixed_temperatures_are_rejected():
+    a, b = make_batch((4, 5), temperature=0.7), make_batch((4, 5), temperature=1.0)
+    mixed = TrajectoryBatch(token_ids=a.token_ids, loss_mask=a.loss_mask, rollout_logprobs=a.rollout_logprobs,
+                            cu_seqlens=a.cu_seqlens, rewards=a.rewards, group_ids=a.group_ids,
+                            meta=[a.meta[0], b.meta[1]])
+    with pytest.raises(ValueError, match="temperature"):
+        TorchTrainer(tiny()).train_step(mixed)
+
+
+def test_micro_batch_plan():
+    assert plan_micro_batches([5, 9, 3, 12, 7], 14) == [(0, 2), (2, 3), (3, 4), (4, 5)]
+    assert plan_micro_batches([30, 2], 10) == [(0, 1), (1, 2)]
+    assert plan_micro_batches([], 10) == []
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
+def test_gradient_accumulation_equals_one_full_batch(aggregation):
+    batch = make_batch()
+    alg = AlgorithmConfig(loss=LossConfig(aggregation=aggregation, tis_cap=2.0))
+    results = []
+    for budget in (10_000, 12):  # one micro-batch vs. five
+        model = tiny()
+        # adam_eps >> |g| makes the first Adam update ~ lr * g, so the weights compare the gradients themselves
+        cfg = TorchTrainerConfig(micro_batch_tokens=budget, lr=1.0, adam_eps=1.0, max_grad_norm=None)
+        trainer = TorchTrainer(model, cfg, alg)
+        m = trainer.train_step(batch)
+        results.append((m, {k: v.clone() for k, v in trainer.hf_state_dict().items()}))
+    (m1, w1), (m2, w2) = results
+    assert m1["loss"] == pytest.approx(m2["loss"], abs=1e-6)
+    assert m1["grad_norm"] == pytest.approx(m2["grad_norm"], rel=1e-4)
+    for k in w1:
+        assert torch.allclose(w1[k], w2[k], atol=1e-6), k
+
+
+def test_grpo_steps_raise_logprob_of_rewarded_sequences():
+    batch = make_batch()
+    trainer = TorchTrainer(tiny(), TorchTrainerConfig(lr=3e-3, micro_batch_tokens=24),
+                           AlgorithmConfig(num_mini_batches=2, ppo_epochs=2))
+    rewarded = torch.cat([torch.full((batch.sequence(i).stop - batch.sequence(i).start,), float(batch.rewards[i]))
+                          for i in range(batch.num_sequences)])
+    mask = batch.loss_mask
+
+    def gap() -> float:
+        lp = trainer.compute_logprobs(batch)
+        pos, neg = mask * (rewarded == 1), mask * (rewarded == 0)
+        return float((lp * pos).sum() / pos.sum() - (lp * neg).sum() / neg.sum())
+
+    before = gap()
+    for _ in range(4):
+        m = trainer.train_step(batch)
+    assert gap() > before + 0.05
+    assert m["optimizer_steps"] == 4 and trainer.step == 16
+    assert m["approx_kl"] > 0  # later mini-batches/epochs see a policy that already moved
+    for key in ("clip_frac", "mismatch_abs", "mismatch_kl", "entropy", "reward_mean", "zero_std_group_frac"):
+        assert key in m
+
+
+def test_sft_step_lowers_nll():
+    batch = make_batch()
+    trainer = TorchTrainer(tiny(), TorchTrainerConfig(lr=1e-2, micro_batch_tokens=16))
+    first = trainer.sft_step(batch)["sft_nll"]
+    for _ in range(5):
+        last = trainer.sft_step(batch)["sft_nll"]
+    assert last < first - 0.2
+
+
+def test_reference_model_kl():
+    model = tiny()
+    ref = copy.deepcopy(model)
+    alg = AlgorithmConfig(loss=LossConfig(kl_coef=0.5))
+    trainer = TorchTrainer(model, TorchTrainerConfig(lr=1e-2), alg, ref_model=ref)
+    batch = make_batch()
+    assert trainer.train_step(batch)["ref_kl"] == pytest.approx(0.0, abs=1e-6)
+    assert trainer.train_step(batch)["ref_kl"] > 1e-6
+    with pytest.raises(ConfigError, match="ref_model"):
+        TorchTrainer(tiny(), algorithm=alg).train_step(batch)
+
+
+def test_bf16_autocast_on_cpu_stays_close():
+    model = tiny()
+    batch = make_batch()
+    lp32 = TorchTrainer(model).compute_logprobs(batch)
+    lp16 = TorchTrainer(model, TorchTrainerConfig(precision="bf16")).compute_logprobs(batch)
+    assert not torch.equal(lp16, lp32)
+    assert float((lp16 - lp32)[batch.loss_mask > 0].abs().mean()) < 0.1
+
+
+def test_lr_schedule_warmup_then_cosine():
+    cfg = TorchTrainerConfig(lr_schedule="cosine", warmup_steps=2, total_steps=6, min_lr_ratio=0.1)
+    got = [lr_lambda(s, cfg) for s in range(7)]
+    # warmup 1/2, 2/2; then 0.1 + 0.9 * 0.5 (1 + cos(pi * k / 4)) for k = 0..4
+    import math
+    want = [0.5, 1.0] + [0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * k / 4)) for k in range(5)]
+    assert got == pytest.approx(want)
+    trainer = TorchTrainer(tiny(), cfg)
+    lrs = [trainer.sft_step(make_batch((4, 4)))["lr"] for _ in range(3)]
+    assert lrs == pytest.approx([1e-5 * w for w in want[:3]])
+
+
+def test_hf_state_dict_loads_into_a_fresh_hf_model():
+    trainer = TorchTrainer(tiny(), TorchTrainerConfig(lr=1e-2))
+    trainer.sft_step(make_batch())
+    other = tiny(seed=5)
+    other.load_state_dict(trainer.hf_state_dict(cpu=True), strict=True)
+    batch = make_batch()
+    assert torch.allclose(per_sequence_logprobs(other, batch), trainer.compute_logprobs(batch), atol=1e-5)
+
+
+@pytest.mark.parametrize("kwargs,key", [
+    ({"lr": 0.0}, "lr"), ({"lr_schedule": "cosine"}, "total_steps"), ({"packing": "zigzag"}, "packing"),
+    ({"micro_batch_tokens": 0}, "micro_batch_tokens"), ({"precision": "fp8"}, "precision"),
+])
+def test_trainer_config_validation(kwargs, key):
+    with pytest.raises(ConfigError) as e:
+        TorchTrainerConfig(**kwargs)
+    assert e.value.key == key
+
+
+def test_algorithm_config_from_dict_names_bad_keys():
+    alg = AlgorithmConfig.from_dict({"advantage": {"estimator": "dr_grpo"},
+                                     "loss": {"policy_loss": "gspo", "icepop": [0.5, 2.0]}, "ppo_epochs": 2})
+    assert alg.loss.icepop == (0.5, 2.0) and alg.advantage.estimator == "dr_grpo"
+    with pytest.raises(ConfigError) as e:
+        AlgorithmConfig.from_dict({"loss": {"eps_clip": 0.2}})
+    assert e.value.key == "algorithm.loss.eps_clip"
+    with pytest.raises(ConfigError) as e:
+        AlgorithmConfig.from_dict({"loss": {"dual_clip_c": 0.5}})
+    assert e.value.key == "algorithm.loss.dual_clip_c"
+
+
+def test_malformed_batch_is_rejected():
+    b = make_batch((4, 5))
+    bad = TrajectoryBatch(token_ids=b.token_ids, loss_mask=b.loss_mask[:-1], rollout_logprobs=b.rollout_logprobs,
+                          cu_seqlens=b.cu_seqlens, rewards=b.rewards, group_ids=b.group_ids)
+    with pytest.raises(ValueError, match="disagree"):
+        TorchTrainer(tiny()).train_step(bad)
+
+
+# ------------------------------------------------------------------ FSDP2 over gloo, world size 2
+
+
+def _fsdp_worker(rank: int, world: int, port: int, out_path: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        trainer = TorchTrainer(tiny(), TorchTrainerConfig(micro_batch_tokens=10, lr=1e-2))
+        batch = make_batch()
+        metrics = [trainer.train_step(batch) for _ in range(2)]
+        metrics.append(trainer.sft_step(batch))
+        state = trainer.hf_state_dict()
+        lp = trainer.compute_logprobs(batch)
+        if rank == 0:
+            torch.save({"metrics": metrics, "state": state, "lp": lp}, out_path)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_fsdp2_world_size_two_matches_single_process(tmp_path):
+    out = str(tmp_path / "fsdp.pt")
+    mp.start_processes(_fsdp_worker, args=(2, _free_port(), out), nprocs=2, join=True, start_method="spawn")
+    got = torch.load(out, weights_only=False)
+    trainer = TorchTrainer(tiny(), TorchTrainerConfig(micro_batch_tokens=10, lr=1e-2))
+    batch = make_batch()
+    want = [trainer.train_step(batch) for _ in range(2)] + [trainer.sft_step(batch)]
+    for g, w in zip(got["metrics"], want, strict=True):
+        assert g["loss"] == pytest.approx(w["loss"], abs=1e-5)
+        assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-4)
+    state = trainer.hf_state_dict()
+    assert set(got["state"]) == set(state)
+    for k, v in state.items():
+        assert torch.allclose(got["state"][k], v, atol=2e-4), k
+    assert torch.allclose(got["lp"], trainer.compute_logprobs(batch), atol=1e-4)

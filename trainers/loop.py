@@ -1,0 +1,292 @@
+"""The train loop: rollout via the scheduler, TITO trajectories, train steps, weight sync, repeat."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import yaml
+
+from miles.config import to_dict
+from miles.engine import RolloutEngine
+from miles.envs import Env, Task, make
+from miles.sessions.recorder import Recorder
+from miles.sessions.records import SessionRecord
+from miles.sessions.scheduler import SessionScheduler
+from miles.tito import TITOTokenizer, load_tokenizer
+from miles.trainers.demos import oracle_demos
+from miles.trainers.evaluate import EvalResult, evaluate
+from miles.trainers.metrics_log import MetricsLog
+from miles.trainers.models import build_policy
+from miles.trainers.train_config import TrainConfig
+from miles.trajectory import Trajectory, TrajectoryBatch
+from miles.types import TerminationReason
+from miles.weight_sync import WeightSync
+
+log = logging.getLogger(__name__)
+
+# Sessions that ended for infrastructure reasons say nothing about the policy; they are recorded, not trained on.
+UNTRAINABLE = (TerminationReason.ENGINE_ERROR, TerminationReason.ABORTED, TerminationReason.ENV_ERROR)
+
+
+@dataclass
+class TaskCursor:
+    """A deterministic, resumable walk over the training tasks: a seeded shuffle per epoch."""
+
+    num_tasks: int
+    seed: int
+    position: int = 0
+
+    def next(self, n: int) -> list[int]:
+        out = []
+        for _ in range(n):
+            epoch, offset = divmod(self.position, self.num_tasks)
+            order = np.random.default_rng([self.seed, epoch]).permutation(self.num_tasks)
+            out.append(int(order[offset]))
+            self.position += 1
+        return out
+
+    def to_dict(self) -> dict[str, int]:
+        return {"num_tasks": self.num_tasks, "seed": self.seed, "position": self.position}
+
+
+@dataclass
+class RunSummary:
+    """The outcome of one run: held-out results at each stage, and where the time went."""
+
+    output_dir: str
+    steps_done: int
+    evals: dict[str, dict[str, EvalResult]] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"output_dir": self.output_dir, "steps_done": self.steps_done, "seconds": self.seconds,
+                "evals": {stage: {m: r.to_dict() for m, r in res.items()} for stage, res in self.evals.items()}}
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def build_engines(cfg: TrainConfig, model: torch.nn.Module, tokenizer: Any) -> list[RolloutEngine]:
+    """The rollout engines the config names; embedded engines get their own copy of the policy."""
+    if cfg.engine.kind == "embedded":
+        from miles.engines.embedded import EmbeddedEngine
+
+        return [EmbeddedEngine(copy.deepcopy(model).eval(), tokenizer=tokenizer, device=cfg.engine.device,
+                               max_batch_size=cfg.engine.max_batch_size, engine_id=f"embedded-{i}")
+                for i in range(cfg.engine.num_engines)]
+    from miles.engines.client import SGLangClient
+
+    return [SGLangClient(url) for url in cfg.engine.urls]
+
+
+def trainable(records: list[SessionRecord]) -> list[Trajectory]:
+    out = []
+    for r in records:
+        if r.termination in UNTRAINABLE or r.trajectory.num_generated == 0:
+            continue
+        traj = r.trajectory
+        traj.reward = r.reward
+        out.append(traj)
+    return out
+
+
+class TrainLoop:
+    """One `miles train` run. `await run()` does SFT (if enabled), evaluation, and the RL steps."""
+
+    def __init__(self, cfg: TrainConfig, *, resume: bool = False, echo: Callable[[str], None] = print) -> None:
+        self.cfg = cfg
+        self.resume = resume
+        self.echo = echo
+        self.out = Path(cfg.output_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        self.metrics = MetricsLog(self.out / "metrics.jsonl")
+        self.summary = RunSummary(output_dir=str(self.out), steps_done=0)
+
+    # ---- setup ---------------------------------------------------------------------------------------
+    def _env_factory(self, split: str) -> Callable[[], Env]:
+        env_cfg = self.cfg.env
+
+        def factory() -> Env:
+            return make(env_cfg.id, split=split, **env_cfg.kwargs)
+
+        return factory
+
+    def _tasks(self, split: str, n: int) -> list[Task]:
+        env = self._env_factory(split)()
+        try:
+            return env.tasks.take(n)
+        finally:
+            env.close()
+
+    def _setup(self) -> None:
+        cfg = self.cfg
+        seed_everything(cfg.seed)
+        self.tito = TITOTokenizer(load_tokenizer(cfg.model.tokenizer))
+        self.model = build_policy(cfg.model, self.tito.tokenizer)
+        self.engines = build_engines(cfg, self.model, self.tito.tokenizer)
+        if cfg.backend == "megatron":
+            from miles.trainers.megatron import MegatronTrainer
+
+            self.trainer: Any = MegatronTrainer.from_train_config(self.model, cfg)
+        else:
+            from miles.trainers.torch_backend import TorchTrainer
+
+            self.trainer = TorchTrainer(self.model, cfg.trainer, cfg.algorithm)
+        self.sync = WeightSync(self.engines, method=cfg.sync.method, policy=cfg.sync.policy,
+                               staging_dir=self.out / "weights")
+        self.train_env = self._env_factory(cfg.env.train_split)
+        self.eval_env = self._env_factory(cfg.env.eval_split)
+        self.train_tasks = self._tasks(cfg.env.train_split, 100_000)
+        self.eval_tasks = self._tasks(cfg.env.eval_split, cfg.eval.num_tasks)
+        self.cursor = TaskCursor(len(self.train_tasks), cfg.seed)
+        self.recorder = Recorder(self.out / "sessions.jsonl")
+        self.eval_recorder = Recorder(self.out / "eval_sessions.jsonl")
+        self.scheduler = SessionScheduler(self.engines, tokenizer=self.tito, env_factory=self.train_env,
+                                          config=cfg.rollout.scheduler, recorder=self.recorder, run_id="train")
+
+    # ---- stages --------------------------------------------------------------------------------------
+    async def _sync(self) -> None:
+        report = await self.sync.push(self.trainer.hf_state_dict())
+        self.metrics.write("sync", self.trainer.step, version=report.version, seconds=report.seconds,
+                           drain_seconds=report.drain_seconds, mb=report.num_bytes / 1e6)
+
+    async def _evaluate(self, stage: str) -> dict[str, EvalResult]:
+        cfg = self.cfg
+        modes = ([True] if cfg.eval.greedy else []) + ([False] if cfg.eval.sampled else [])
+        results = {}
+        for greedy in modes:
+            res = await evaluate(self.engines, tokenizer=self.tito, env_factory=self.eval_env,
+                                 tasks=self.eval_tasks, scheduler=cfg.rollout.scheduler, greedy=greedy,
+                                 recorder=self.eval_recorder, max_new_tokens=cfg.eval.max_new_tokens)
+            results[res.mode] = res
+            self.metrics.write("eval", self.trainer.step, stage=stage, **res.to_dict())
+            self.echo(f"[eval {stage}] {res.mode}: success {res.success_rate:.1%}  "
+                      f"mean reward {res.mean_reward:.3f}  ({res.num_tasks} held-out tasks)")
+        self.summary.evals[stage] = results
+        return results
+
+    async def _sft(self) -> None:
+        cfg, sft = self.cfg, self.cfg.sft
+        t0 = time.perf_counter()
+        demos = await oracle_demos(self.train_env, self.train_tasks[: sft.num_demos], self.tito)
+        rng = random.Random(cfg.seed)
+        steps = 0
+        for epoch in range(sft.epochs):
+            order = list(range(len(demos)))
+            rng.shuffle(order)
+            for i in range(0, len(order), sft.batch_size):
+                batch = TrajectoryBatch.from_trajectories([demos[j] for j in order[i:i + sft.batch_size]])
+                m = self.trainer.sft_step(batch)
+                steps += 1
+                if steps % 10 == 0:
+                    self.metrics.write("sft", steps, epoch=epoch, loss=m["loss"])
+                if sft.max_seconds is not None and time.perf_counter() - t0 > sft.max_seconds:
+                    break
+            else:
+                continue
+            break
+        self.trainer.step = 0
+        await self._sync()
+        if sft.save_to:
+            self.trainer.save_pretrained(sft.save_to)
+            self.tito.tokenizer.save_pretrained(sft.save_to)
+        self.summary.seconds["sft"] = time.perf_counter() - t0
+        self.echo(f"[sft] {len(demos)} oracle demos, {steps} steps in {self.summary.seconds['sft']:.1f} s")
+
+    async def _rl_step(self, step: int) -> dict[str, Any]:
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        tasks = [{"task": self.train_tasks[i]} for i in self.cursor.next(cfg.rollout.tasks_per_step)]
+        groups = await self.scheduler.run(tasks, num_groups=cfg.rollout.tasks_per_step)
+        records = [r for g in groups for r in g.records]
+        t_rollout = time.perf_counter() - t0
+        trajs = trainable(records)
+        row: dict[str, Any] = {
+            "reward_mean": float(np.mean([r.reward for r in records])) if records else 0.0,
+            "success_rate": float(np.mean([bool(r.final_info.get("success")) for r in records])) if records else 0.0,
+            "sessions": len(records), "trained_sessions": len(trajs),
+            "generated_tokens": sum(t.num_generated for t in trajs), "rollout_s": t_rollout,
+        }
+        if trajs:
+            t1 = time.perf_counter()
+            metrics = self.trainer.train_step(TrajectoryBatch.from_trajectories(trajs))
+            row["train_s"] = time.perf_counter() - t1
+            row.update({k: v for k, v in metrics.items() if k != "step"})
+            t2 = time.perf_counter()
+            await self._sync()
+            row["sync_s"] = time.perf_counter() - t2
+        else:
+            self.trainer.step += 1
+        row["step_s"] = time.perf_counter() - t0
+        self.metrics.write("train", step, **row)
+        return row
+
+    def _checkpoint(self) -> None:
+        self.trainer.save_checkpoint(self.out / "checkpoints", data_cursor=self.cursor.to_dict(),
+                                     keep_last=self.cfg.checkpoint.keep)
+
+    # ---- the run -------------------------------------------------------------------------------------
+    async def run(self) -> RunSummary:
+        cfg = self.cfg
+        t_start = time.perf_counter()
+        self._setup()
+        start_step = 0
+        try:
+            ckpt_root = self.out / "checkpoints"
+            if self.resume and any(ckpt_root.glob("step_*")):
+                ckpt = self.trainer.load_checkpoint(ckpt_root)
+                self.cursor.position = int(ckpt.data_cursor.get("position", 0))
+                start_step = ckpt.step
+                await self._sync()
+                self.echo(f"[resume] from {ckpt.path.name}: step {start_step}")
+            elif cfg.sft.enabled:
+                await self._sft()
+            elif cfg.model.init_from or cfg.engine.kind != "embedded":
+                await self._sync()
+            if start_step == 0:
+                await self._evaluate("start")
+            t_rl = time.perf_counter()
+            step = start_step
+            while step < cfg.steps:
+                if cfg.max_seconds is not None and time.perf_counter() - t_start > cfg.max_seconds:
+                    self.echo(f"[train] time budget of {cfg.max_seconds:.0f} s reached after {step} steps")
+                    break
+                row = await self._rl_step(step)
+                step += 1
+                self.echo(f"[step {step}/{cfg.steps}] reward {row['reward_mean']:.3f}  "
+                          f"success {row['success_rate']:.1%}  {row['step_s']:.1f} s")
+                if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.steps:
+                    await self._evaluate(f"step{step}")
+                if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
+                    self._checkpoint()
+            self.summary.steps_done = step
+            self.summary.seconds["rl"] = time.perf_counter() - t_rl
+            self._checkpoint()
+            await self._evaluate("final")
+        finally:
+            await self.scheduler.aclose()
+            await self.recorder.aclose()
+            await self.eval_recorder.aclose()
+            await asyncio.gather(*(e.close() for e in self.engines), return_exceptions=True)
+            self.metrics.close()
+        self.summary.seconds["total"] = time.perf_counter() - t_start
+        (self.out / "summary.json").write_text(json.dumps(self.summary.to_dict(), indent=1))
+        from miles.trainers.plot import plot_run
+
+        plot_run(self.out / "metrics.jsonl", self.out / "curves.png")
+        return self.summary

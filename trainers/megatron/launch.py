@@ -1,0 +1,63 @@
+"""Spawning the Megatron backend's ranks with torchrun (``python -m torch.distributed.run``).
+
+``miles train --backend megatron --tp 2 --pp 1`` on a machine with N processes to run: the CLI calls
+`relaunch_under_torchrun` first; outside a worker it re-executes the same command line under torchrun with
+``--nproc-per-node N`` and returns torchrun's exit status; inside a worker it returns None and the command goes
+on to build a `MegatronTrainer` (rank 0 owns rollout and weight sync).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+
+WORKER_ENV = "MILES_TORCHRUN_WORKER"
+
+
+def in_torchrun_worker() -> bool:
+    """True inside a process that torchrun started (it sets RANK / WORLD_SIZE / LOCAL_RANK)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def torchrun_command(target: Sequence[str], nproc_per_node: int, *, master_port: int | None = None,
+                     python: str | None = None) -> list[str]:
+    """The argv that runs `target` (``["-m", "miles.cli", "train", ...]`` or ``["script.py", ...]``) on
+    ``nproc_per_node`` local ranks."""
+    if nproc_per_node < 1:
+        raise ValueError(f"nproc_per_node must be >= 1, got {nproc_per_node}")
+    if not target:
+        raise ValueError("torchrun needs a script or '-m module' to run")
+    port = master_port or _free_port()
+    return [python or sys.executable, "-m", "torch.distributed.run", "--standalone" if master_port is None
+            else f"--master-port={port}", "--nproc-per-node", str(nproc_per_node), *target]
+
+
+def launch_torchrun(target: Sequence[str], nproc_per_node: int, *, env: Mapping[str, str] | None = None,
+                    master_port: int | None = None, timeout_s: float | None = None) -> int:
+    """Run `target` under torchrun and wait; returns torchrun's exit status (non-zero if any rank failed)."""
+    full_env = {**os.environ, **(env or {}), WORKER_ENV: "1"}
+    full_env.setdefault("OMP_NUM_THREADS", "1")
+    cmd = torchrun_command(target, nproc_per_node, master_port=master_port)
+    return subprocess.run(cmd, env=full_env, timeout=timeout_s, check=False).returncode
+
+
+def relaunch_under_torchrun(nproc_per_node: int, argv: Sequence[str] | None = None, *,
+                            module: str = "miles.cli") -> int | None:
+    """From the CLI: re-run ``python -m <module> <argv>`` under torchrun unless this already is a worker.
+
+    Returns torchrun's exit status, or None when the caller is a worker (or one rank suffices) and should
+    go on in-process.
+    """
+    if in_torchrun_worker() or nproc_per_node <= 1:
+        return None
+    args = list(sys.argv[1:] if argv is None else argv)
+    return launch_torchrun(["-m", module, *args], nproc_per_node)

@@ -1,0 +1,104 @@
+"""Process-group setup for the Megatron backend: torch.distributed, then ``megatron.core.parallel_state``."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from miles.trainers.errors import ConfigError
+from miles.trainers.megatron.compat import (
+    cpu_model_parallel_seed,
+    enable_cpu_compat,
+    install_cpu_memory_buffer,
+)
+
+
+@dataclass(frozen=True)
+class ParallelInfo:
+    """Where this process sits: world, tensor-, pipeline- and data-parallel ranks and sizes."""
+
+    world_size: int
+    rank: int
+    tp_size: int
+    tp_rank: int
+    pp_size: int
+    pp_rank: int
+    dp_size: int
+    dp_rank: int
+    device: torch.device
+
+    @property
+    def first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_distributed() -> None:
+    """Join the process group torchrun set up (env://), or start a single-process one when there is none."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend)
+    else:
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+
+
+def initialize_parallel(tp_size: int = 1, pp_size: int = 1, *, seed: int = 0) -> ParallelInfo:
+    """Initialize (or reuse) megatron's model-parallel groups; enables the CPU layer when no GPU is present."""
+    from megatron.core import parallel_state as ps
+
+    init_distributed()
+    world = dist.get_world_size()
+    if tp_size < 1 or pp_size < 1 or world % (tp_size * pp_size):
+        raise ConfigError("trainer.megatron", f"world size {world} is not divisible by tp={tp_size} x pp={pp_size}")
+    cpu = enable_cpu_compat()
+    if ps.model_parallel_is_initialized():
+        if (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()) != (
+                tp_size, pp_size):
+            raise ConfigError("trainer.megatron", "model parallelism is already initialized with other sizes")
+    else:
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=pp_size)
+    if cpu:
+        install_cpu_memory_buffer()
+        cpu_model_parallel_seed(seed)
+    else:
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(seed)
+    return parallel_info()
+
+
+def parallel_info() -> ParallelInfo:
+    from megatron.core import parallel_state as ps
+
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return ParallelInfo(
+        world_size=dist.get_world_size(), rank=dist.get_rank(),
+        tp_size=ps.get_tensor_model_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_size=ps.get_pipeline_model_parallel_world_size(), pp_rank=ps.get_pipeline_model_parallel_rank(),
+        dp_size=ps.get_data_parallel_world_size(), dp_rank=ps.get_data_parallel_rank(), device=device)
+
+
+def destroy_parallel() -> None:
+    """Tear down megatron's groups and the default process group (for tests and clean exits)."""
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,488 @@
+"""`MegatronTrainer`: the torch backend's interface (`train_step`, `sft_step`, `hf_state_dict`) on megatron-core.
+
+Every rank calls `train_step` with the same full `TrajectoryBatch` (as with `TorchTrainer`). Advantages are
+computed on the whole batch; each data-parallel rank takes a token-balanced contiguous share of every
+mini-batch and cuts it into micro-batches of at most ``micro_batch_tokens`` tokens, each one row of packed
+sequences in megatron's ``thd`` format (RoPE and causal attention restart per sequence). The pipeline schedule
+from ``get_forward_backward_func`` runs them; the loss is the torch backend's `policy_loss` on logprobs taken
+from the vocab-parallel logits, normalized by batch-global token/sequence counts, so gradients summed over
+micro-batches and data-parallel ranks equal the single-process full-batch gradient.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from miles.trainers.advantages import compute_advantages, expand_to_tokens
+from miles.trainers.errors import ConfigError
+from miles.trainers.losses import LossInputs, LossOutput, policy_loss, sft_loss
+from miles.trainers.megatron.compat import label_params_as_cuda
+from miles.trainers.megatron.convert import hf_to_megatron, megatron_to_hf, tp_partition_dim
+from miles.trainers.megatron.logprobs import vocab_parallel_shifted_entropy, vocab_parallel_shifted_logprobs
+from miles.trainers.megatron.model import (
+    AttentionBackend,
+    build_gpt_model,
+    layout_from_hf,
+    resolve_attention_backend,
+    supports_packing,
+    transformer_config,
+)
+from miles.trainers.megatron.parallel import ParallelInfo, initialize_parallel
+from miles.trainers.metrics import MetricAccumulator, reward_metrics
+from miles.trainers.torch_backend import (
+    AlgorithmConfig,
+    _seq_sums,
+    _split_even,
+    _token_balanced_share,
+    _validate,
+    lr_lambda,
+    plan_micro_batches,
+)
+from miles.trajectory import TrajectoryBatch
+
+Precision = Literal["auto", "bf16", "fp32"]
+
+
+@dataclass(frozen=True)
+class MegatronTrainerConfig:
+    """Parallelism, optimizer, schedule and batching settings of `MegatronTrainer`.
+
+    The optimizer fields mean what they mean in `TorchTrainerConfig` (AdamW with decoupled weight decay on
+    every parameter, global-norm clipping, the same LR schedules). ``tp`` x ``pp`` must divide the world size;
+    the rest is data parallelism. ``attention``: ``auto`` (Transformer Engine when present, else SDPA),
+    ``sdpa``, ``te``, or ``local`` (megatron's own unfused attention; no packing: one sequence per micro-batch).
+    """
+
+    tp: int = 1
+    pp: int = 1
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = 1e-8
+    max_grad_norm: float | None = 1.0
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    warmup_steps: int = 0
+    total_steps: int | None = None
+    min_lr_ratio: float = 0.0
+    micro_batch_tokens: int = 4096
+    temperature: float | None = None
+    precision: Precision = "auto"
+    compute_entropy: bool = True
+    distributed_optimizer: bool = True
+    attention: AttentionBackend = "auto"
+    vocab_divisible_by: int = 128
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for key in ("tp", "pp", "micro_batch_tokens", "vocab_divisible_by"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"trainer.{key}", f"must be >= 1, got {getattr(self, key)}")
+        if not self.lr > 0:
+            raise ConfigError("trainer.lr", f"must be > 0, got {self.lr}")
+        if self.lr_schedule not in ("constant", "cosine", "linear"):
+            raise ConfigError("trainer.lr_schedule", f"must be constant|cosine|linear, got {self.lr_schedule!r}")
+        if self.lr_schedule != "constant" and not (self.total_steps and self.total_steps > 0):
+            raise ConfigError("trainer.total_steps", f"the {self.lr_schedule} schedule needs total_steps > 0")
+        if self.precision not in ("auto", "bf16", "fp32"):
+            raise ConfigError("trainer.precision", f"must be auto|bf16|fp32, got {self.precision!r}")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ConfigError("trainer.max_grad_norm", f"must be > 0 or null, got {self.max_grad_norm}")
+        if self.temperature is not None and not self.temperature > 0:
+            raise ConfigError("trainer.temperature", f"must be > 0, got {self.temperature}")
+        if self.attention not in ("auto", "sdpa", "local", "te"):
+            raise ConfigError("trainer.attention", f"must be auto|sdpa|local|te, got {self.attention!r}")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> MegatronTrainerConfig:
+        """Build from a plain dict; unknown keys raise `ConfigError` naming the key."""
+        d = dict(data)
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ConfigError(f"trainer.{unknown[0]}", f"unknown key; valid keys: {sorted(names)}")
+        if "betas" in d:
+            d["betas"] = tuple(d["betas"])
+        return cls(**d)
+
+
+@dataclass
+class _MicroBatch:
+    ids: torch.Tensor  # [1, T]
+    cu_seqlens: torch.Tensor  # int32 [n+1], local to the micro-batch
+    max_seqlen: int
+    token_range: tuple[int, int]  # into the batch's packed tokens
+    seq_index: torch.Tensor  # [T]
+    starts: torch.Tensor  # [n]
+    host_cu_seqlens: list[int] = dataclasses.field(default_factory=list)
+    dummy: bool = False  # stands in for a rank with no sequences: its loss is multiplied by 0
+
+
+def _finalize_grads(model: list[nn.Module], num_tokens: Any = None, **kwargs: Any) -> None:
+    """Megatron's grad finalization (DP all-reduce, tied-embedding sync) without per-token rescaling:
+    our losses are already normalized by the batch-global token counts."""
+    from megatron.core.distributed import finalize_model_grads
+
+    finalize_model_grads(model, num_tokens=None, **kwargs)
+
+
+class MegatronTrainer:
+    """Trains a Llama / Qwen2 / Qwen3 policy as a megatron-core ``GPTModel`` with TP / PP / DP.
+
+    ``model``: an HF causal LM (its config and weights are converted; the HF module itself is not kept), or a
+    path for ``from_pretrained``; or pass ``hf_config`` alone for a randomly initialized model (benchmarks).
+    Call it on every rank of the job (all ranks construct it and call every method collectively).
+    """
+
+    def __init__(self, model: nn.Module | str | os.PathLike | None = None,
+                 config: MegatronTrainerConfig | None = None, algorithm: AlgorithmConfig | None = None, *,
+                 hf_config: Any = None, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        self.config = cfg = config or MegatronTrainerConfig()
+        self.algorithm = algorithm or AlgorithmConfig()
+        if self.algorithm.loss.kl_coef > 0:
+            raise ConfigError("algorithm.loss.kl_coef", "the Megatron backend has no reference model yet")
+        if isinstance(model, str | os.PathLike):
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(str(model), torch_dtype=torch.float32)
+        if model is not None:
+            hf_config = model.config
+            state_dict = {k: v.detach() for k, v in model.state_dict().items()}
+        if hf_config is None:
+            raise ConfigError("trainer.model", "MegatronTrainer needs an HF model, a path, or hf_config")
+        self.hf_config = hf_config
+        self.info: ParallelInfo = initialize_parallel(cfg.tp, cfg.pp, seed=cfg.seed)
+        self.layout = layout_from_hf(hf_config, tp_size=cfg.tp, vocab_divisible_by=cfg.vocab_divisible_by)
+        on_gpu = self.info.device.type == "cuda"
+        self.dtype = torch.bfloat16 if cfg.precision == "bf16" or (cfg.precision == "auto" and on_gpu) \
+            else torch.float32
+        self.attention = resolve_attention_backend(cfg.attention)
+        self.packing = supports_packing(self.attention)
+        self.tconfig = transformer_config(self.layout, tp_size=cfg.tp, pp_size=cfg.pp, params_dtype=self.dtype,
+                                          calculate_per_token_loss=True)
+        module = build_gpt_model(self.layout, self.tconfig, attention=self.attention)
+        if on_gpu:
+            module.cuda(self.info.device)
+        self.layer_ids = [layer.layer_number - 1 for layer in module.decoder.layers]
+        if state_dict is not None:
+            self._load_hf(module, state_dict)
+        self.model = module
+        self._wrap(module)
+        self.step = 0
+
+    # ---------------------------------------------------------------- setup
+
+    def _load_hf(self, module: nn.Module, hf: dict[str, torch.Tensor]) -> None:
+        shard = hf_to_megatron(hf, self.layout, tp_size=self.info.tp_size, tp_rank=self.info.tp_rank,
+                               layers=self.layer_ids, first_stage=self.info.first_stage,
+                               last_stage=self.info.last_stage, te_norms=self.attention == "te")
+        own = {k for k in module.state_dict() if not k.endswith("_extra_state")}
+        missing, unexpected = sorted(own - set(shard)), sorted(set(shard) - own)
+        if missing or unexpected:
+            raise ConfigError("trainer.model", f"HF -> Megatron conversion mismatch: missing {missing[:5]}, "
+                                               f"unexpected {unexpected[:5]}")
+        module.load_state_dict({k: v.to(self.dtype) for k, v in shard.items()}, strict=False)
+
+    def _wrap(self, module: nn.Module) -> None:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        cfg = self.config
+        label_params_as_cuda(module)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, overlap_param_gather=False,
+            use_distributed_optimizer=cfg.distributed_optimizer, check_for_nan_in_grad=False,
+            average_in_collective=False)
+        self.ddp = DistributedDataParallel(config=self.tconfig, ddp_config=ddp_config, module=module)
+        opt_config = OptimizerConfig(
+            optimizer="adam", lr=cfg.lr, min_lr=0.0, weight_decay=cfg.weight_decay, adam_beta1=cfg.betas[0],
+            adam_beta2=cfg.betas[1], adam_eps=cfg.adam_eps, clip_grad=cfg.max_grad_norm or 0.0,
+            bf16=self.dtype == torch.bfloat16, params_dtype=self.dtype,
+            use_distributed_optimizer=cfg.distributed_optimizer)
+        # config_overrides={}: weight decay on every parameter, as torch's AdamW in the torch backend.
+        self.optimizer = get_megatron_optimizer(opt_config, [self.ddp], config_overrides={})
+        self.tconfig.no_sync_func = self.ddp.no_sync
+        self.tconfig.finalize_model_grads_func = _finalize_grads
+
+    # ---------------------------------------------------------------- public steps
+
+    def train_step(self, batch: TrajectoryBatch) -> dict[str, float]:
+        """One RL update (``num_mini_batches * ppo_epochs`` optimizer steps) on ``batch``; returns metrics."""
+        t0 = time.perf_counter()
+        alg = self.algorithm
+        batch = _validate(batch)
+        temperature = self._temperature(batch)
+        mask = batch.loss_mask
+        token_counts = _seq_sums(mask, batch.cu_seqlens)
+        adv_seq = compute_advantages(batch.rewards, batch.group_ids, alg.advantage, token_counts=token_counts)
+        adv_tok = expand_to_tokens(adv_seq, batch.cu_seqlens)
+        multi_step = alg.num_mini_batches > 1 or alg.ppo_epochs > 1
+        old_lp = self.compute_logprobs(batch, temperature=temperature) if multi_step else None
+        metrics = MetricAccumulator()
+        grad_norms, losses, lrs = [], [], []
+        for _ in range(alg.ppo_epochs):
+            for lo, hi in _split_even(batch.num_sequences, alg.num_mini_batches):
+                tok_lo, tok_hi = int(batch.cu_seqlens[lo]), int(batch.cu_seqlens[hi])
+                num_tokens = float(mask[tok_lo:tok_hi].sum())
+                num_seqs = float((token_counts[lo:hi] > 0).sum())
+                if num_tokens == 0:
+                    continue
+                loss_fn = partial(self._policy_loss, batch=batch, temperature=temperature, adv_tok=adv_tok,
+                                  old_lp=old_lp, num_tokens=num_tokens, num_seqs=num_seqs)
+                lrs.append(self._set_lr())
+                loss, norm = self._optimizer_step(batch, list(range(lo, hi)), loss_fn, metrics)
+                losses.append(loss)
+                grad_norms.append(norm)
+        result = self._reduce_metrics(metrics)
+        result.update(reward_metrics(batch.rewards, batch.group_ids))
+        result.update({
+            "loss": sum(losses) / max(len(losses), 1),
+            "grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
+            "lr": lrs[-1] if lrs else self._lr(),
+            "advantage_abs_mean": float(adv_seq.abs().mean()) if adv_seq.numel() else 0.0,
+            "num_tokens": float(batch.token_ids.numel()),
+            "num_train_tokens": float(mask.sum()),
+            "num_sequences": float(batch.num_sequences),
+            "optimizer_steps": float(len(grad_norms)),
+            "step": float(self.step),
+            "temperature": temperature,
+            "step_time_s": time.perf_counter() - t0,
+        })
+        return result
+
+    def sft_step(self, batch: TrajectoryBatch) -> dict[str, float]:
+        """One supervised step: token-mean cross-entropy on loss-masked tokens (temperature 1)."""
+        t0 = time.perf_counter()
+        batch = _validate(batch)
+        num_tokens = float(batch.loss_mask.sum())
+        metrics = MetricAccumulator()
+        lr = self._set_lr()
+        loss, norm = 0.0, 0.0
+        if num_tokens > 0:
+            loss_fn = partial(self._sft_loss, batch=batch, num_tokens=num_tokens)
+            loss, norm = self._optimizer_step(batch, list(range(batch.num_sequences)), loss_fn, metrics)
+        result = self._reduce_metrics(metrics)
+        result.update({"loss": loss, "grad_norm": norm, "lr": lr, "num_train_tokens": num_tokens,
+                       "step": float(self.step), "step_time_s": time.perf_counter() - t0})
+        return result
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: TrajectoryBatch, *, temperature: float | None = None) -> torch.Tensor:
+        """Logprobs ``[T]`` of every token under the current policy (0 at sequence starts), on every rank."""
+        batch = _validate(batch)
+        temperature = self._temperature(batch) if temperature is None else temperature
+        out = torch.zeros(batch.token_ids.numel(), dtype=torch.float32, device=self.info.device)
+
+        def collect(mb: _MicroBatch, logits: torch.Tensor) -> LossOutput:
+            lp = self._logprobs(mb, logits, batch, temperature)
+            if not mb.dummy and self._reports():
+                out[mb.token_range[0]:mb.token_range[1]] = lp.float()
+            return LossOutput(loss=lp.sum() * 0.0)
+
+        self._run(batch, list(range(batch.num_sequences)), collect, MetricAccumulator(), forward_only=True)
+        dist.all_reduce(out)  # each token is written by exactly one (last-stage, tp-rank-0) rank
+        return out.cpu()
+
+    def hf_state_dict(self, *, cpu: bool = False) -> dict[str, torch.Tensor]:
+        """The full model under HF names, on every rank (a collective: call it on all ranks).
+
+        TP shards are all-gathered and merged; pipeline stages broadcast their tensors to every rank.
+        """
+        info = self.info
+        from megatron.core import parallel_state as ps
+
+        local = {k: v.detach() for k, v in self.model.state_dict().items() if not k.endswith("_extra_state")}
+        shards: list[dict[str, torch.Tensor]] = [dict() for _ in range(info.tp_size)]
+        for name, t in local.items():
+            dim = tp_partition_dim(name)
+            if dim is None or info.tp_size == 1:
+                for s in shards:
+                    s[name] = t
+            else:
+                parts = [torch.empty_like(t) for _ in range(info.tp_size)]
+                dist.all_gather(parts, t.contiguous(), group=ps.get_tensor_model_parallel_group())
+                for s, p in zip(shards, parts, strict=True):
+                    s[name] = p
+        hf = megatron_to_hf(shards, self.layout, layers=self.layer_ids, te_norms=self.attention == "te")
+        if info.pp_size > 1:
+            hf = self._gather_stages(hf)
+        return {k: v.cpu() for k, v in hf.items()} if cpu else hf
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        """Write the policy as an ordinary HF checkpoint (collective; rank 0 writes)."""
+        sd = self.hf_state_dict(cpu=True)
+        if self.info.rank == 0:
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_config(self.hf_config)
+            model.load_state_dict(sd, strict=False)
+            model.save_pretrained(str(directory))
+        dist.barrier()
+
+    # ---------------------------------------------------------------- internals
+
+    def _gather_stages(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        from megatron.core import parallel_state as ps
+
+        group = ps.get_pipeline_model_parallel_group()
+        ranks = dist.get_process_group_ranks(group)
+        metas: list[Any] = [None] * len(ranks)
+        dist.all_gather_object(metas, {k: (tuple(v.shape), v.dtype) for k, v in hf.items()}, group=group)
+        merged: dict[str, torch.Tensor] = {}
+        for stage, meta in enumerate(metas):
+            for name, (shape, dtype) in sorted(meta.items()):
+                t = hf[name].contiguous() if stage == self.info.pp_rank else \
+                    torch.empty(shape, dtype=dtype, device=self.info.device)
+                dist.broadcast(t, src=ranks[stage], group=group)
+                merged[name] = t
+        return merged
+
+    def _temperature(self, batch: TrajectoryBatch) -> float:
+        if self.config.temperature is not None:
+            return float(self.config.temperature)
+        temps = {float(m.get("sampling_params", {}).get("temperature", 1.0) or 1.0) for m in batch.meta}
+        if len(temps) > 1:
+            raise ValueError(f"batch mixes rollout temperatures {sorted(temps)}; set trainer.temperature")
+        return temps.pop() if temps else 1.0
+
+    def _lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def _set_lr(self) -> float:
+        lr = self.config.lr * lr_lambda(self.step, self.config)  # type: ignore[arg-type]
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+    def _reports(self) -> bool:
+        """Exactly one rank per data-parallel replica owns the loss values: last stage, TP rank 0."""
+        return self.info.last_stage and self.info.tp_rank == 0
+
+    def _micro_batches(self, batch: TrajectoryBatch, seqs: list[int]) -> list[_MicroBatch]:
+        lo, hi = seqs[0], seqs[-1] + 1
+        lengths = (batch.cu_seqlens[lo + 1:hi + 1] - batch.cu_seqlens[lo:hi]).tolist()
+        dummy = False
+        if self.info.dp_size > 1:
+            a, b = _token_balanced_share(lengths, self.info.dp_rank, self.info.dp_size)
+            if a == b:  # more ranks than sequences: run the first sequence with a zero loss
+                a, b, dummy = 0, 1, True
+            lengths, lo = lengths[a:b], lo + a
+        budget = self.config.micro_batch_tokens if self.packing else 1
+        out = []
+        for s, e in plan_micro_batches(lengths, budget):
+            start, end = lo + s, lo + e
+            cu = batch.cu_seqlens[start:end + 1] - batch.cu_seqlens[start]
+            tl, th = int(batch.cu_seqlens[start]), int(batch.cu_seqlens[end])
+            seq_len = cu[1:] - cu[:-1]
+            dev = self.info.device
+            out.append(_MicroBatch(
+                ids=batch.token_ids[tl:th].unsqueeze(0).to(dev), cu_seqlens=cu.to(torch.int32).to(dev),
+                max_seqlen=int(seq_len.max()), token_range=(tl, th),
+                seq_index=torch.repeat_interleave(torch.arange(seq_len.numel()), seq_len).to(dev),
+                starts=cu[:-1].to(dev), host_cu_seqlens=cu.tolist(), dummy=dummy))
+        return out
+
+    def _forward_step(self, data_iterator: Iterator[_MicroBatch], model: nn.Module,
+                      loss_fn: Callable[[_MicroBatch, torch.Tensor], LossOutput], sink: list) -> Any:
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        mb = next(data_iterator)
+        if self.packing:
+            packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=mb.cu_seqlens, cu_seqlens_kv=mb.cu_seqlens,
+                                     max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen)
+            packed.host_cu_seqlens = mb.host_cu_seqlens  # read by SDPAttention
+            output = model(mb.ids, None, None, packed_seq_params=packed)
+        else:
+            positions = torch.arange(mb.ids.size(1), device=mb.ids.device).unsqueeze(0)
+            output = model(mb.ids, positions, None)
+
+        def loss_func(output_tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+            out = loss_fn(mb, output_tensor[0])
+            loss = out.loss * 0.0 if mb.dummy else out.loss
+            if not mb.dummy:
+                sink.append(out)
+            return loss, torch.tensor(mb.ids.size(1), dtype=torch.int, device=loss.device), {}
+
+        return output, loss_func
+
+    def _run(self, batch: TrajectoryBatch, seqs: list[int],
+             loss_fn: Callable[[_MicroBatch, torch.Tensor], LossOutput], metrics: MetricAccumulator, *,
+             forward_only: bool = False) -> float:
+        """Forward (and backward) every micro-batch of this rank's share of ``seqs``; returns the summed loss."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        mbs = self._micro_batches(batch, seqs)
+        sink: list[LossOutput] = []
+        forward_backward = get_forward_backward_func()
+        forward_backward(
+            forward_step_func=partial(self._forward_step, loss_fn=loss_fn, sink=sink),
+            data_iterator=iter(mbs), model=[self.ddp], num_microbatches=len(mbs),
+            seq_length=max(mb.ids.size(1) for mb in mbs), micro_batch_size=1, forward_only=forward_only)
+        total = 0.0
+        if self._reports():
+            for out in sink:
+                total += float(out.loss.detach())
+                metrics.update(out.metric_sums)
+        return total
+
+    def _optimizer_step(self, batch: TrajectoryBatch, seqs: list[int],
+                        loss_fn: Callable[[_MicroBatch, torch.Tensor], LossOutput],
+                        metrics: MetricAccumulator) -> tuple[float, float]:
+        self.ddp.train()
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        local = self._run(batch, seqs, loss_fn, metrics)
+        _, grad_norm, _ = self.optimizer.step()
+        self.step += 1
+        total = torch.tensor([local], dtype=torch.float64, device=self.info.device)
+        dist.all_reduce(total)
+        return float(total), float(grad_norm or 0.0)
+
+    def _logprobs(self, mb: _MicroBatch, logits: torch.Tensor, batch: TrajectoryBatch,
+                  temperature: float) -> torch.Tensor:
+        return vocab_parallel_shifted_logprobs(logits, mb.ids[0], mb.starts, self.layout.vocab_size, temperature)
+
+    def _policy_loss(self, mb: _MicroBatch, logits: torch.Tensor, *, batch: TrajectoryBatch, temperature: float,
+                     adv_tok: torch.Tensor, old_lp: torch.Tensor | None, num_tokens: float,
+                     num_seqs: float) -> LossOutput:
+        lc = self.algorithm.loss
+        lp = self._logprobs(mb, logits, batch, temperature)
+        ent = None
+        if self.config.compute_entropy or lc.entropy_coef != 0:
+            with torch.set_grad_enabled(lc.entropy_coef != 0 and torch.is_grad_enabled()):
+                ent = vocab_parallel_shifted_entropy(logits if lc.entropy_coef != 0 else logits.detach(),
+                                                     mb.starts, self.layout.vocab_size, temperature)
+        tl, th = mb.token_range
+        dev = lp.device
+        inputs = LossInputs(
+            logprobs=lp, old_logprobs=old_lp[tl:th].to(dev) if old_lp is not None else lp.detach(),
+            advantages=adv_tok[tl:th].to(dev), loss_mask=batch.loss_mask[tl:th].to(dev), seq_index=mb.seq_index,
+            rollout_logprobs=batch.rollout_logprobs[tl:th].to(dev), entropy=ent)
+        return policy_loss(inputs, lc, num_tokens=num_tokens, num_seqs=num_seqs)
+
+    def _sft_loss(self, mb: _MicroBatch, logits: torch.Tensor, *, batch: TrajectoryBatch,
+                  num_tokens: float) -> LossOutput:
+        lp = self._logprobs(mb, logits, batch, 1.0)
+        tl, th = mb.token_range
+        return sft_loss(lp, batch.loss_mask[tl:th].to(lp.device), num_tokens=num_tokens)
+
+    def _reduce_metrics(self, acc: MetricAccumulator) -> dict[str, float]:
+        if self.info.world_size == 1:
+            return acc.result()
+        names = sorted(acc._sums)
+        gathered: list[Any] = [None] * self.info.world_size
+        dist.all_gather_object(gathered, {n: (acc._sums[n], acc._counts[n]) for n in names})
+        merged = MetricAccumulator()
+        for part in gathered:
+            merged.update(part)
+        return merged.result()

@@ -1,0 +1,76 @@
+"""Training metrics: reward statistics by group, train-vs-rollout logprob mismatch, and their reduction."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from .advantages import group_stats
+
+
+class MetricAccumulator:
+    """Sums ``(sum, count)`` pairs over micro-batches and reports ``sum / count`` per name."""
+
+    def __init__(self) -> None:
+        self._sums: dict[str, float] = defaultdict(float)
+        self._counts: dict[str, float] = defaultdict(float)
+
+    def add(self, name: str, total: float, count: float = 1.0) -> None:
+        self._sums[name] += float(total)
+        self._counts[name] += float(count)
+
+    def update(self, sums: dict[str, tuple[float, float]]) -> None:
+        for name, (total, count) in sums.items():
+            self.add(name, total, count)
+
+    def result(self) -> dict[str, float]:
+        return {k: (self._sums[k] / self._counts[k] if self._counts[k] else 0.0) for k in self._sums}
+
+
+def logprob_mismatch_sums(train_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
+                          loss_mask: torch.Tensor) -> dict[str, tuple[float, float]]:
+    """Train-vs-rollout logprob mismatch on the same (masked) tokens, as ``(sum, count)`` pairs.
+
+    - ``mismatch_abs``: mean ``|logp_train - logp_rollout|``;
+    - ``mismatch_kl``: KL(rollout || train) by the non-negative k3 estimator on rollout samples,
+      ``e^d - d - 1`` with ``d = logp_train - logp_rollout``;
+    - ``mismatch_k1``: the plain estimator ``logp_rollout - logp_train``.
+    """
+    mask = loss_mask.to(torch.float64)
+    d = (train_logprobs.detach().to(torch.float64) - rollout_logprobs.to(torch.float64)) * mask
+    n = float(mask.sum())
+    return {
+        "mismatch_abs": (float(d.abs().sum()), n),
+        "mismatch_kl": (float(((torch.exp(d) - d - 1) * mask).sum()), n),
+        "mismatch_k1": (float((-d).sum()), n),
+    }
+
+
+def logprob_mismatch(train_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
+                     loss_mask: torch.Tensor) -> dict[str, float]:
+    """`logprob_mismatch_sums` reduced to means."""
+    acc = MetricAccumulator()
+    acc.update(logprob_mismatch_sums(train_logprobs, rollout_logprobs, loss_mask))
+    return acc.result()
+
+
+def reward_metrics(rewards: torch.Tensor, group_ids: torch.Tensor, *, zero_std_tol: float = 1e-8) -> dict[str, float]:
+    """Reward mean/std over the batch and by group, and the fraction of groups whose rewards are all equal.
+
+    ``reward_std`` is the batch's sample std; ``group_reward_std`` is the mean of per-group sample stds;
+    ``zero_std_group_frac`` counts groups (of any size) with no reward spread, which give GRPO no signal.
+    """
+    if rewards.numel() == 0:
+        return {"reward_mean": 0.0, "reward_std": 0.0, "group_reward_mean": 0.0, "group_reward_std": 0.0,
+                "zero_std_group_frac": 0.0, "num_groups": 0.0}
+    stats = group_stats(rewards, group_ids)
+    r = rewards.to(torch.float64)
+    return {
+        "reward_mean": float(r.mean()),
+        "reward_std": float(r.std()) if r.numel() > 1 else 0.0,
+        "group_reward_mean": float(stats.mean.mean()),
+        "group_reward_std": float(stats.std.mean()),
+        "zero_std_group_frac": float((stats.std <= zero_std_tol).to(torch.float64).mean()),
+        "num_groups": float(stats.count.numel()),
+    }

@@ -1,0 +1,48 @@
+"""`miles train` and `miles sft`: config loading, CLI overrides, and the final table."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+
+from miles.trainers.loop import RunSummary, TrainLoop
+from miles.trainers.train_config import TrainConfig, load_train_config
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """The config file plus `--set` overrides, then the dedicated flags."""
+    overrides = list(args.overrides)
+    for flag, key in (("output_dir", "output_dir"), ("seed", "seed"), ("backend", "backend"),
+                      ("tp", "parallel.tp"), ("pp", "parallel.pp"), ("dp", "parallel.dp")):
+        value = getattr(args, flag, None)
+        if value is not None:
+            overrides.append(f"{key}={value}")
+    return load_train_config(args.config, overrides)
+
+
+def format_summary(summary: RunSummary) -> str:
+    """The final table: held-out success at each stage."""
+    lines = ["", f"{'stage':<12}{'mode':<10}{'held-out success':>18}{'mean reward':>14}{'tasks':>8}"]
+    for stage, results in summary.evals.items():
+        for mode, r in results.items():
+            lines.append(f"{stage:<12}{mode:<10}{r.success_rate:>18.1%}{r.mean_reward:>14.3f}{r.num_tasks:>8}")
+    secs = ", ".join(f"{k} {v:.0f} s" for k, v in summary.seconds.items())
+    lines.append(f"time: {secs}   run dir: {summary.output_dir}")
+    return "\n".join(lines)
+
+
+def run_from_cli(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    summary = asyncio.run(TrainLoop(cfg, resume=args.resume).run())
+    print(format_summary(summary))
+    return 0
+
+
+def sft_from_cli(args: argparse.Namespace) -> int:
+    """SFT only: the config's `sft` stage with RL steps set to zero."""
+    cfg = config_from_args(args)
+    cfg = dataclasses.replace(cfg, steps=0, sft=dataclasses.replace(cfg.sft, enabled=True))
+    summary = asyncio.run(TrainLoop(cfg, resume=False).run())
+    print(format_summary(summary))
+    return 0

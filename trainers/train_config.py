@@ -1,0 +1,157 @@
+"""`TrainConfig`: everything one `miles train` run needs, as typed dataclasses loaded from YAML."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from miles.config import ConfigError, load_config
+from miles.engine import SamplingParams
+from miles.sessions.config import SchedulerConfig, SessionConfig
+from miles.trainers.torch_backend import AlgorithmConfig, TorchTrainerConfig
+
+
+@dataclass
+class EnvConfig:
+    """The environment, its constructor arguments, and which task splits train and evaluate."""
+
+    id: str = "Calculator-v0"
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    train_split: str = "train"
+    eval_split: str = "held_out"
+
+
+@dataclass
+class ModelConfig:
+    """The policy: `name` is "tiny" (with `size`), "smollm2-135m", or an HF checkpoint folder.
+
+    `init_from` loads weights from a folder (an SFT warm start) on top of the named architecture.
+    """
+
+    name: str = "tiny"
+    size: str = "3m"
+    tokenizer: str = "tiny"
+    init_from: str | None = None
+    seed: int = 0
+
+
+@dataclass
+class EngineConfig:
+    """Where rollouts run: the embedded engine (default), SGLang servers by URL, or the real sglang-router."""
+
+    kind: Literal["embedded", "sglang", "router"] = "embedded"
+    urls: list[str] = field(default_factory=list)
+    num_engines: int = 1
+    max_batch_size: int = 64
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.kind != "embedded" and not self.urls:
+            raise ConfigError("urls", f"engine kind {self.kind!r} needs at least one URL")
+        if self.num_engines < 1:
+            raise ConfigError("num_engines", "must be >= 1")
+
+
+@dataclass
+class RolloutConfig:
+    """How many tasks (GRPO groups) each step rolls out, and how the scheduler runs them."""
+
+    tasks_per_step: int = 4
+    scheduler: SchedulerConfig = field(default_factory=lambda: SchedulerConfig(group_size=8))
+
+    def __post_init__(self) -> None:
+        if self.tasks_per_step < 1:
+            raise ConfigError("tasks_per_step", "must be >= 1")
+
+
+@dataclass
+class SFTConfig:
+    """Supervised warm start on the environment's oracle demonstrations (masked through TITO)."""
+
+    enabled: bool = False
+    num_demos: int = 256
+    epochs: int = 1
+    batch_size: int = 16
+    lr: float = 3e-3
+    max_seconds: float | None = None
+    save_to: str | None = None
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation every `every` steps (0: only before and after training)."""
+
+    every: int = 0
+    num_tasks: int = 100
+    greedy: bool = True
+    sampled: bool = False
+    max_new_tokens: int | None = None
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpoint every `every` steps (0: only at the end); keep the newest `keep`."""
+
+    every: int = 0
+    keep: int = 2
+
+
+@dataclass
+class SyncConfig:
+    """Weight sync: `method` in_process | disk | broadcast; `policy` drain (wait for in-flight requests) or
+    pause (swap between decode steps; in-flight requests continue under the new weights)."""
+
+    method: Literal["in_process", "disk", "broadcast"] = "in_process"
+    policy: Literal["drain", "pause"] = "drain"
+
+
+@dataclass
+class ParallelConfig:
+    """Model parallelism for the Megatron backend (and data parallelism for both)."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+
+
+@dataclass
+class TrainConfig:
+    """One agent-RL experiment."""
+
+    seed: int = 0
+    output_dir: str = "runs/default"
+    steps: int = 10
+    max_seconds: float | None = None
+    backend: Literal["torch", "megatron"] = "torch"
+    env: EnvConfig = field(default_factory=EnvConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TorchTrainerConfig = field(default_factory=TorchTrainerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+
+    def __post_init__(self) -> None:
+        if self.steps < 0:
+            raise ConfigError("steps", "must be >= 0")
+        try:
+            self.rollout.scheduler.validate()
+        except ValueError as exc:
+            raise ConfigError("rollout.scheduler", str(exc)) from exc
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return self.rollout.scheduler.session.sampling
+
+    @property
+    def session(self) -> SessionConfig:
+        return self.rollout.scheduler.session
+
+
+def load_train_config(path: str | None, overrides: list[str] | None = None) -> TrainConfig:
+    """Load and validate a `TrainConfig` from YAML plus dotted overrides."""
+    return load_config(TrainConfig, path, overrides)
