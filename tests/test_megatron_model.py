@@ -125,6 +125,14 @@ def test_gpt_model_matches_hf_logits(megatron_single_process, family, tied, atte
             torch.testing.assert_close(out[13:], hf(ids[:, 13:]).logits[0], rtol=1e-5, atol=1e-5)
 
 
+def test_tp1_in_process_train_step_matches_torch_backend(megatron_single_process):
+    from test_megatron_parallel import assert_same_step, megatron_step
+
+    roundtrip, metrics, weights, dp = megatron_step("qwen3", 1, 1, "ppo")
+    assert dp == 1
+    assert_same_step({"roundtrip": roundtrip, "metrics": metrics}, weights, "qwen3")
+
+
 def test_vocab_parallel_logprobs_match_torch_backend(megatron_single_process):
     from miles.trainers.logprobs import shifted_entropy, shifted_token_logprobs
     from miles.trainers.megatron.logprobs import (

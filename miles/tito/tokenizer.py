@@ -124,7 +124,7 @@ class TITOTokenizer:
         full = self.render_text(list(history) + [assistant], tools)
         if not full.startswith(prompt):
             raise DeltaPrefixError(f"{self.family}: the generation prompt is not a prefix of the rendered "
-                                   "assistant turn")
+                                   "assistant turn; the template is not append-only there")
         return self.cut_after_last_stop(self.encode(full[len(prompt):]))
 
     def start(self, messages: Sequence[MessageLike], tools: list[dict] | None = None):
