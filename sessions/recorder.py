@@ -1,8 +1,8 @@
 """Crash-safe, append-only JSONL recording of sessions, and its reader.
 
 Each record is encoded to one complete line and written with a single `os.write` on an `O_APPEND`
-descriptor, then fsync'ed (per line or per batch). A killed writer therefore leaves only complete lines,
-plus at most one torn last line, which the reader skips and reports.
+descriptor, then fsync'ed (per line, or per batch in the background). A killed writer therefore leaves only
+complete lines, plus at most one torn last line (a write cut short), which the reader skips and reports.
 """
 
 from __future__ import annotations
@@ -34,86 +34,88 @@ def encode_record(record: SessionRecord | dict[str, Any]) -> str:
 class Recorder:
     """Appends `SessionRecord`s to `path` (created with its parent folders).
 
-    `fsync` is "batch" (one fsync per group of lines written together: the default), "line" or "none".
-    `append` (async) groups concurrent records into one write and returns once its line is on disk;
-    `write` (sync) writes one line now. `count` is the number of lines written by this recorder.
+    Every record is written at once as one complete line (`os.write` on an `O_APPEND` descriptor), so a
+    killed process leaves only complete lines. `fsync` adds durability against a machine crash:
+    "line" fsyncs after every line, "batch" (default) fsyncs in the background at most every
+    `fsync_interval_s` (group commit, off the event loop), "none" leaves it to the OS. `count` is the number
+    of lines written.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, fsync: str = "batch") -> None:
+    def __init__(self, path: str | os.PathLike[str], *, fsync: str = "batch", fsync_interval_s: float = 0.2) -> None:
         if fsync not in ("batch", "line", "none"):
             raise ValueError(f"fsync must be 'batch', 'line' or 'none', got {fsync!r}")
+        if fsync_interval_s < 0:
+            raise ValueError("fsync_interval_s must be >= 0")
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fsync = fsync
+        self._interval = fsync_interval_s
         try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
             self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         except OSError as exc:
             raise RecorderError(f"cannot open {self.path} for appending: {exc}") from exc
-        self._pending: list[tuple[str, asyncio.Future[None]]] = []
-        self._drainer: asyncio.Task[None] | None = None
+        self._dirty = False
+        self._syncer: asyncio.Task[None] | None = None
         self.count = 0
 
-    def _write_lines(self, lines: list[str]) -> None:
+    def _write_line(self, line: str) -> None:
         if self._fd is None:
             raise RecorderError(f"recorder for {self.path} is closed")
-        if self._fsync == "line":
-            for line in lines:
-                self._write_all(line.encode())
-                os.fsync(self._fd)
-        else:
-            self._write_all("".join(lines).encode())
-            if self._fsync == "batch":
-                os.fsync(self._fd)
-        self.count += len(lines)
-
-    def _write_all(self, data: bytes) -> None:
-        assert self._fd is not None
-        view = memoryview(data)
-        while view:
-            n = os.write(self._fd, view)
-            view = view[n:]
-
-    def write(self, record: SessionRecord | dict[str, Any]) -> None:
-        """Write one record now (blocking), durable on return."""
+        data = line.encode()
         try:
-            self._write_lines([encode_record(record)])
+            n = os.write(self._fd, data)
+            if n != len(data):  # a short write (full disk): finish the line so the file stays line-aligned
+                view = memoryview(data)[n:]
+                while view:
+                    view = view[os.write(self._fd, view):]
+            if self._fsync == "line":
+                os.fsync(self._fd)
         except OSError as exc:
             raise RecorderError(f"writing {self.path} failed: {exc}") from exc
+        self.count += 1
+
+    def write(self, record: SessionRecord | dict[str, Any]) -> None:
+        """Write one record now (blocking). With fsync="batch" outside an event loop it is fsync'ed at once."""
+        self._write_line(encode_record(record))
+        if self._fsync == "batch":
+            assert self._fd is not None
+            os.fsync(self._fd)
 
     async def append(self, record: SessionRecord | dict[str, Any]) -> None:
-        """Queue one record; returns when it is written. Cancelling the caller does not drop the line."""
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[None] = loop.create_future()
-        self._pending.append((encode_record(record), fut))
-        if self._drainer is None or self._drainer.done():
-            self._drainer = loop.create_task(self._drain())
-        await asyncio.shield(fut)
+        """Write one record now; with fsync="batch" a background fsync follows within `fsync_interval_s`."""
+        self._write_line(encode_record(record))
+        if self._fsync == "batch":
+            self._dirty = True
+            if self._syncer is None or self._syncer.done():
+                self._syncer = asyncio.get_running_loop().create_task(self._sync_loop())
 
-    async def _drain(self) -> None:
+    async def _sync_loop(self) -> None:
         loop = asyncio.get_running_loop()
-        while self._pending:
-            batch, self._pending = self._pending, []
-            try:
-                await loop.run_in_executor(None, self._write_lines, [line for line, _ in batch])
-            except Exception as exc:  # report to every waiter, keep the loop alive
-                err = exc if isinstance(exc, RecorderError) else RecorderError(f"writing {self.path}: {exc}")
-                for _, fut in batch:
-                    if not fut.done():
-                        fut.set_exception(err)
-                continue
-            for _, fut in batch:
-                if not fut.done():
-                    fut.set_result(None)
+        while self._dirty and self._fd is not None:
+            await asyncio.sleep(self._interval)
+            self._dirty = False
+            fd = self._fd
+            if fd is not None:
+                await loop.run_in_executor(None, os.fsync, fd)
+
+    async def flush(self) -> None:
+        """Make every line written so far durable."""
+        if self._syncer is not None and not self._syncer.done():
+            await asyncio.shield(self._syncer)
+        if self._fd is not None and self._fsync != "none":
+            await asyncio.get_running_loop().run_in_executor(None, os.fsync, self._fd)
+            self._dirty = False
 
     async def aclose(self) -> None:
-        """Wait for queued records, then close."""
-        while self._drainer is not None and not self._drainer.done():
-            await asyncio.shield(self._drainer)
+        """fsync what was written, then close."""
+        await self.flush()
         self.close()
 
     def close(self) -> None:
-        """Close the file. Idempotent."""
+        """Close the file (fsync'ed unless fsync="none"). Idempotent."""
         if self._fd is not None:
+            if self._fsync != "none":
+                os.fsync(self._fd)
             os.close(self._fd)
             self._fd = None
 

@@ -225,6 +225,7 @@ class SessionScheduler:
         if env is not None:
             await _close_env(env)
         self.stats.add(rec)
+        self._slots.release(1)
         if self.recorder is not None:
             try:
                 await self.recorder.append(rec)
@@ -232,7 +233,6 @@ class SessionScheduler:
             except Exception as exc:
                 self.stats.record_failures += 1
                 log.error("recording session %s failed: %s", spec.session_id, exc)
-        self._slots.release(1)
         state.slots[spec.sample_index] = rec
         state.left -= 1
         if state.left == 0:

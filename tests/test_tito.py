@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
 from miles.engine import FinishReason
@@ -19,6 +21,7 @@ from miles.tito import (
     load_tokenizer,
 )
 from miles.tito.check import format_report, run_check
+from miles.tito.loading import packaged_tokenizer_dir
 from miles.types import Message, ToolCall
 
 TOOLS = [{"type": "function", "function": {
@@ -82,10 +85,10 @@ def test_load_tokenizer_errors(tmp_path):
         load_tokenizer(tmp_path)
 
 
-def test_load_tokenizer_from_folder_gets_llama3_template(tmp_path, toks):
-    toks["llama3"].save_pretrained(tmp_path)
-    for f in tmp_path.glob("chat_template*"):
-        f.unlink()
+def test_load_tokenizer_from_folder_gets_llama3_template(tmp_path):
+    src = packaged_tokenizer_dir("llama3")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / name, tmp_path / name)
     tok = load_tokenizer(tmp_path)
     assert TITOTokenizer(tok).family == "llama3"
 
