@@ -93,7 +93,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handlers = {"envs": _cmd_envs, "rollout": _cmd_rollout, "tito": _cmd_tito, "train": _cmd_train,
                 "sft": _cmd_sft}
-    return handlers[args.command](args)
+    from miles.config import ConfigError
+
+    try:
+        return handlers[args.command](args)
+    except ConfigError as exc:  # a bad config key or value: name it, no traceback
+        print(f"miles {args.command}: config error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -105,9 +105,8 @@ class Trajectory:
     def append(self, ids: list[int], *, role: str, generated: bool, logprobs: list[float] | None = None,
                weight_version: int | None = None) -> TurnSpan:
         """Append one turn's tokens verbatim; generated tokens get mask 1 and their logprobs."""
-        if generated:
-            if logprobs is None or len(logprobs) != len(ids):
-                raise TrajectoryInvariantError("generated tokens need one logprob each")
+        if generated and (logprobs is None or len(logprobs) != len(ids)):
+            raise TrajectoryInvariantError("generated tokens need one logprob each")
         start = len(self.token_ids)
         self.token_ids.extend(ids)
         self.loss_mask.extend([1 if generated else 0] * len(ids))

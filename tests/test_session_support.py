@@ -111,10 +111,14 @@ class AlwaysCallParser(ToolCallParser):
     """A parser for runs against a random-weights model: every output becomes one call of `TOOL`,
     with the model's text as `raw_arguments` (so the arguments are garbage JSON unless `ARGS` is set)."""
 
+    name = "test-always-add"
     TOOL = "add"
     ARGS: dict[str, Any] | None = {"a": 1, "b": 2}
 
-    def parse(self, text: str) -> ParsedOutput:
+    def render(self, content: str, calls: list[ToolCall]) -> str:
+        return content
+
+    def _parse(self, text: str) -> ParsedOutput:
         if self.ARGS is None:
             return ParsedOutput(content="", calls=[ToolCall(name=self.TOOL, arguments=None, id="call_0",
                                                             raw_arguments=text, parse_error="not JSON")])

@@ -77,9 +77,10 @@ def scenario(draw, family: str, vocab_size: int, special_ids: frozenset[int], ga
         observation: list[Message] | None = None
         if not last or draw(st.booleans()):
             observation = [Message("tool", draw(_text(30)), tool_call_id=c.id, name=c.name) for c in calls]
-            if not calls or draw(st.integers(0, 3)) == 0:
-                if family == "qwen3" or calls or draw(st.integers(0, 4)) > 0:
-                    observation.append(Message("user", draw(_text(30, 1))))
+            # a user message after the tool results, or instead of them; rarely nothing (not for qwen3)
+            wants_user = not calls or draw(st.integers(0, 3)) == 0
+            if wants_user and (family == "qwen3" or calls or draw(st.integers(0, 4)) > 0):
+                observation.append(Message("user", draw(_text(30, 1))))
         steps.append(Step(Message("assistant", content, calls, reasoning=reasoning), mode, garbage,
                           draw(st.booleans()), draw(st.floats(0.0, 1.0)), observation))
     return messages, tools, steps
@@ -171,7 +172,7 @@ def test_template_faithful_outputs_accumulate_to_the_canonical_render(titos, fam
 
 @pytest.mark.parametrize("family", FAMILIES)
 @given(data=st.data())
-@_SETTINGS
+@settings(_SETTINGS, max_examples=40)
 def test_garbage_and_truncated_outputs_keep_every_delta_exact(titos, family, data):
     tito = titos[family]
     messages, tools, steps = data.draw(scenario(family, tito.vocab_size, frozenset(tito.special_ids), 0.7))

@@ -55,7 +55,7 @@ def trajectories(draw):
 
 
 @given(trajectories())
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 def test_json_round_trip_is_lossless(traj):
     line = traj.to_json()
     assert "\n" not in line
@@ -65,7 +65,7 @@ def test_json_round_trip_is_lossless(traj):
 
 
 @given(st.lists(trajectories(), min_size=1, max_size=5))
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=25, deadline=None)
 def test_batch_safetensors_round_trip(tmp_path_factory, trajs):
     path = tmp_path_factory.mktemp("batch") / "b.safetensors"
     batch = TrajectoryBatch.from_trajectories(trajs)

@@ -151,7 +151,7 @@ class TrainLoop:
                                staging_dir=self.out / "weights")
         self.train_env = self._env_factory(cfg.env.train_split)
         self.eval_env = self._env_factory(cfg.env.eval_split)
-        self.train_tasks = self._tasks(cfg.env.train_split, 100_000)
+        self.train_tasks = self._tasks(cfg.env.train_split, cfg.env.num_train_tasks)
         self.eval_tasks = self._tasks(cfg.env.eval_split, cfg.eval.num_tasks)
         self.cursor = TaskCursor(len(self.train_tasks), cfg.seed)
         self.recorder = Recorder(self.out / "sessions.jsonl")

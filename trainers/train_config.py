@@ -13,12 +13,21 @@ from miles.trainers.torch_backend import AlgorithmConfig, TorchTrainerConfig
 
 @dataclass
 class EnvConfig:
-    """The environment, its constructor arguments, and which task splits train and evaluate."""
+    """The environment, its constructor arguments, and which task splits train and evaluate.
+
+    `num_train_tasks` is the size of the training pool the data cursor shuffles (keep it fixed across a
+    resumed run: it defines the task order).
+    """
 
     id: str = "Calculator-v0"
     kwargs: dict[str, Any] = field(default_factory=dict)
     train_split: str = "train"
     eval_split: str = "held_out"
+    num_train_tasks: int = 100_000
+
+    def __post_init__(self) -> None:
+        if self.num_train_tasks < 1:
+            raise ConfigError("num_train_tasks", "must be >= 1")
 
 
 @dataclass

@@ -1,6 +1,13 @@
 """The tiny model kit: a deterministic byte-level BPE tokenizer shipped in the package and tiny Qwen2 models."""
 
-from miles.tiny.model import TINY_SIZES, TinySize, UnknownTinySizeError, count_parameters, make_tiny_model, tiny_config
+from miles.tiny.model import (
+    TINY_SIZES,
+    TinySize,
+    UnknownTinySizeError,
+    count_parameters,
+    make_tiny_model,
+    tiny_config,
+)
 from miles.tiny.tokenizer import load_tiny_tokenizer, train_tiny_tokenizer
 
 __all__ = [

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from typing import TYPE_CHECKING
 
 from miles.tiny.tokenizer import load_tiny_tokenizer
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
 
 class UnknownTinySizeError(ValueError):
@@ -37,6 +39,8 @@ TINY_SIZES: dict[str, TinySize] = {
 def tiny_config(size: str = "3m", *, vocab_size: int | None = None,
                 max_position_embeddings: int = 2048) -> Qwen2Config:
     """The `Qwen2Config` of a tiny size; `vocab_size` defaults to the tiny tokenizer's full length."""
+    from transformers import Qwen2Config
+
     if size not in TINY_SIZES:
         raise UnknownTinySizeError(f"unknown tiny model size {size!r}; choose one of {sorted(TINY_SIZES)}")
     shape = TINY_SIZES[size]
@@ -65,6 +69,9 @@ def make_tiny_model(size: str = "3m", *, vocab_size: int | None = None, seed: in
 
     The global torch RNG state is left untouched. Save and load it with `save_pretrained` / `from_pretrained`.
     """
+    import torch
+    from transformers import Qwen2ForCausalLM
+
     config = tiny_config(size, vocab_size=vocab_size, max_position_embeddings=max_position_embeddings)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

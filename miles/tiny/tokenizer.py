@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
 
 from miles.tiny.corpus import DATA_DIR, build_corpus
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 VOCAB_SIZE = 2048
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -80,6 +83,8 @@ def load_tiny_tokenizer(path: str | Path | None = None) -> PreTrainedTokenizerFa
     `eos_token` is `<|im_end|>`, `pad_token` is `<|endoftext|>`, and `chat_template` renders tools, tool calls
     and tool responses the Qwen2.5 way.
     """
+    from transformers import PreTrainedTokenizerFast
+
     folder = Path(path) if path is not None else DATA_DIR
     config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
     tok = PreTrainedTokenizerFast(

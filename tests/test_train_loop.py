@@ -1,0 +1,147 @@
+"""The train loop end to end on the tiny model: artifacts, recorded sessions, weight versions, `--resume`,
+and config errors through the CLI."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from miles.config import ConfigError, from_dict
+from miles.sessions.recorder import read_sessions
+from miles.trainers.loop import TrainLoop
+from miles.trainers.metrics_log import read_metrics
+from miles.trainers.train_config import TrainConfig, load_train_config
+
+TASKS_PER_STEP = 2
+GROUP_SIZE = 2
+PER_STEP = TASKS_PER_STEP * GROUP_SIZE
+
+
+def tiny_config(output_dir: Path, **top: object) -> TrainConfig:
+    data = {
+        "seed": 3, "output_dir": str(output_dir), "steps": 2,
+        "env": {"id": "Calculator-v0", "num_train_tasks": 64},
+        "model": {"name": "tiny", "size": "0.1m"},
+        "rollout": {"tasks_per_step": TASKS_PER_STEP,
+                    "scheduler": {"group_size": GROUP_SIZE, "progress": False,
+                                  "session": {"sampling": {"temperature": 1.0, "max_new_tokens": 48}}}},
+        "trainer": {"lr": 1e-3},
+        "sft": {"enabled": True, "num_demos": 8, "batch_size": 8},
+        "eval": {"num_tasks": 2, "max_new_tokens": 48},
+    }
+    data.update(top)
+    return from_dict(TrainConfig, data)
+
+
+def run(cfg: TrainConfig, *, resume: bool = False):
+    return asyncio.run(TrainLoop(cfg, resume=resume, echo=lambda _: None).run())
+
+
+def train_rows(out: Path) -> list[dict]:
+    return [r for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "train"]
+
+
+def task_ids_by_step(out: Path) -> list[list[str]]:
+    """Each step's task ids, in recording order (a step's sessions all end before the next step starts)."""
+    records = read_sessions(out / "sessions.jsonl").records
+    assert len(records) % PER_STEP == 0
+    return [sorted(r.task["task_id"] for r in records[i:i + PER_STEP]) for i in range(0, len(records), PER_STEP)]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> tuple[Path, object]:
+    out = tmp_path_factory.mktemp("runs") / "full"
+    summary = run(tiny_config(out, steps=4))
+    return out, summary
+
+
+def test_a_run_writes_every_artifact(uninterrupted):
+    out, summary = uninterrupted
+    for name in ("config.yaml", "sessions.jsonl", "eval_sessions.jsonl", "metrics.jsonl", "curves.png",
+                 "summary.json"):
+        assert (out / name).is_file() and (out / name).stat().st_size > 0, name
+    assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == ["step_00000004"]
+    saved = json.loads((out / "summary.json").read_text())
+    assert saved["steps_done"] == 4 == summary.steps_done
+    assert set(saved["evals"]) == {"start", "final"} and saved["evals"]["final"]["greedy"]["num_tasks"] == 2
+    assert load_train_config(str(out / "config.yaml")).steps == 4  # the recorded config loads back
+    kinds = {r["kind"] for r in read_metrics(out / "metrics.jsonl")}
+    assert {"train", "eval", "sync"} <= kinds
+    syncs = [r for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "sync"]
+    assert all(r["seconds"] > 0 for r in syncs)
+
+
+def test_every_session_is_recorded_with_its_weight_version(uninterrupted):
+    out, _ = uninterrupted
+    result = read_sessions(out / "sessions.jsonl")
+    assert result.bad_lines == []
+    assert len(result.records) == 4 * PER_STEP
+    assert len({r.session_id for r in result.records}) == len(result.records)
+    rows = train_rows(out)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert all(r["sessions"] == PER_STEP for r in rows)
+    step_versions = []
+    for i in range(0, len(result.records), PER_STEP):
+        versions = {v for r in result.records[i:i + PER_STEP] for v in r.weight_versions}
+        assert versions and None not in versions
+        assert all(r.turns for r in result.records[i:i + PER_STEP])
+        assert all(span.weight_version is not None
+                   for r in result.records[i:i + PER_STEP] for span in r.trajectory.spans
+                   if span.role == "assistant")
+        step_versions.append(versions)
+    # drain policy: one version per step, and each step's rollouts use newer weights than the last
+    assert all(len(v) == 1 for v in step_versions)
+    flat = [next(iter(v)) for v in step_versions]
+    assert flat == sorted(flat) and len(set(flat)) == len(flat), flat
+    assert flat[0] >= 1  # the SFT warm start was synced before the first rollout
+    evals = read_sessions(out / "eval_sessions.jsonl").records
+    assert len(evals) == 2 * 2  # start and final, 2 held-out tasks each
+
+
+def test_resume_continues_at_the_next_step_with_the_same_data(uninterrupted, tmp_path):
+    full, _ = uninterrupted
+    out = tmp_path / "resumed"
+    first = run(tiny_config(out, steps=2, checkpoint={"every": 1}))
+    assert first.steps_done == 2
+    assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == ["step_00000001", "step_00000002"]
+    second = run(tiny_config(out, steps=4, checkpoint={"every": 1}), resume=True)
+    assert second.steps_done == 4
+    assert "start" not in second.evals  # a resumed run does not redo the start-of-run stages
+    assert [r["step"] for r in train_rows(out)] == [0, 1, 2, 3]  # none repeated, none lost
+    assert read_sessions(out / "sessions.jsonl").bad_lines == []
+    assert task_ids_by_step(out) == task_ids_by_step(full)  # the data cursor continued
+    sft_rows = [r for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "eval" and r["stage"] == "start"]
+    assert len(sft_rows) == 1
+
+
+def test_resume_without_a_checkpoint_starts_from_scratch(tmp_path):
+    out = tmp_path / "fresh"
+    summary = run(tiny_config(out, steps=1, sft={"enabled": False}), resume=True)
+    assert summary.steps_done == 1 and [r["step"] for r in train_rows(out)] == [0]
+    assert len(read_sessions(out / "sessions.jsonl").records) == PER_STEP
+
+
+def test_config_errors_name_the_bad_key(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        load_train_config(None, ["trainer.lrr=1"])
+    assert err.value.key == "trainer.lrr"
+    with pytest.raises(ConfigError, match="env.num_train_tasks"):
+        load_train_config(None, ["env.num_train_tasks=0"])
+    with pytest.raises(ConfigError, match="rollout.tasks_per_step"):
+        load_train_config(None, ["rollout.tasks_per_step=many"])
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"output_dir: {tmp_path / 'never'}\nsteps: 1\n")
+    for override, key in (("trainer.lrr=1", "trainer.lrr"), ("steps=-1", "steps"),
+                          ("engine.kind=warp", "engine.kind")):
+        proc = subprocess.run([sys.executable, "-m", "miles.cli", "train", "--config", str(cfg), "--set", override],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2, proc.stderr
+        assert key in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert not (tmp_path / "never").exists()
