@@ -25,8 +25,9 @@ from collections.abc import Callable
 import torch
 from rich.console import Console
 from rich.table import Table
+from transformers import Qwen2ForCausalLM
 
-from miles.tiny import load_tiny_tokenizer, make_tiny_model
+from miles.tiny import load_tiny_tokenizer, make_tiny_model, tiny_config
 from miles.trainers.advantages import AdvantageConfig, compute_advantages
 from miles.trainers.losses import LossConfig
 from miles.trainers.torch_backend import AlgorithmConfig, TorchTrainer, TorchTrainerConfig
@@ -160,6 +161,8 @@ def plain_hf_path(model, batch, advantages, micro_seqs: int, lr: float):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--size", default="3m")
+    ap.add_argument("--hidden", type=int, default=None, help="override the size's hidden width (heads of 64)")
+    ap.add_argument("--layers", type=int, default=None, help="override the size's number of layers")
     ap.add_argument("--num-seqs", type=int, default=32)
     ap.add_argument("--min-len", type=int, default=64)
     ap.add_argument("--max-len", type=int, default=512)
@@ -169,7 +172,19 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
 
-    base = make_tiny_model(args.size, seed=0).to(args.device)
+    base = make_tiny_model(args.size, seed=0)
+    if args.hidden or args.layers:
+        cfg = tiny_config(args.size)
+        if args.hidden:
+            heads = max(args.hidden // 64, 1)
+            cfg.hidden_size, cfg.intermediate_size = args.hidden, args.hidden * 8 // 3
+            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim = heads, max(heads // 4, 1), 64
+        if args.layers:
+            cfg.num_hidden_layers = args.layers
+            cfg.layer_types = ["full_attention"] * args.layers
+        torch.manual_seed(0)
+        base = Qwen2ForCausalLM(cfg)
+    base = base.to(args.device)
     vocab = base.config.vocab_size
     batch = make_batch(args.num_seqs, args.min_len, args.max_len, vocab, group_size=8, seed=0)
     counts = torch.tensor([float(batch.loss_mask[batch.sequence(i)].sum()) for i in range(batch.num_sequences)])
@@ -192,6 +207,7 @@ def main() -> None:
         first_step_weights[name] = {k: v.detach().float().cpu().clone() for k, v in model.state_dict().items()}
         results.append((name, time_steps(step, args.steps, max(args.warmup - 1, 0))))
 
+    run("miles varlen (auto)", lambda m: miles_path(m, batch, "varlen", micro_tokens, lr)[0])
     run("miles packed", lambda m: miles_path(m, batch, "packed", micro_tokens, lr)[0])
     run("miles padded", lambda m: miles_path(m, batch, "padded", micro_tokens, lr)[0])
     trl_note = ""

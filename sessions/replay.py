@@ -376,5 +376,6 @@ def check_tito(record: SessionRecord, tito: Any) -> TitoCheck:
 
 
 def console_for(stream: Any = None) -> Console:
-    """A console on `stream` (stdout by default); colour only on a terminal."""
-    return Console(file=stream, highlight=False, soft_wrap=True)
+    """A console on `stream` (stdout by default); colour only on a terminal, 200 columns off one."""
+    probe = Console(file=stream)
+    return Console(file=stream, highlight=False, soft_wrap=True, width=None if probe.is_terminal else 200)

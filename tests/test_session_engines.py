@@ -86,10 +86,10 @@ async def test_engine_killed_mid_turn_fails_over_or_ends_as_engine_error(servers
     victim = SGLangClient(servers["proc"].url, engine_id="victim", timeout_s=60)
     victim_alone = SGLangClient(servers["proc"].url, engine_id="victim-alone", timeout_s=60)
     survivor = SGLangClient(servers["thread"].url, engine_id="survivor", timeout_s=60)
-    with_spare = scheduler([victim, survivor], tmp_path / "spare", parser="test-always-add", group_size=4,
-                           max_new_tokens=48, max_turns=3)
-    alone = scheduler([victim_alone], tmp_path / "alone", parser="test-always-add", group_size=3,
-                      max_new_tokens=48, max_turns=3)
+    with_spare = scheduler([victim, survivor], tmp_path / "spare", parser="test-always-add", group_size=3,
+                           max_new_tokens=32, max_turns=2)
+    alone = scheduler([victim_alone], tmp_path / "alone", parser="test-always-add", group_size=2,
+                      max_new_tokens=32, max_turns=2)
 
     async def kill_when_busy() -> None:
         slots = [with_spare.pool.slots[0], alone.pool.slots[0]]
@@ -99,7 +99,7 @@ async def test_engine_killed_mid_turn_fails_over_or_ends_as_engine_error(servers
         await asyncio.to_thread(servers["proc"].kill)
 
     killer = asyncio.create_task(kill_when_busy())
-    spare_records, alone_records = await asyncio.gather(run_all(with_spare, ["t1", "t2", "t3"]),
+    spare_records, alone_records = await asyncio.gather(run_all(with_spare, ["t1", "t2"]),
                                                         run_all(alone, ["t1", "t2"]))
     await killer
     # With a spare: every session resumed on the survivor at the failed turn.
@@ -121,7 +121,7 @@ async def test_engine_killed_mid_turn_fails_over_or_ends_as_engine_error(servers
 
 async def test_hanging_tool_times_out_and_the_episode_goes_on(servers, tmp_path) -> None:
     client = SGLangClient(servers["thread"].url, engine_id="thread")
-    sched = scheduler([client], tmp_path, parser="test-always-hang", max_turns=3)
+    sched = scheduler([client], tmp_path, parser="test-always-hang", max_turns=3, max_new_tokens=8)
     records = await run_all(sched, ["t1", "t2"])
     for r in records:
         assert r.termination == TerminationReason.MAX_TURNS
@@ -134,12 +134,12 @@ async def test_hanging_tool_times_out_and_the_episode_goes_on(servers, tmp_path)
 async def test_context_filling_up_ends_as_context_full(servers, tmp_path) -> None:
     client = SGLangClient(servers["thread"].url, engine_id="thread")
     sched = scheduler([client], tmp_path, parser="test-always-add", env=lambda: AddEnv(max_turns=100),
-                      max_turns=100, context_length=600, max_new_tokens=32)
+                      max_turns=100, context_length=560, max_new_tokens=16, group_size=1)
     records = await run_all(sched, ["t1", "t2"])
     for r in records:
         assert r.termination == TerminationReason.CONTEXT_FULL
-        assert len(r.turns) >= 2 and len(r.trajectory) + 32 > 600
-        assert all(t.prompt_tokens + 32 <= 600 for t in r.turns)
+        assert len(r.turns) >= 2 and len(r.trajectory) + 16 > 560
+        assert all(t.prompt_tokens + 16 <= 560 for t in r.turns)
         assert_consistent(r)
     await client.close()
 
@@ -147,12 +147,12 @@ async def test_context_filling_up_ends_as_context_full(servers, tmp_path) -> Non
 async def test_garbage_model_output_never_breaks_a_session(servers, tmp_path) -> None:
     client = SGLangClient(servers["thread"].url, engine_id="thread")
     # The random model's text, parsed by the real hermes parser: whatever it is, the session ends typed.
-    records = await run_all(scheduler([client], tmp_path, max_turns=3), ["t1", "t2", "t3"])
+    records = await run_all(scheduler([client], tmp_path, max_turns=2, max_new_tokens=16), ["t1", "t2"])
     assert all(r.termination in OK_ENDS for r in records)
     for r in records:
         assert_consistent(r)
     # Its text as tool-call arguments: invalid JSON every turn, reported to the model, episode goes on.
-    sched = scheduler([client], tmp_path / "garbage", parser="test-garbage-args", max_turns=2)
+    sched = scheduler([client], tmp_path / "garbage", parser="test-garbage-args", max_turns=2, max_new_tokens=16)
     records = await run_all(sched, ["t1", "t2"])
     for r in records:
         assert r.termination == TerminationReason.MAX_TURNS
@@ -165,8 +165,8 @@ async def test_env_raising_in_reset_or_step_is_isolated(servers, tmp_path) -> No
     client = SGLangClient(servers["thread"].url, engine_id="thread")
     kinds = iter([AddEnv, ResetFailsEnv, StepFailsEnv] * 4)
     sched = scheduler([client], tmp_path, env=lambda: next(kinds)(), parser="test-always-add", group_size=3,
-                      max_turns=2)
-    records = await run_all(sched, ["t1", "t2"])
+                      max_turns=2, max_new_tokens=16)
+    records = await run_all(sched, ["t1"])
     by_env = {r.env_id: r for r in records}
     assert by_env["Add-v0"].termination == TerminationReason.MAX_TURNS
     reset, step = by_env["ResetFails-v0"], by_env["StepFails-v0"]

@@ -56,11 +56,12 @@ def per_sequence_logprobs(model, batch: TrajectoryBatch, temperature: float = 1.
     return torch.cat(out)
 
 
-@pytest.mark.parametrize("packing", ["packed", "padded"])
+@pytest.mark.parametrize("packing", ["auto", "varlen", "packed", "padded"])
 def test_packed_forward_equals_per_sequence_forward(packing):
     model = tiny()
     batch = make_batch()
     trainer = TorchTrainer(model, TorchTrainerConfig(micro_batch_tokens=20, packing=packing))
+    assert trainer.packing == ("varlen" if packing == "auto" else packing)
     got = trainer.compute_logprobs(batch)
     want = per_sequence_logprobs(model, batch)
     assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
@@ -102,6 +103,8 @@ def test_micro_batch_plan():
     assert plan_micro_batches([5, 9, 3, 12, 7], 14) == [(0, 2), (2, 3), (3, 4), (4, 5)]
     assert plan_micro_batches([30, 2], 10) == [(0, 1), (1, 2)]
     assert plan_micro_batches([], 10) == []
+    # padded cost is count * longest: [5, 9] costs 18 > 14
+    assert plan_micro_batches([5, 9, 3, 2], 14, padded=True) == [(0, 1), (1, 2), (2, 4)]
 
 
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])

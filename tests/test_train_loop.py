@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from miles.cli import main as cli_main
 from miles.config import ConfigError, from_dict
 from miles.sessions.recorder import read_sessions
 from miles.trainers.loop import TrainLoop
@@ -116,8 +117,8 @@ def test_resume_continues_at_the_next_step_with_the_same_data(uninterrupted, tmp
     assert [r["step"] for r in train_rows(out)] == [0, 1, 2, 3]  # none repeated, none lost
     assert read_sessions(out / "sessions.jsonl").bad_lines == []
     assert task_ids_by_step(out) == task_ids_by_step(full)  # the data cursor continued
-    sft_rows = [r for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "eval" and r["stage"] == "start"]
-    assert len(sft_rows) == 1
+    start_evals = [r for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "eval" and r["stage"] == "start"]
+    assert len(start_evals) == 1
 
 
 def test_resume_without_a_checkpoint_starts_from_scratch(tmp_path):
@@ -127,7 +128,7 @@ def test_resume_without_a_checkpoint_starts_from_scratch(tmp_path):
     assert len(read_sessions(out / "sessions.jsonl").records) == PER_STEP
 
 
-def test_config_errors_name_the_bad_key(tmp_path):
+def test_config_errors_name_the_bad_key(tmp_path, capsys):
     with pytest.raises(ConfigError) as err:
         load_train_config(None, ["trainer.lrr=1"])
     assert err.value.key == "trainer.lrr"
@@ -138,10 +139,14 @@ def test_config_errors_name_the_bad_key(tmp_path):
 
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"output_dir: {tmp_path / 'never'}\nsteps: 1\n")
-    for override, key in (("trainer.lrr=1", "trainer.lrr"), ("steps=-1", "steps"),
-                          ("engine.kind=warp", "engine.kind")):
-        proc = subprocess.run([sys.executable, "-m", "miles.cli", "train", "--config", str(cfg), "--set", override],
-                              capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 2, proc.stderr
-        assert key in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "miles.cli", "train", "--config", str(cfg), "--set", "trainer.lrr=1"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "trainer.lrr" in proc.stderr and "unknown key" in proc.stderr and "Traceback" not in proc.stderr
+    for override, key in (("steps=-1", "steps"), ("engine.kind=warp", "engine.kind"),
+                          ("sft.lr=fast", "sft.lr")):
+        assert cli_main(["train", "--config", str(cfg), "--set", override]) == 2
+        assert key in capsys.readouterr().err
+    assert cli_main(["sft", "--config", str(cfg), "--set", "sft.bogus=1"]) == 2
+    assert "sft.bogus" in capsys.readouterr().err
     assert not (tmp_path / "never").exists()

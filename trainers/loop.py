@@ -140,9 +140,9 @@ class TrainLoop:
         self.model = build_policy(cfg.model, self.tito.tokenizer)
         self.engines = build_engines(cfg, self.model, self.tito.tokenizer)
         if cfg.backend == "megatron":
-            from miles.trainers.megatron import MegatronTrainer
+            from miles.trainers.megatron.driver import build_megatron_trainer
 
-            self.trainer: Any = MegatronTrainer.from_train_config(self.model, cfg)
+            self.trainer: Any = build_megatron_trainer(self.model, cfg)
         else:
             from miles.trainers.torch_backend import TorchTrainer
 

@@ -32,17 +32,34 @@ def format_summary(summary: RunSummary) -> str:
     return "\n".join(lines)
 
 
-def run_from_cli(args: argparse.Namespace) -> int:
-    cfg = config_from_args(args)
-    summary = asyncio.run(TrainLoop(cfg, resume=args.resume).run())
+def run_loop(cfg: TrainConfig, args: argparse.Namespace, *, resume: bool) -> int:
+    """Run one `TrainLoop` and print its table. With ``backend: megatron`` on several ranks, the launcher
+    spawns them with torchrun, worker ranks serve trainer commands, and rank 0 runs the loop, releasing the
+    workers when it ends (also on an error)."""
+    if cfg.backend == "megatron":
+        from miles.trainers.megatron.driver import cli_argv, dispatch_ranks
+
+        status = dispatch_ranks(cfg, cli_argv(args))
+        if status is not None:
+            return status
+    loop = TrainLoop(cfg, resume=resume)
+    try:
+        summary = asyncio.run(loop.run())
+    finally:
+        if cfg.backend == "megatron":
+            from miles.trainers.megatron.driver import stop_workers
+
+            stop_workers(getattr(loop, "trainer", None))
     print(format_summary(summary))
     return 0
+
+
+def run_from_cli(args: argparse.Namespace) -> int:
+    return run_loop(config_from_args(args), args, resume=args.resume)
 
 
 def sft_from_cli(args: argparse.Namespace) -> int:
     """SFT only: the config's `sft` stage with RL steps set to zero."""
     cfg = config_from_args(args)
     cfg = dataclasses.replace(cfg, steps=0, sft=dataclasses.replace(cfg.sft, enabled=True))
-    summary = asyncio.run(TrainLoop(cfg, resume=False).run())
-    print(format_summary(summary))
-    return 0
+    return run_loop(cfg, args, resume=False)

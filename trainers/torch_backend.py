@@ -1,10 +1,15 @@
 """`TorchTrainer`: GRPO/PPO and SFT steps for any HF causal LM on CPU or CUDA, FSDP2 when distributed.
 
 Sequences are packed padding-free into micro-batches of at most ``micro_batch_tokens`` tokens: one row of
-concatenated sequences whose ``position_ids`` restart at 0 for each sequence. transformers (>= 4.54) turns
-such position ids into a block-diagonal causal mask for sdpa/eager attention and into varlen calls for
-flash-attention, so sequences never attend to each other. ``packing="padded"`` right-pads each micro-batch
-instead (same numbers, kept as a fallback for models whose attention ignores position-id packing).
+concatenated sequences whose ``position_ids`` restart at 0 for each sequence. Packing modes:
+
+- ``varlen`` (the ``auto`` choice for sdpa/eager models): the model's attention is switched to
+  `miles.trainers.varlen_attention` (per-sequence causal SDPA; behaves as sdpa everywhere else), so no
+  cross-sequence attention is computed and no ``L x L`` mask is built;
+- ``packed`` (the ``auto`` choice for flash-attention models): position ids only; transformers (>= 4.54) turns
+  them into varlen flash calls, or for sdpa into a block-diagonal ``L x L`` mask (correct, but quadratic in
+  the packed length);
+- ``padded``: right-padded micro-batches with an attention mask (the fallback for other models).
 
 With a world size above 1 every rank calls `train_step` with the same full batch; the trainer computes
 advantages on the whole batch (groups may span ranks), takes its own share of the sequences, and
@@ -25,6 +30,7 @@ from torch import nn
 
 from miles.trajectory import TrajectoryBatch
 
+from . import varlen_attention
 from .advantages import AdvantageConfig, compute_advantages, expand_to_tokens
 from .checkpoint import (
     Checkpoint,
@@ -39,7 +45,7 @@ from .losses import LossConfig, LossInputs, policy_loss, sft_loss
 from .metrics import MetricAccumulator, reward_metrics
 
 Schedule = Literal["constant", "cosine", "linear"]
-Packing = Literal["packed", "padded"]
+Packing = Literal["auto", "varlen", "packed", "padded"]
 Precision = Literal["auto", "bf16", "fp32"]
 
 
@@ -90,7 +96,7 @@ class TorchTrainerConfig:
     min_lr_ratio: float = 0.0
     micro_batch_tokens: int = 4096
     temperature: float | None = None
-    packing: Packing = "packed"
+    packing: Packing = "auto"
     precision: Precision = "auto"
     compute_entropy: bool = True
     gradient_checkpointing: bool = False
@@ -111,8 +117,8 @@ class TorchTrainerConfig:
             raise ConfigError("micro_batch_tokens", f"must be >= 1, got {self.micro_batch_tokens}")
         if self.temperature is not None and not self.temperature > 0:
             raise ConfigError("temperature", f"must be > 0, got {self.temperature}")
-        if self.packing not in ("packed", "padded"):
-            raise ConfigError("packing", f"must be packed|padded, got {self.packing!r}")
+        if self.packing not in ("auto", "varlen", "packed", "padded"):
+            raise ConfigError("packing", f"must be auto|varlen|packed|padded, got {self.packing!r}")
         if self.precision not in ("auto", "bf16", "fp32"):
             raise ConfigError("precision", f"must be auto|bf16|fp32, got {self.precision!r}")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
@@ -138,18 +144,21 @@ def lr_lambda(step: int, config: TorchTrainerConfig) -> float:
     return config.min_lr_ratio + (1 - config.min_lr_ratio) * shape
 
 
-def plan_micro_batches(lengths: list[int], token_budget: int) -> list[tuple[int, int]]:
+def plan_micro_batches(lengths: list[int], token_budget: int, *, padded: bool = False) -> list[tuple[int, int]]:
     """Split sequences (in order) into contiguous ``[start, end)`` ranges of at most ``token_budget`` tokens.
 
+    With ``padded=True`` a range costs ``count * longest`` (what a right-padded micro-batch holds).
     A sequence longer than the budget gets a micro-batch of its own.
     """
     plans: list[tuple[int, int]] = []
-    start, used = 0, 0
+    start, used, longest = 0, 0, 0
     for i, n in enumerate(lengths):
-        if i > start and used + n > token_budget:
+        cost = (i - start + 1) * max(longest, n) if padded else used + n
+        if i > start and cost > token_budget:
             plans.append((start, i))
-            start, used = i, 0
+            start, used, longest = i, 0, 0
         used += n
+        longest = max(longest, n)
     if start < len(lengths):
         plans.append((start, len(lengths)))
     return plans
@@ -184,6 +193,11 @@ class TorchTrainer:
         self.ref_model = ref_model
         if ref_model is not None:
             ref_model.to(self.device).eval().requires_grad_(False)
+        self.packing = _resolve_packing(self.config.packing, model)
+        if self.packing == "varlen":
+            for m in (model, ref_model):
+                if m is not None and _attn_impl(m) != varlen_attention.NAME:
+                    m.set_attn_implementation(varlen_attention.register())
         self.pad_token_id = int(getattr(getattr(model, "config", None), "pad_token_id", None) or 0)
         params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=self.config.lr, betas=self.config.betas,
@@ -381,13 +395,14 @@ class TorchTrainer:
         micro-batches get ``None`` entries, for which a one-token dummy pass is run.
         """
         lengths = (batch.cu_seqlens[lo + 1:hi + 1] - batch.cu_seqlens[lo:hi]).tolist()
-        budget = self.config.micro_batch_tokens
+        budget, padded = self.config.micro_batch_tokens, self.packing == "padded"
         if self.world_size == 1:
-            return [(lo + s, lo + e) for s, e in plan_micro_batches(lengths, budget)]
+            return [(lo + s, lo + e) for s, e in plan_micro_batches(lengths, budget, padded=padded)]
         plans = []
         for r in range(self.world_size):
             a, b = _token_balanced_share(lengths, r, self.world_size)
-            plans.append([(lo + a + s, lo + a + e) for s, e in plan_micro_batches(lengths[a:b], budget)])
+            plans.append([(lo + a + s, lo + a + e)
+                          for s, e in plan_micro_batches(lengths[a:b], budget, padded=padded)])
         longest = max(len(p) for p in plans)
         mine: list[tuple[int, int] | None] = list(plans[self.rank])
         return mine + [None] * (longest - len(mine))
@@ -432,7 +447,15 @@ class TorchTrainer:
         starts = cu[:-1].to(self.device)
         positions = torch.arange(ids.numel(), device=self.device) - starts[seq_index]
         with self._autocast():
-            if self.config.packing == "packed":
+            if self.packing == "varlen" and _attn_impl(model) == varlen_attention.NAME:
+                cu_dev = cu.to(self.device)
+                longest = int(lengths.max())
+                mask_map = varlen_attention.no_mask_mapping(model)
+                extra = {} if mask_map is None else {"attention_mask": mask_map}
+                logits = model(input_ids=ids.unsqueeze(0), position_ids=positions.unsqueeze(0), use_cache=False,
+                               cu_seq_lens_q=cu_dev, cu_seq_lens_k=cu_dev, max_length_q=longest,
+                               max_length_k=longest, **extra).logits[0]
+            elif self.packing in ("packed", "varlen"):
                 logits = model(input_ids=ids.unsqueeze(0), position_ids=positions.unsqueeze(0),
                                use_cache=False).logits[0]
             else:
@@ -529,6 +552,20 @@ def _apply_fsdp2(model: nn.Module, device: torch.device) -> None:
         if type(module).__name__ in no_split:
             fully_shard(module, mesh=mesh)
     fully_shard(model, mesh=mesh)
+
+
+def _attn_impl(model: nn.Module) -> str:
+    return str(getattr(getattr(model, "config", None), "_attn_implementation", "") or "")
+
+
+def _resolve_packing(packing: str, model: nn.Module) -> str:
+    if packing != "auto":
+        return packing
+    impl = _attn_impl(model)
+    if impl.startswith("flash"):
+        return "packed"
+    return "varlen" if impl in ("sdpa", "eager", varlen_attention.NAME) and hasattr(model, "set_attn_implementation") \
+        else "padded"
 
 
 def _resolve_device(name: str) -> torch.device:

@@ -24,8 +24,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from miles.trainers import checkpoint as ckpt_io
 from miles.trainers.advantages import compute_advantages, expand_to_tokens
-from miles.trainers.errors import ConfigError
+from miles.trainers.errors import CheckpointError, ConfigError
 from miles.trainers.losses import LossInputs, LossOutput, policy_loss, sft_loss
 from miles.trainers.megatron.compat import label_params_as_cuda
 from miles.trainers.megatron.convert import hf_to_megatron, megatron_to_hf, tp_partition_dim
@@ -329,7 +330,89 @@ class MegatronTrainer:
             model.save_pretrained(str(directory))
         dist.barrier()
 
+    def save_checkpoint(self, root: str | Path, *, data_cursor: dict[str, Any] | None = None,
+                        extra: dict[str, Any] | None = None, keep_last: int | None = None) -> Path | None:
+        """Save model (HF layout), optimizer, step, RNG (all ranks) and ``data_cursor`` under ``root``.
+
+        The on-disk format of `miles.trainers.checkpoint`; ``optimizer.pt`` holds every rank's optimizer
+        shard, so a resume needs the same tp / pp / world size. A collective: rank 0 writes and returns the
+        path, the other ranks return None.
+        """
+        model_state = self.hf_state_dict(cpu=True)
+        local = (self._optimizer_state(), ckpt_io.capture_rng_state())
+        gathered: list[Any] = [None] * self.info.world_size
+        if self.info.world_size == 1:
+            gathered = [local]
+        else:
+            dist.all_gather_object(gathered, local)
+        path = None
+        if self.info.rank == 0:
+            optimizer_state = {"backend": "megatron", "tp": self.info.tp_size, "pp": self.info.pp_size,
+                               "world_size": self.info.world_size, "ranks": [g[0] for g in gathered]}
+            path = ckpt_io.save_checkpoint(root, step=self.step, model_state=model_state,
+                                           optimizer_state=optimizer_state, data_cursor=data_cursor,
+                                           extra=extra, rng_states=[g[1] for g in gathered],
+                                           keep_last=keep_last)
+        if self.info.world_size > 1:
+            dist.barrier()
+        return path
+
+    def load_checkpoint(self, path: str | Path) -> ckpt_io.Checkpoint:
+        """Restore what `save_checkpoint` wrote (``path``: a checkpoint or its root); a collective, every rank
+        reads the files. Raises `CheckpointError` when the checkpoint does not fit this model or layout."""
+        ckpt = ckpt_io.load_checkpoint(path)
+        opt = ckpt.optimizer
+        if opt is not None:
+            if not isinstance(opt, dict) or opt.get("backend") != "megatron":
+                raise CheckpointError(f"{ckpt.path}: the optimizer state is not the Megatron backend's")
+            layout = (opt.get("tp"), opt.get("pp"), opt.get("world_size"))
+            if layout != (self.info.tp_size, self.info.pp_size, self.info.world_size):
+                raise CheckpointError(f"{ckpt.path}: saved with tp/pp/world {layout}, this run has "
+                                      f"{(self.info.tp_size, self.info.pp_size, self.info.world_size)}")
+        try:
+            self._load_hf(self.model, ckpt.model)
+        except (ConfigError, KeyError, RuntimeError) as e:
+            raise CheckpointError(f"{ckpt.path}: checkpoint weights do not fit this model: {e}") from e
+        if opt is not None:
+            self._load_optimizer_state(opt["ranks"][self.info.rank])
+        self.step = ckpt.step
+        if ckpt.rng:
+            ckpt_io.restore_rng_state(ckpt.rng[self.info.rank] if self.info.rank < len(ckpt.rng) else ckpt.rng[0])
+        if self.info.world_size > 1:
+            dist.barrier()
+        return ckpt
+
     # ---------------------------------------------------------------- internals
+
+    def _sub_optimizers(self) -> list[Any]:
+        return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
+
+    def _optimizer_state(self) -> list[dict[str, Any]]:
+        """This rank's optimizer shard, per megatron sub-optimizer: the inner torch optimizer's state dict
+        and its main (fp32 master) parameters, on CPU."""
+        out = []
+        for sub in self._sub_optimizers():
+            inner = sub.optimizer
+            main = [p.detach().cpu().clone() for g in inner.param_groups for p in g["params"]]
+            out.append({"inner": _to_cpu(inner.state_dict()), "main": main})
+        return out
+
+    def _load_optimizer_state(self, state: list[dict[str, Any]]) -> None:
+        subs = self._sub_optimizers()
+        if len(state) != len(subs):
+            raise CheckpointError(f"optimizer state has {len(state)} parts, this optimizer {len(subs)}")
+        for sub, part in zip(subs, state, strict=True):
+            inner = sub.optimizer
+            params = [p for g in inner.param_groups for p in g["params"]]
+            if [tuple(p.shape) for p in params] != [tuple(m.shape) for m in part["main"]]:
+                raise CheckpointError("optimizer shards do not match this model's parameters")
+            try:
+                inner.load_state_dict(part["inner"])
+            except (ValueError, KeyError) as e:
+                raise CheckpointError(f"optimizer state does not fit: {e}") from e
+            with torch.no_grad():
+                for p, m in zip(params, part["main"], strict=True):
+                    p.copy_(m)
 
     def _gather_stages(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         from megatron.core import parallel_state as ps
@@ -486,3 +569,13 @@ class MegatronTrainer:
         for part in gathered:
             merged.update(part)
         return merged.result()
+
+
+def _to_cpu(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu().clone()
+    if isinstance(x, dict):
+        return {k: _to_cpu(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return type(x)(_to_cpu(v) for v in x)
+    return x
