@@ -176,7 +176,14 @@ async def test_invalid_task_is_a_named_error() -> None:
 
 async def test_consumer_leaving_early_still_records_every_started_session(tmp_path: Path) -> None:
     path = tmp_path / "sessions.jsonl"
-    engine = InstantEngine(respond=responder, delay_s=0.05)
+    class FirstTaskFast(InstantEngine):
+        """Task t0 is answered at once; every other request waits until it is aborted (or 60 s)."""
+
+        async def generate(self, input_ids, sampling_params, *, session_id=None, rid=None):
+            self.delay_s = 0.0 if "What is 0 " in tito().decode(input_ids) else 60.0
+            return await super().generate(input_ids, sampling_params, session_id=session_id, rid=rid)
+
+    engine = FirstTaskFast(respond=responder)
     sched = SessionScheduler(engine, tokenizer=tito(), env_factory=AddEnv, recorder=path,
                              config=config(group_size=2, max_concurrent_sessions=4))
     async with contextlib.aclosing(sched.run_groups([f"t{i % 8}" for i in range(50)])) as groups:
