@@ -321,10 +321,37 @@ class OrdersEnv(ToolEnv):
     def _db_matches(self, answer: dict[str, list[str]], state: dict[str, Any]) -> bool:
         return state["db"].snapshot() == goal_state(state["initial"], answer)
 
+    def _diligent(self, task: Task, state: dict[str, Any]) -> bool:
+        """The agent tried to verify the customer and, once verified, looked up every order they asked about.
+
+        Without this, refusing everything by doing nothing would match the goal state of every task whose
+        requests the policy forbids.
+        """
+        calls = state.get("tool_calls", [])
+        if not any(c["name"] == "authenticate" for c in calls):
+            return False
+        if state["db"].user_id is None:
+            return True  # identity not verified: the policy forbids every further step
+        looked_up = set()
+        for c in calls:
+            if c["name"] == "get_order" and c["error"] is None:
+                try:
+                    looked_up.add(json.loads(c["content"]).get("order_id"))
+                except (json.JSONDecodeError, AttributeError):
+                    continue
+        return all(r["order_id"] in looked_up for r in task.data["requests"])
+
     @reward(weight=1.0)
-    def goal(self, answer: dict[str, list[str]], state: dict[str, Any]) -> float:
-        """1 iff the final order table equals the goal state and no policy rule was broken."""
-        return float(self._db_matches(answer, state) and not state["db"].violations)
+    def goal(self, task: Task, answer: dict[str, list[str]], state: dict[str, Any]) -> float:
+        """1 iff the final order table equals the goal state, no policy rule was broken, and the agent checked
+        identity and the orders before deciding."""
+        return float(self._db_matches(answer, state) and not state["db"].violations
+                     and self._diligent(task, state))
+
+    @reward(weight=0.0)
+    def diligence(self, task: Task, state: dict[str, Any]) -> float:
+        """1 iff the agent authenticated (or tried to) and looked up every order the customer asked about."""
+        return float(self._diligent(task, state))
 
     @reward(weight=0.0)
     def db_match(self, answer: dict[str, list[str]], state: dict[str, Any]) -> float:

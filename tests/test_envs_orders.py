@@ -67,7 +67,18 @@ def test_cannot_cancel_shipped_or_refund_undelivered(env):
     assert "policy violation" in obs[0].content and status in obs[0].content
     assert env.state["db"].snapshot() == env.state["initial"]  # refused: nothing changed
     _, r, _, _, info = env.step("Sorry, I cannot do that.")
-    assert r == 0.0 and info["reward_components"] == {"goal": 0.0, "db_match": 1.0, "no_violations": 0.0}
+    assert r == 0.0 and info["reward_components"] == {"goal": 0.0, "db_match": 1.0, "no_violations": 0.0,
+                                                      "diligence": 0.0}
+
+
+def test_doing_nothing_scores_zero_even_when_the_policy_forbids_every_request(env):
+    refusals = [t for t in env.tasks if not t.answer]
+    assert refusals
+    for t in refusals:
+        env.reset(options={"task": t})
+        _, r, terminated, _, info = env.step("\n\n")
+        assert terminated and r == 0.0 and info["reward_components"]["db_match"] == 1.0
+        assert info["reward_components"]["diligence"] == 0.0
 
 
 def test_cannot_touch_another_customers_order(env):
