@@ -207,8 +207,8 @@ def main() -> None:
         first_step_weights[name] = {k: v.detach().float().cpu().clone() for k, v in model.state_dict().items()}
         results.append((name, time_steps(step, args.steps, max(args.warmup - 1, 0))))
 
-    run("miles varlen (auto)", lambda m: miles_path(m, batch, "varlen", micro_tokens, lr)[0])
-    run("miles packed", lambda m: miles_path(m, batch, "packed", micro_tokens, lr)[0])
+    run("miles varlen", lambda m: miles_path(m, batch, "varlen", micro_tokens, lr)[0])
+    run("miles packed (auto)", lambda m: miles_path(m, batch, "packed", micro_tokens, lr)[0])
     run("miles padded", lambda m: miles_path(m, batch, "padded", micro_tokens, lr)[0])
     trl_note = ""
 

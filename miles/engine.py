@@ -90,10 +90,11 @@ class RolloutEngine(abc.ABC):
         """True when the engine can serve a generate call now."""
 
     @abc.abstractmethod
-    async def update_weights(self, *, state_dict: dict[str, Any] | None = None, path: str | None = None) -> int:
+    async def update_weights(self, *, state_dict: dict[str, Any] | None = None, path: str | None = None,
+                             version: int | None = None) -> int:
         """Load new weights from an in-memory HF-layout state dict or from an HF checkpoint folder.
 
-        Returns the new weight version.
+        `version` sets the new weight version (default: the current one plus 1). Returns the new version.
         """
 
     @property

@@ -108,18 +108,22 @@ class WeightSync:
             await asyncio.sleep(self.poll_s)
         return time.perf_counter() - start
 
-    async def push(self, state_dict: Mapping[str, torch.Tensor]) -> SyncReport:
-        """Load `state_dict` into every engine; returns the report (also kept in `history`)."""
+    async def push(self, state_dict: Mapping[str, torch.Tensor], *, version: int | None = None) -> SyncReport:
+        """Load `state_dict` into every engine as weight version `version` (default: the newest plus 1).
+
+        Returns the report (also kept in `history`). A resumed run passes the version its checkpoint was
+        synced as, so one version number always names one set of weights.
+        """
         drain_s = await self._drain() if self.policy == "drain" else 0.0
-        version = self.version + 1
+        version = self.version + 1 if version is None else int(version)
         start = time.perf_counter()
         if self.method == "in_process":
             sd = dict(state_dict)
-            await asyncio.gather(*(e.update_weights(state_dict=sd) for e in self.engines))
+            await asyncio.gather(*(e.update_weights(state_dict=sd, version=version) for e in self.engines))
         elif self.method == "disk":
             assert self.staging_dir is not None
             folder = await asyncio.to_thread(save_hf_safetensors, state_dict, self.staging_dir / f"v{version}")
-            await asyncio.gather(*(e.update_weights(path=str(folder)) for e in self.engines))
+            await asyncio.gather(*(e.update_weights(path=str(folder), version=version) for e in self.engines))
         else:
             from miles.engines.weight_broadcast import broadcast_weights
 

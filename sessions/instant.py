@@ -84,8 +84,9 @@ class InstantEngine(RolloutEngine):
     async def health(self) -> bool:
         return not self._closed
 
-    async def update_weights(self, *, state_dict: dict[str, Any] | None = None, path: str | None = None) -> int:
-        self._version += 1
+    async def update_weights(self, *, state_dict: dict[str, Any] | None = None, path: str | None = None,
+                             version: int | None = None) -> int:
+        self._version = self._version + 1 if version is None else int(version)
         return self._version
 
     @property

@@ -168,8 +168,9 @@ class FlakyEngine(RolloutEngine):
     async def health(self) -> bool:
         return True
 
-    async def update_weights(self, *, state_dict: dict[str, Any] | None = None, path: str | None = None) -> int:
-        return await self.inner.update_weights(state_dict=state_dict, path=path)
+    async def update_weights(self, *, state_dict: dict[str, Any] | None = None, path: str | None = None,
+                             version: int | None = None) -> int:
+        return await self.inner.update_weights(state_dict=state_dict, path=path, version=version)
 
     @property
     def weight_version(self) -> int:

@@ -160,8 +160,8 @@ class TrainLoop:
                                           config=cfg.rollout.scheduler, recorder=self.recorder, run_id="train")
 
     # ---- stages --------------------------------------------------------------------------------------
-    async def _sync(self) -> None:
-        report = await self.sync.push(self.trainer.hf_state_dict())
+    async def _sync(self, version: int | None = None) -> None:
+        report = await self.sync.push(self.trainer.hf_state_dict(), version=version)
         self.metrics.write("sync", self.trainer.step, version=report.version, seconds=report.seconds,
                            drain_seconds=report.drain_seconds, mb=report.num_bytes / 1e6)
 
@@ -238,6 +238,7 @@ class TrainLoop:
 
     def _checkpoint(self) -> None:
         self.trainer.save_checkpoint(self.out / "checkpoints", data_cursor=self.cursor.to_dict(),
+                                     extra={"weight_version": self.sync.version, "time": time.time()},
                                      keep_last=self.cfg.checkpoint.keep)
 
     # ---- the run -------------------------------------------------------------------------------------
@@ -252,7 +253,8 @@ class TrainLoop:
                 ckpt = self.trainer.load_checkpoint(ckpt_root)
                 self.cursor.position = int(ckpt.data_cursor.get("position", 0))
                 start_step = ckpt.step
-                await self._sync()
+                await self._sync(version=ckpt.extra.get("weight_version"))
+                self.metrics.drop_after(float(ckpt.extra.get("time", float("inf"))))
                 self.echo(f"[resume] from {ckpt.path.name}: step {start_step}")
             elif cfg.sft.enabled:
                 await self._sft()

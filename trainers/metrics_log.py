@@ -20,6 +20,15 @@ class MetricsLog:
         self._f.write(json.dumps(row, default=float) + "\n")
         self._f.flush()
 
+    def drop_after(self, timestamp: float) -> None:
+        """Forget the rows written after `timestamp`: a run resumed from a checkpoint redoes that work."""
+        self._f.close()
+        rows = [r for r in read_metrics(self.path) if r["time"] <= timestamp]
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(r, default=float) + "\n" for r in rows), encoding="utf-8")
+        tmp.replace(self.path)
+        self._f = self.path.open("a", encoding="utf-8")
+
     def close(self) -> None:
         self._f.close()
 

@@ -3,12 +3,11 @@
 Sequences are packed padding-free into micro-batches of at most ``micro_batch_tokens`` tokens: one row of
 concatenated sequences whose ``position_ids`` restart at 0 for each sequence. Packing modes:
 
-- ``varlen`` (the ``auto`` choice for sdpa/eager models): the model's attention is switched to
-  `miles.trainers.varlen_attention` (per-sequence causal SDPA; behaves as sdpa everywhere else), so no
-  cross-sequence attention is computed and no ``L x L`` mask is built;
-- ``packed`` (the ``auto`` choice for flash-attention models): position ids only; transformers (>= 4.54) turns
-  them into varlen flash calls, or for sdpa into a block-diagonal ``L x L`` mask (correct, but quadratic in
-  the packed length);
+- ``packed`` (the ``auto`` choice for sdpa/eager/flash models): position ids only; transformers (>= 4.54)
+  turns them into varlen flash calls, or for sdpa into a block-diagonal ``L x L`` mask (correct, but
+  quadratic in the packed length);
+- ``varlen``: the model's attention is switched to `miles.trainers.varlen_attention` (per-sequence causal
+  SDPA; plain sdpa everywhere else), so no cross-sequence attention and no ``L x L`` mask;
 - ``padded``: right-padded micro-batches with an attention mask (the fallback for other models).
 
 With a world size above 1 every rank calls `train_step` with the same full batch; the trainer computes
@@ -562,10 +561,7 @@ def _resolve_packing(packing: str, model: nn.Module) -> str:
     if packing != "auto":
         return packing
     impl = _attn_impl(model)
-    if impl.startswith("flash"):
-        return "packed"
-    return "varlen" if impl in ("sdpa", "eager", varlen_attention.NAME) and hasattr(model, "set_attn_implementation") \
-        else "padded"
+    return "packed" if impl.startswith("flash") or impl in ("sdpa", "eager", varlen_attention.NAME) else "padded"
 
 
 def _resolve_device(name: str) -> torch.device:

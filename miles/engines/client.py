@@ -107,7 +107,8 @@ class SGLangClient(RolloutEngine):
             return False
         return True
 
-    async def update_weights(self, *, state_dict: dict[str, Any] | None = None, path: str | None = None) -> int:
+    async def update_weights(self, *, state_dict: dict[str, Any] | None = None, path: str | None = None,
+                             version: int | None = None) -> int:
         """From disk via `/update_weights_from_disk`, or an in-memory state dict by broadcast.
 
         The broadcast needs a group set up with `miles.engines.weight_broadcast.init_weight_update_group`
@@ -115,7 +116,7 @@ class SGLangClient(RolloutEngine):
         """
         if (state_dict is None) == (path is None):
             raise InvalidRequestError("pass exactly one of state_dict= or path=", engine_id=self.engine_id)
-        new = self._version + 1
+        new = self._version + 1 if version is None else int(version)
         if path is not None:
             await self.update_weights_from_disk(path, weight_version=new)
             return self._version

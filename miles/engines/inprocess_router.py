@@ -146,7 +146,8 @@ class InProcessRouter(RolloutEngine):
     async def health(self) -> bool:
         return any(await self.check_health())
 
-    async def update_weights(self, *, state_dict: dict[str, Any] | None = None, path: str | None = None) -> int:
+    async def update_weights(self, *, state_dict: dict[str, Any] | None = None, path: str | None = None,
+                             version: int | None = None) -> int:
         """Update every live engine (a shared broadcast group is used when all engines joined one)."""
         live = [e for e, ok in zip(self.engines, self._alive, strict=True) if ok]
         group = getattr(live[0], "_weight_group", None) if live else None
@@ -154,9 +155,11 @@ class InProcessRouter(RolloutEngine):
                 getattr(e, "_weight_group", None) is group for e in live):
             from miles.engines.weight_broadcast import broadcast_weights
 
-            await broadcast_weights(group, live, state_dict, version=self.weight_version + 1)
+            await broadcast_weights(group, live, state_dict,
+                                    version=self.weight_version + 1 if version is None else version)
             return self.weight_version
-        versions = await asyncio.gather(*(e.update_weights(state_dict=state_dict, path=path) for e in live))
+        versions = await asyncio.gather(*(e.update_weights(state_dict=state_dict, path=path, version=version)
+                                         for e in live))
         return min(versions)
 
     async def close(self) -> None:

@@ -161,8 +161,9 @@ class SGLangRouter(RolloutEngine):
             return False
         return resp.status_code == 200
 
-    async def update_weights(self, *, state_dict: dict[str, Any] | None = None, path: str | None = None) -> int:
-        versions = await asyncio.gather(*(c.update_weights(state_dict=state_dict, path=path)
+    async def update_weights(self, *, state_dict: dict[str, Any] | None = None, path: str | None = None,
+                             version: int | None = None) -> int:
+        versions = await asyncio.gather(*(c.update_weights(state_dict=state_dict, path=path, version=version)
                                           for c in self.workers.values()))
         return min(versions)
 
