@@ -4,11 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from miles.config import ConfigError
 from miles.engine import SamplingParams
 
 
-class ConfigError(ValueError):
-    """A scheduler or session setting is out of range."""
+class SessionConfigError(ConfigError):
+    """A scheduler or session setting is out of range; the message names it."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("", message)
+        self.args = (message,)
 
 
 @dataclass(frozen=True)
@@ -36,15 +41,15 @@ class TimeoutConfig:
 
     def validate(self) -> None:
         if not 0 < self.turn_floor_s <= self.turn_cap_s:
-            raise ConfigError(f"need 0 < turn_floor_s ({self.turn_floor_s}) <= turn_cap_s ({self.turn_cap_s})")
+            raise SessionConfigError(f"need 0 < turn_floor_s ({self.turn_floor_s}) <= turn_cap_s ({self.turn_cap_s})")
         if self.slack <= 0 or not 0 <= self.ema_decay < 1:
-            raise ConfigError("slack must be > 0 and ema_decay in [0, 1)")
+            raise SessionConfigError("slack must be > 0 and ema_decay in [0, 1)")
         if self.prior_prefill_tokens_per_s <= 0 or self.prior_decode_tokens_per_s <= 0:
-            raise ConfigError("prior throughputs must be > 0")
+            raise SessionConfigError("prior throughputs must be > 0")
         if self.env_step_s <= 0 or self.env_reset_s <= 0 or self.abort_s <= 0:
-            raise ConfigError("env_step_s, env_reset_s and abort_s must be > 0")
+            raise SessionConfigError("env_step_s, env_reset_s and abort_s must be > 0")
         if self.session_budget_s is not None and self.session_budget_s <= 0:
-            raise ConfigError("session_budget_s must be > 0 or None")
+            raise SessionConfigError("session_budget_s must be > 0 or None")
 
 
 @dataclass(frozen=True)
@@ -60,9 +65,9 @@ class RetryConfig:
 
     def validate(self) -> None:
         if self.max_retries < 0 or self.base_delay_s < 0 or self.max_delay_s < 0:
-            raise ConfigError("max_retries, base_delay_s and max_delay_s must be >= 0")
+            raise SessionConfigError("max_retries, base_delay_s and max_delay_s must be >= 0")
         if not 0 <= self.jitter <= 1:
-            raise ConfigError(f"jitter must be in [0, 1], got {self.jitter}")
+            raise SessionConfigError(f"jitter must be in [0, 1], got {self.jitter}")
 
 
 @dataclass(frozen=True)
@@ -83,11 +88,11 @@ class SessionConfig:
 
     def validate(self) -> None:
         if self.context_length is not None and self.context_length <= 0:
-            raise ConfigError("context_length must be > 0")
+            raise SessionConfigError("context_length must be > 0")
         if self.max_turns is not None and self.max_turns <= 0:
-            raise ConfigError("max_turns must be > 0")
+            raise SessionConfigError("max_turns must be > 0")
         if self.sampling.max_new_tokens <= 0:
-            raise ConfigError("sampling.max_new_tokens must be > 0")
+            raise SessionConfigError("sampling.max_new_tokens must be > 0")
         self.timeouts.validate()
         self.retry.validate()
 
@@ -119,16 +124,16 @@ class SchedulerConfig:
 
     def validate(self) -> None:
         if self.group_size < 1:
-            raise ConfigError("group_size must be >= 1")
+            raise SessionConfigError("group_size must be >= 1")
         if self.group_mode not in ("unit", "backfill"):
-            raise ConfigError(f"group_mode must be 'unit' or 'backfill', got {self.group_mode!r}")
+            raise SessionConfigError(f"group_mode must be 'unit' or 'backfill', got {self.group_mode!r}")
         if self.oversample_groups < 0:
-            raise ConfigError("oversample_groups must be >= 0")
+            raise SessionConfigError("oversample_groups must be >= 0")
         if self.max_concurrent_sessions < 1 or self.max_inflight_per_engine < 1:
-            raise ConfigError("max_concurrent_sessions and max_inflight_per_engine must be >= 1")
+            raise SessionConfigError("max_concurrent_sessions and max_inflight_per_engine must be >= 1")
         if self.group_mode == "unit" and self.group_size > self.max_concurrent_sessions:
-            raise ConfigError(f"group_size {self.group_size} exceeds max_concurrent_sessions "
+            raise SessionConfigError(f"group_size {self.group_size} exceeds max_concurrent_sessions "
                               f"{self.max_concurrent_sessions} in 'unit' mode")
         if self.requests_per_s is not None and self.requests_per_s <= 0:
-            raise ConfigError("requests_per_s must be > 0 or None")
+            raise SessionConfigError("requests_per_s must be > 0 or None")
         self.session.validate()

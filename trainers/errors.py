@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
+from miles.config import ConfigError
 
-class ConfigError(ValueError):
-    """A trainer or algorithm setting is invalid; `key` names the offending dotted key."""
-
-    def __init__(self, key: str, message: str) -> None:
-        super().__init__(f"{key}: {message}")
-        self.key = key
-        self.message = message
+__all__ = ["CheckpointError", "ConfigError"]
 
 
 class CheckpointError(RuntimeError):
