@@ -102,6 +102,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6, help="timed steps")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--backends", default="megatron,torch")
+    p.add_argument("--micro-batch-tokens", type=int, default=None, help="default: the whole batch")
+    p.add_argument("--torch-packing", default="auto", help="the torch backend's packing mode")
     args = p.parse_args()
     if args.tiny:
         args.layers, args.hidden, args.ffn, args.heads, args.kv_heads, args.vocab = 2, 64, 128, 4, 2, 512
@@ -111,6 +113,7 @@ def main() -> None:
     cfg = llama_config(args)
     fpt, n_params = flops_per_token(cfg, args.seq_len)
     tokens = args.seq_len * args.batch
+    mbt = args.micro_batch_tokens or tokens
     batches = make_batches(args, args.warmup + args.steps)
     print(f"model: {args.layers} layers, hidden {args.hidden}, heads {args.heads}/{args.kv_heads}, vocab "
           f"{args.vocab}; {n_params / 1e6:.1f}M matmul params; batch {args.batch} x {args.seq_len} tokens; "
@@ -122,15 +125,15 @@ def main() -> None:
             from miles.trainers.megatron import MegatronTrainer, MegatronTrainerConfig
 
             trainer = MegatronTrainer(hf_config=cfg, config=MegatronTrainerConfig(
-                lr=1e-5, precision=precision, micro_batch_tokens=args.seq_len))
+                lr=1e-5, precision=precision, micro_batch_tokens=mbt))
         elif backend == "torch":
             import transformers
 
             from miles.trainers.torch_backend import TorchTrainer, TorchTrainerConfig
 
             model = transformers.LlamaForCausalLM(cfg)
-            trainer = TorchTrainer(model, TorchTrainerConfig(lr=1e-5, precision=precision,
-                                                             micro_batch_tokens=args.seq_len))
+            trainer = TorchTrainer(model, TorchTrainerConfig(lr=1e-5, precision=precision, micro_batch_tokens=mbt,
+                                                             packing=args.torch_packing))
         else:
             raise SystemExit(f"unknown backend {backend!r}; use megatron and/or torch")
         dt = time_trainer(trainer, batches, args.warmup)
