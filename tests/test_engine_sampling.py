@@ -23,6 +23,7 @@ def test_filter_keeps_top_k_then_smallest_nucleus(values, top_k, top_p):
     k = len(values) if top_k <= 0 else min(top_k, len(values))
     probs = torch.softmax(logits[0][order[:k]], dim=-1)
     need = 1
+    top_p = float(torch.tensor(top_p, dtype=torch.float32))  # the filter sees top_p in float32 (0.99..9 -> 1.0)
     while need < k and (top_p >= 1.0 or probs[:need].sum().item() < top_p - 1e-6):
         need += 1
     assert need - 1 <= int(kept.sum()) <= need + 1  # ties in the sort may move the boundary by one
