@@ -110,7 +110,7 @@ class CalculatorEnv(ToolEnv):
         """Evaluate an arithmetic expression exactly.
 
         Args:
-            expression: numbers combined with + - * / // % ** and parentheses, e.g. "3 + 4 * 2".
+            expression: arithmetic such as 3 + 4 * 2 (also / // % ** and parentheses).
         """
         return format_number(evaluate(expression))
 

@@ -23,11 +23,10 @@ from miles.envs import Env, Task, make
 from miles.sessions.recorder import Recorder
 from miles.sessions.records import SessionRecord
 from miles.sessions.scheduler import SessionScheduler
-from miles.tito import TITOTokenizer, load_tokenizer
 from miles.trainers.demos import oracle_demos
 from miles.trainers.evaluate import EvalResult, evaluate
 from miles.trainers.metrics_log import MetricsLog
-from miles.trainers.models import build_policy
+from miles.trainers.models import build_policy, build_tito
 from miles.trainers.train_config import TrainConfig
 from miles.trajectory import Trajectory, TrajectoryBatch
 from miles.types import TerminationReason
@@ -104,6 +103,19 @@ def trainable(records: list[SessionRecord]) -> list[Trajectory]:
     return out
 
 
+def split_by_reward_spread(trajs: list[Trajectory]) -> tuple[list[Trajectory], int, int]:
+    """Keep the groups whose rewards differ (DAPO-style dynamic sampling); also count groups and dropped ones.
+
+    A group whose samples all got the same reward has zero GRPO advantage everywhere: it adds no policy
+    gradient, only compute.
+    """
+    groups: dict[str, list[Trajectory]] = {}
+    for t in trajs:
+        groups.setdefault(t.meta.group_id, []).append(t)
+    kept = [g for g in groups.values() if max(t.reward for t in g) != min(t.reward for t in g)]
+    return [t for g in kept for t in g], len(groups), len(groups) - len(kept)
+
+
 class TrainLoop:
     """One `miles train` run. `await run()` does SFT (if enabled), evaluation, and the RL steps."""
 
@@ -136,7 +148,7 @@ class TrainLoop:
     def _setup(self) -> None:
         cfg = self.cfg
         seed_everything(cfg.seed)
-        self.tito = TITOTokenizer(load_tokenizer(cfg.model.tokenizer))
+        self.tito = build_tito(cfg.model)
         self.model = build_policy(cfg.model, self.tito.tokenizer)
         self.engines = build_engines(cfg, self.model, self.tito.tokenizer)
         if cfg.backend == "megatron":
@@ -216,10 +228,14 @@ class TrainLoop:
         records = [r for g in groups for r in g.records]
         t_rollout = time.perf_counter() - t0
         trajs = trainable(records)
+        informative, num_groups, flat = split_by_reward_spread(trajs)
+        if cfg.rollout.drop_zero_std_groups:
+            trajs = informative
         row: dict[str, Any] = {
             "reward_mean": float(np.mean([r.reward for r in records])) if records else 0.0,
             "success_rate": float(np.mean([bool(r.final_info.get("success")) for r in records])) if records else 0.0,
             "sessions": len(records), "trained_sessions": len(trajs),
+            "zero_std_group_frac": flat / num_groups if num_groups else 0.0,
             "generated_tokens": sum(t.num_generated for t in trajs), "rollout_s": t_rollout,
         }
         if trajs:

@@ -7,11 +7,27 @@ from typing import Any
 
 import torch
 
+from miles.tito import TITOTokenizer, load_tokenizer
 from miles.trainers.train_config import ModelConfig
 
 
 class ModelSpecError(ValueError):
     """The model name is neither a known built-in nor an HF checkpoint folder."""
+
+
+def build_tito(cfg: ModelConfig) -> TITOTokenizer:
+    """The TITO tokenizer the config names, with its chat-template override if any."""
+    template = None
+    if cfg.chat_template == "compact":
+        from miles.tiny import compact_chat_template
+
+        template = compact_chat_template()
+    elif cfg.chat_template:
+        path = Path(cfg.chat_template)
+        if not path.is_file():
+            raise ModelSpecError(f"model.chat_template {cfg.chat_template!r}: use 'compact' or a .jinja file")
+        template = path.read_text(encoding="utf-8")
+    return TITOTokenizer(load_tokenizer(cfg.tokenizer), chat_template=template)
 
 
 def build_policy(cfg: ModelConfig, tokenizer: Any) -> torch.nn.Module:

@@ -558,15 +558,12 @@ def _attn_impl(model: nn.Module) -> str:
 
 
 def _resolve_packing(packing: str, model: nn.Module, device: torch.device) -> str:
-    """`auto`: padded micro-batches on CUDA, where a packed row's block mask keeps SDPA off its fast causal
-    kernels (H200, 0.5B, 4 x 2k tokens: padded 0.122 s/step, varlen 0.144, packed 0.188; see
-    docs/benchmarks.md); packed rows elsewhere, unless the attention implementation cannot mask them."""
-    if packing != "auto":
-        return packing
-    if device.type == "cuda":
-        return "padded"
-    impl = _attn_impl(model)
-    return "packed" if impl.startswith("flash") or impl in ("sdpa", "eager", varlen_attention.NAME) else "padded"
+    """`auto` is padded micro-batches: a packed row's block-diagonal mask costs attention over the whole row
+    and keeps SDPA off its fast causal kernels. Measured (docs/benchmarks.md): H200, 0.5B, 4 x 2k tokens:
+    padded 0.122 s/step, varlen 0.144, packed 0.188; CPU, tiny 1m, 64 x ~200 tokens: padded 4.2 s, packed 12.3.
+    """
+    del model, device
+    return "padded" if packing == "auto" else packing
 
 
 def _resolve_device(name: str) -> torch.device:

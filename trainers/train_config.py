@@ -35,11 +35,13 @@ class ModelConfig:
     """The policy: `name` is "tiny" (with `size`), "smollm2-135m", or an HF checkpoint folder.
 
     `init_from` loads weights from a folder (an SFT warm start) on top of the named architecture.
+    `chat_template` overrides the tokenizer's: "compact" (the tiny kit's short tool prompt) or a .jinja path.
     """
 
     name: str = "tiny"
     size: str = "3m"
     tokenizer: str = "tiny"
+    chat_template: str | None = None
     init_from: str | None = None
     seed: int = 0
 
@@ -63,9 +65,14 @@ class EngineConfig:
 
 @dataclass
 class RolloutConfig:
-    """How many tasks (GRPO groups) each step rolls out, and how the scheduler runs them."""
+    """How many tasks (GRPO groups) each step rolls out, and how the scheduler runs them.
+
+    `drop_zero_std_groups` trains only on groups whose rewards differ (their advantages are all zero
+    otherwise); the loss normalisation then counts only the kept tokens.
+    """
 
     tasks_per_step: int = 4
+    drop_zero_std_groups: bool = False
     scheduler: SchedulerConfig = field(default_factory=lambda: SchedulerConfig(group_size=8))
 
     def __post_init__(self) -> None:

@@ -8,12 +8,13 @@ from miles.tiny.model import (
     make_tiny_model,
     tiny_config,
 )
-from miles.tiny.tokenizer import load_tiny_tokenizer, train_tiny_tokenizer
+from miles.tiny.tokenizer import compact_chat_template, load_tiny_tokenizer, train_tiny_tokenizer
 
 __all__ = [
     "TINY_SIZES",
     "TinySize",
     "UnknownTinySizeError",
+    "compact_chat_template",
     "count_parameters",
     "load_tiny_tokenizer",
     "make_tiny_model",

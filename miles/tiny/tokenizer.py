@@ -27,8 +27,20 @@ TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
+COMPACT_TEMPLATE_FILE = "chat_template_compact.jinja"
+
+
 def _chat_template() -> str:
     return (DATA_DIR / TEMPLATE_FILE).read_text(encoding="utf-8")
+
+
+def compact_chat_template() -> str:
+    """The tiny template with the tool schemas alone in the system turn (no Qwen2.5 instructions).
+
+    Everything after the system turn renders exactly as in the default template; prompts are about half as
+    long, which matters for models trained from scratch on a CPU.
+    """
+    return (DATA_DIR / COMPACT_TEMPLATE_FILE).read_text(encoding="utf-8")
 
 
 def _tokenizer_config() -> dict:
