@@ -150,3 +150,17 @@ def test_config_errors_name_the_bad_key(tmp_path, capsys):
     assert cli_main(["sft", "--config", str(cfg), "--set", "sft.bogus=1"]) == 2
     assert "sft.bogus" in capsys.readouterr().err
     assert not (tmp_path / "never").exists()
+
+
+def test_groups_without_reward_spread_are_dropped_and_counted():
+    from miles.trainers.loop import split_by_reward_spread
+    from miles.trajectory import Trajectory, TrajectoryMeta
+
+    def traj(group: str, reward: float) -> Trajectory:
+        return Trajectory(token_ids=[1, 2], loss_mask=[0, 1], rollout_logprobs=[0.0, -0.5], reward=reward,
+                          meta=TrajectoryMeta(group_id=group))
+
+    trajs = [traj("a", 0.0), traj("a", 0.0), traj("b", 1.0), traj("b", 0.0), traj("c", 1.0), traj("c", 1.0)]
+    kept, num_groups, flat = split_by_reward_spread(trajs)
+    assert (num_groups, flat) == (3, 2)
+    assert [t.meta.group_id for t in kept] == ["b", "b"] and [t.reward for t in kept] == [1.0, 0.0]

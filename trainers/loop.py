@@ -235,7 +235,7 @@ class TrainLoop:
             "reward_mean": float(np.mean([r.reward for r in records])) if records else 0.0,
             "success_rate": float(np.mean([bool(r.final_info.get("success")) for r in records])) if records else 0.0,
             "sessions": len(records), "trained_sessions": len(trajs),
-            "zero_std_group_frac": flat / num_groups if num_groups else 0.0,
+            "rollout_zero_std_group_frac": flat / num_groups if num_groups else 0.0,
             "generated_tokens": sum(t.num_generated for t in trajs), "rollout_s": t_rollout,
         }
         if trajs:
