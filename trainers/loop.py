@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import json
 import logging
 import random
@@ -192,18 +193,30 @@ class TrainLoop:
         self.summary.evals[stage] = results
         return results
 
+    def _sft_trainer(self) -> Any:
+        """SFT gets its own optimizer at `sft.lr` over the same weights (torch backend), so RL starts with
+        fresh optimizer state at `trainer.lr`. The Megatron backend trains SFT with its RL optimizer."""
+        if self.cfg.backend != "torch":
+            return self.trainer
+        from miles.trainers.torch_backend import TorchTrainer
+
+        sft_cfg = dataclasses.replace(self.cfg.trainer, lr=self.cfg.sft.lr, lr_schedule="constant",
+                                      total_steps=None, warmup_steps=self.cfg.sft.warmup_steps)
+        return TorchTrainer(self.trainer.model, sft_cfg, self.cfg.algorithm)
+
     async def _sft(self) -> None:
         cfg, sft = self.cfg, self.cfg.sft
         t0 = time.perf_counter()
         demos = await oracle_demos(self.train_env, self.train_tasks[: sft.num_demos], self.tito)
         rng = random.Random(cfg.seed)
         steps = 0
+        sft_trainer = self._sft_trainer()
         for epoch in range(sft.epochs):
             order = list(range(len(demos)))
             rng.shuffle(order)
             for i in range(0, len(order), sft.batch_size):
                 batch = TrajectoryBatch.from_trajectories([demos[j] for j in order[i:i + sft.batch_size]])
-                m = self.trainer.sft_step(batch)
+                m = sft_trainer.sft_step(batch)
                 steps += 1
                 if steps % 10 == 0:
                     self.metrics.write("sft", steps, epoch=epoch, loss=m["loss"])

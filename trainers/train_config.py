@@ -89,6 +89,7 @@ class SFTConfig:
     epochs: int = 1
     batch_size: int = 16
     lr: float = 3e-3
+    warmup_steps: int = 0
     max_seconds: float | None = None
     save_to: str | None = None
 
