@@ -176,3 +176,22 @@ def test_model_generates_within_vocab(tok):
     ids = torch.tensor([[tok.convert_tokens_to_ids("<|im_start|>")]])
     out = model.generate(ids, max_new_tokens=6, do_sample=True, attention_mask=torch.ones_like(ids))
     assert out.shape[1] > 1 and int(out.max()) < len(tok)
+
+
+def test_compact_template_shows_signatures_and_renders_turns_like_the_default():
+    from miles.tiny import compact_chat_template
+    from miles.tito import TITOTokenizer
+    from miles.types import Message, ToolCall
+
+    tools = [{"type": "function", "function": {"name": "calculate", "description": "d", "parameters": {
+        "type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
+    msgs = [Message("user", "What is 1 + 2?"),
+            Message("assistant", tool_calls=[ToolCall("calculate", {"expression": "1 + 2"}, id="call_0")]),
+            Message("tool", "3", tool_call_id="call_0", name="calculate"), Message("assistant", "The answer is 3.")]
+    tok = load_tiny_tokenizer()
+    compact = TITOTokenizer(tok, chat_template=compact_chat_template())
+    default = TITOTokenizer(tok)
+    assert compact.family == "tiny"
+    text = compact.render_text(msgs, tools)
+    assert text.startswith("<|im_start|>system\n<tools>calculate(expression)</tools><|im_end|>\n")
+    assert text.split("<|im_end|>\n", 1)[1] == default.render_text(msgs, tools).split("</tool_call><|im_end|>\n", 1)[1]

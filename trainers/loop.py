@@ -139,10 +139,19 @@ class TrainLoop:
 
         return factory
 
-    def _tasks(self, split: str, n: int) -> list[Task]:
+    def _tasks(self, split: str, n: int, *, distinct: bool = False) -> list[Task]:
+        """The first `n` tasks of a split; with `distinct`, the first `n` different prompts (generated task
+        spaces repeat problems), or all of them when the split has fewer."""
         env = self._env_factory(split)()
         try:
-            return env.tasks.take(n)
+            if not distinct:
+                return env.tasks.take(n)
+            seen: dict[str, Task] = {}
+            for i, task in enumerate(env.tasks):
+                seen.setdefault(task.prompt, task)
+                if len(seen) >= n or i >= 100 * n:
+                    break
+            return list(seen.values())
         finally:
             env.close()
 
@@ -165,7 +174,7 @@ class TrainLoop:
         self.train_env = self._env_factory(cfg.env.train_split)
         self.eval_env = self._env_factory(cfg.env.eval_split)
         self.train_tasks = self._tasks(cfg.env.train_split, cfg.env.num_train_tasks)
-        self.eval_tasks = self._tasks(cfg.env.eval_split, cfg.eval.num_tasks)
+        self.eval_tasks = self._tasks(cfg.env.eval_split, cfg.eval.num_tasks, distinct=True)
         self.cursor = TaskCursor(len(self.train_tasks), cfg.seed)
         self.recorder = Recorder(self.out / "sessions.jsonl")
         self.eval_recorder = Recorder(self.out / "eval_sessions.jsonl")
@@ -308,7 +317,8 @@ class TrainLoop:
             self.summary.steps_done = step
             self.summary.seconds["rl"] = time.perf_counter() - t_rl
             self._checkpoint()
-            await self._evaluate("final")
+            if step > start_step or "start" not in self.summary.evals:
+                await self._evaluate("final")
         finally:
             await self.scheduler.aclose()
             await self.recorder.aclose()

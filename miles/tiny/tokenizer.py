@@ -35,10 +35,10 @@ def _chat_template() -> str:
 
 
 def compact_chat_template() -> str:
-    """The tiny template with the tool schemas alone in the system turn (no Qwen2.5 instructions).
+    """The tiny template with each tool shown as its signature, `name(arg, ...)`, instead of a JSON schema.
 
-    Everything after the system turn renders exactly as in the default template; prompts are about half as
-    long, which matters for models trained from scratch on a CPU.
+    Everything after the system turn renders exactly as in the default template. A Calculator prompt is 34
+    tokens instead of 279, which matters for models trained from scratch on a CPU.
     """
     return (DATA_DIR / COMPACT_TEMPLATE_FILE).read_text(encoding="utf-8")
 
