@@ -48,8 +48,9 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-dir", default="runs/calculator_grpo")
-    summary = asyncio.run(TrainLoop(build_config(p.parse_args())).run())
-    print(format_summary(summary))
+    cfg = build_config(p.parse_args())
+    summary = asyncio.run(TrainLoop(cfg).run())
+    print(format_summary(summary, cfg))
 
 
 if __name__ == "__main__":

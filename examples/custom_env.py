@@ -93,7 +93,7 @@ def main() -> None:
         "eval": {"num_tasks": a.eval_tasks, "max_new_tokens": a.max_new_tokens},
     })
     summary = asyncio.run(TrainLoop(cfg).run())
-    print(format_summary(summary))
+    print(format_summary(summary, cfg))
 
 
 if __name__ == "__main__":

@@ -220,6 +220,8 @@ class TrainLoop:
         rng = random.Random(cfg.seed)
         steps = 0
         sft_trainer = self._sft_trainer()
+        # Validation for the early stop: distinct training prompts, never the held-out split.
+        val_tasks = self._tasks(cfg.env.train_split, sft.check_tasks, distinct=True) if sft.target_success else []
         for epoch in range(sft.epochs):
             order = list(range(len(demos)))
             rng.shuffle(order)
@@ -231,6 +233,15 @@ class TrainLoop:
                     self.metrics.write("sft", steps, epoch=epoch, loss=m["loss"])
                 if sft.max_seconds is not None and time.perf_counter() - t0 > sft.max_seconds:
                     break
+                if val_tasks and steps >= sft.min_steps and steps % sft.check_every == 0:
+                    await self._sync()
+                    val = await evaluate(self.engines, tokenizer=self.tito, env_factory=self.train_env,
+                                         tasks=val_tasks, scheduler=cfg.rollout.scheduler, greedy=True)
+                    self.metrics.write("sft_val", steps, success_rate=val.success_rate)
+                    self.echo(f"[sft] step {steps}: loss {m['loss']:.3f}, validation success "
+                              f"{val.success_rate:.1%}")
+                    if val.success_rate >= sft.target_success:
+                        break
             else:
                 continue
             break

@@ -21,12 +21,19 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return load_train_config(args.config, overrides)
 
 
-def format_summary(summary: RunSummary) -> str:
-    """The final table: held-out success at each stage."""
-    lines = ["", f"{'stage':<12}{'mode':<10}{'held-out success':>18}{'mean reward':>14}{'tasks':>8}"]
+def format_summary(summary: RunSummary, cfg: TrainConfig | None = None) -> str:
+    """The final table: held-out success after the warm start (SFT) and after RL, with the gain."""
+    warm = cfg is not None and (cfg.sft.enabled or cfg.model.init_from)
+    names = {"start": "after SFT" if warm else "before RL", "final": "after RL"}
+    lines = ["", f"{'stage':<14}{'mode':<10}{'held-out success':>18}{'mean reward':>14}{'tasks':>8}"]
     for stage, results in summary.evals.items():
         for mode, r in results.items():
-            lines.append(f"{stage:<12}{mode:<10}{r.success_rate:>18.1%}{r.mean_reward:>14.3f}{r.num_tasks:>8}")
+            lines.append(f"{names.get(stage, stage):<14}{mode:<10}{r.success_rate:>18.1%}{r.mean_reward:>14.3f}"
+                         f"{r.num_tasks:>8}")
+    before, after = summary.evals.get("start", {}), summary.evals.get("final", {})
+    for mode in sorted(set(before) & set(after)):
+        gain = 100 * (after[mode].success_rate - before[mode].success_rate)
+        lines.append(f"RL gain ({mode}): {gain:+.1f} points of held-out success")
     secs = ", ".join(f"{k} {v:.0f} s" for k, v in summary.seconds.items())
     lines.append(f"time: {secs}   run dir: {summary.output_dir}")
     return "\n".join(lines)
@@ -50,7 +57,7 @@ def run_loop(cfg: TrainConfig, args: argparse.Namespace, *, resume: bool) -> int
             from miles.trainers.megatron.driver import stop_workers
 
             stop_workers(getattr(loop, "trainer", None))
-    print(format_summary(summary))
+    print(format_summary(summary, cfg))
     return 0
 
 

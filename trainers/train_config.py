@@ -82,7 +82,11 @@ class RolloutConfig:
 
 @dataclass
 class SFTConfig:
-    """Supervised warm start on the environment's oracle demonstrations (masked through TITO)."""
+    """Supervised warm start on the environment's oracle demonstrations (masked through TITO).
+
+    With `target_success`, SFT stops early once greedy success on `check_tasks` distinct *training* prompts
+    reaches it (checked every `check_every` steps after `min_steps`): a deliberately imperfect start for RL.
+    """
 
     enabled: bool = False
     num_demos: int = 256
@@ -91,6 +95,10 @@ class SFTConfig:
     lr: float = 3e-3
     warmup_steps: int = 0
     max_seconds: float | None = None
+    target_success: float | None = None
+    check_every: int = 20
+    check_tasks: int = 64
+    min_steps: int = 0
     save_to: str | None = None
 
 
