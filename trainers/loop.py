@@ -265,8 +265,9 @@ class TrainLoop:
         if cfg.rollout.drop_zero_std_groups:
             trajs = informative
         row: dict[str, Any] = {
-            "reward_mean": float(np.mean([r.reward for r in records])) if records else 0.0,
-            "success_rate": float(np.mean([bool(r.final_info.get("success")) for r in records])) if records else 0.0,
+            "rollout_reward_mean": float(np.mean([r.reward for r in records])) if records else 0.0,
+            "rollout_success_rate": (float(np.mean([bool(r.final_info.get("success")) for r in records]))
+                                     if records else 0.0),
             "sessions": len(records), "trained_sessions": len(trajs),
             "rollout_zero_std_group_frac": flat / num_groups if num_groups else 0.0,
             "generated_tokens": sum(t.num_generated for t in trajs), "rollout_s": t_rollout,
@@ -319,8 +320,8 @@ class TrainLoop:
                     break
                 row = await self._rl_step(step)
                 step += 1
-                self.echo(f"[step {step}/{cfg.steps}] reward {row['reward_mean']:.3f}  "
-                          f"success {row['success_rate']:.1%}  {row['step_s']:.1f} s")
+                self.echo(f"[step {step}/{cfg.steps}] reward {row['rollout_reward_mean']:.3f}  "
+                          f"success {row['rollout_success_rate']:.1%}  {row['step_s']:.1f} s")
                 if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.steps:
                     await self._evaluate(f"step{step}")
                 if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:

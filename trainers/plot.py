@@ -19,8 +19,8 @@ def plot_run(metrics_path: str | Path, png_path: str | Path) -> Path:
     evals = [r for r in rows if r["kind"] == "eval"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
     steps = [r["step"] + 1 for r in train]
-    ax1.plot(steps, [r["reward_mean"] for r in train], label="train reward")
-    ax1.plot(steps, [r["success_rate"] for r in train], label="train success", alpha=0.7)
+    ax1.plot(steps, [r["rollout_reward_mean"] for r in train], label="rollout reward")
+    ax1.plot(steps, [r["rollout_success_rate"] for r in train], label="rollout success", alpha=0.7)
     ax1.set_xlabel("RL step")
     ax1.set_ylim(-0.05, 1.05)
     ax1.legend()
