@@ -45,7 +45,7 @@ def build_policy(cfg: ModelConfig, tokenizer: Any) -> torch.nn.Module:
     if cfg.name == "smollm2-135m":
         from miles.pretrained import load_smollm2
 
-        return load_smollm2()[0]
+        return load_smollm2()[0]  # tokenizer: set model.tokenizer to "smollm2-135m" as well
     if Path(cfg.name).is_dir():
         return AutoModelForCausalLM.from_pretrained(cfg.name, dtype=torch.float32)
     raise ModelSpecError(f"model.name {cfg.name!r}: use 'tiny', 'smollm2-135m' or an HF checkpoint folder")

@@ -13,6 +13,8 @@ from miles.trainers.train_config import TrainConfig, load_train_config
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """The config file plus `--set` overrides, then the dedicated flags."""
     overrides = list(args.overrides)
+    if getattr(args, "seed", None) is not None:  # --seed varies the sampling seeds too, not only the task order
+        overrides.append(f"rollout.scheduler.seed={args.seed * 100_003}")
     for flag, key in (("output_dir", "output_dir"), ("seed", "seed"), ("backend", "backend"),
                       ("tp", "parallel.tp"), ("pp", "parallel.pp"), ("dp", "parallel.dp")):
         value = getattr(args, flag, None)

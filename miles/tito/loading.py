@@ -40,7 +40,7 @@ def packaged_tokenizer_dir(name: str) -> Path:
 
 
 def load_tokenizer(spec: str | Path) -> Any:
-    """Load a tokenizer by name ("tiny", "qwen3", "llama3") or from a local HF tokenizer folder.
+    """Load a tokenizer by name ("tiny", "qwen3", "llama3", "smollm2-135m") or from a local HF tokenizer folder.
 
     A Llama 3 tokenizer without a chat template gets miles' Llama 3 tool-calling template.
     """
@@ -50,6 +50,10 @@ def load_tokenizer(spec: str | Path) -> Any:
         from miles.tiny import load_tiny_tokenizer
 
         return load_tiny_tokenizer()
+    if str(spec) == "smollm2-135m":
+        from miles.pretrained import load_smollm2_tokenizer
+
+        return load_smollm2_tokenizer()
     if str(spec) in PACKAGED_TOKENIZERS:
         folder = packaged_tokenizer_dir(str(spec))
     else:
