@@ -61,7 +61,7 @@ def test_packed_forward_equals_per_sequence_forward(packing):
     model = tiny()
     batch = make_batch()
     trainer = TorchTrainer(model, TorchTrainerConfig(micro_batch_tokens=20, packing=packing))
-    assert trainer.packing == ("packed" if packing == "auto" else packing)
+    assert trainer.packing == ("padded" if packing == "auto" else packing)
     got = trainer.compute_logprobs(batch)
     want = per_sequence_logprobs(model, batch)
     assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
