@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
+from typing import Any
 
 import torch
 
@@ -74,3 +76,23 @@ def reward_metrics(rewards: torch.Tensor, group_ids: torch.Tensor, *, zero_std_t
         "zero_std_group_frac": float((stats.std <= zero_std_tol).to(torch.float64).mean()),
         "num_groups": float(stats.count.numel()),
     }
+
+
+def train_step_metrics(batch: Any, *, adv_seq: torch.Tensor, losses: list[float], grad_norms: list[float],
+                       lr: float, step: int, temperature: float, t0: float) -> dict[str, float]:
+    """The per-step scalars both backends report after an RL step (besides the loss metrics)."""
+    metrics = reward_metrics(batch.rewards, batch.group_ids)
+    metrics.update({
+        "loss": sum(losses) / max(len(losses), 1),
+        "grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
+        "lr": lr,
+        "advantage_abs_mean": float(adv_seq.abs().mean()) if adv_seq.numel() else 0.0,
+        "num_tokens": float(batch.token_ids.numel()),
+        "num_train_tokens": float(batch.loss_mask.sum()),
+        "num_sequences": float(batch.num_sequences),
+        "optimizer_steps": float(len(grad_norms)),
+        "step": float(step),
+        "temperature": temperature,
+        "step_time_s": time.perf_counter() - t0,
+    })
+    return metrics

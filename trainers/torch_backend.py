@@ -41,7 +41,7 @@ from .checkpoint import (
 from .errors import CheckpointError, ConfigError
 from .logprobs import shifted_entropy, shifted_token_logprobs
 from .losses import LossConfig, LossInputs, policy_loss, sft_loss
-from .metrics import MetricAccumulator, reward_metrics
+from .metrics import MetricAccumulator, train_step_metrics
 
 Schedule = Literal["constant", "cosine", "linear"]
 Packing = Literal["auto", "varlen", "packed", "padded"]
@@ -250,20 +250,9 @@ class TorchTrainer:
                 losses.append(float(self._all_reduce(total)))
                 grad_norms.append(self._optimizer_step())
         result = self._reduce_metrics(metrics)
-        result.update(reward_metrics(batch.rewards, batch.group_ids))
-        result.update({
-            "loss": sum(losses) / max(len(losses), 1),
-            "grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
-            "lr": lrs[-1] if lrs else self.optimizer.param_groups[0]["lr"],
-            "advantage_abs_mean": float(adv_seq.abs().mean()) if adv_seq.numel() else 0.0,
-            "num_tokens": float(batch.token_ids.numel()),
-            "num_train_tokens": float(mask.sum()),
-            "num_sequences": float(batch.num_sequences),
-            "optimizer_steps": float(len(grad_norms)),
-            "step": float(self.step),
-            "temperature": temperature,
-            "step_time_s": time.perf_counter() - t0,
-        })
+        result.update(train_step_metrics(
+            batch, adv_seq=adv_seq, losses=losses, grad_norms=grad_norms, step=self.step, temperature=temperature,
+            lr=lrs[-1] if lrs else self.optimizer.param_groups[0]["lr"], t0=t0))
         return result
 
     def sft_step(self, batch: TrajectoryBatch) -> dict[str, float]:

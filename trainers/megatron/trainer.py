@@ -40,7 +40,7 @@ from miles.trainers.megatron.model import (
     transformer_config,
 )
 from miles.trainers.megatron.parallel import ParallelInfo, initialize_parallel
-from miles.trainers.metrics import MetricAccumulator, reward_metrics
+from miles.trainers.metrics import MetricAccumulator, train_step_metrics
 from miles.trainers.torch_backend import (
     AlgorithmConfig,
     _seq_sums,
@@ -245,20 +245,9 @@ class MegatronTrainer:
                 losses.append(loss)
                 grad_norms.append(norm)
         result = self._reduce_metrics(metrics)
-        result.update(reward_metrics(batch.rewards, batch.group_ids))
-        result.update({
-            "loss": sum(losses) / max(len(losses), 1),
-            "grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
-            "lr": lrs[-1] if lrs else self._lr(),
-            "advantage_abs_mean": float(adv_seq.abs().mean()) if adv_seq.numel() else 0.0,
-            "num_tokens": float(batch.token_ids.numel()),
-            "num_train_tokens": float(mask.sum()),
-            "num_sequences": float(batch.num_sequences),
-            "optimizer_steps": float(len(grad_norms)),
-            "step": float(self.step),
-            "temperature": temperature,
-            "step_time_s": time.perf_counter() - t0,
-        })
+        result.update(train_step_metrics(
+            batch, adv_seq=adv_seq, losses=losses, grad_norms=grad_norms, step=self.step, temperature=temperature,
+            lr=lrs[-1] if lrs else self._lr(), t0=t0))
         return result
 
     def sft_step(self, batch: TrajectoryBatch) -> dict[str, float]:
