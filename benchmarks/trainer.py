@@ -208,8 +208,8 @@ def main() -> None:
         results.append((name, time_steps(step, args.steps, max(args.warmup - 1, 0))))
 
     run("miles varlen", lambda m: miles_path(m, batch, "varlen", micro_tokens, lr)[0])
-    run("miles packed (auto)", lambda m: miles_path(m, batch, "packed", micro_tokens, lr)[0])
-    run("miles padded", lambda m: miles_path(m, batch, "padded", micro_tokens, lr)[0])
+    run("miles packed", lambda m: miles_path(m, batch, "packed", micro_tokens, lr)[0])
+    run("miles padded (auto)", lambda m: miles_path(m, batch, "padded", micro_tokens, lr)[0])
     trl_note = ""
 
     def make_trl(m):
