@@ -7,7 +7,7 @@ groups may have different sizes and filtered samples simply do not appear; group
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -107,3 +107,14 @@ def sequence_index(cu_seqlens: torch.Tensor) -> torch.Tensor:
     """For every packed token, the index of its sequence: [T] int64."""
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
     return torch.repeat_interleave(torch.arange(lengths.numel(), device=cu_seqlens.device), lengths)
+
+
+def batch_advantages(batch: Any, config: AdvantageConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For a packed `TrajectoryBatch`: generated tokens per sequence [B], advantages per sequence [B], and
+    the advantages expanded to every token [T]."""
+    c = torch.zeros(batch.loss_mask.numel() + 1, dtype=torch.float64)
+    c[1:] = torch.cumsum(batch.loss_mask.to(torch.float64), 0)
+    token_counts = (c[batch.cu_seqlens[1:]] - c[batch.cu_seqlens[:-1]]).to(torch.float32)
+    adv_seq = compute_advantages(batch.rewards, batch.group_ids, config, token_counts=token_counts)
+    return token_counts, adv_seq, expand_to_tokens(adv_seq, batch.cu_seqlens)
+

@@ -30,7 +30,7 @@ from torch import nn
 from miles.trajectory import TrajectoryBatch
 
 from . import varlen_attention
-from .advantages import AdvantageConfig, compute_advantages, expand_to_tokens
+from .advantages import AdvantageConfig, batch_advantages
 from .checkpoint import (
     Checkpoint,
     capture_rng_state,
@@ -214,9 +214,7 @@ class TorchTrainer:
         batch = _validate(batch)
         temperature = self._temperature(batch)
         mask = batch.loss_mask
-        token_counts = _seq_sums(mask, batch.cu_seqlens)
-        adv_seq = compute_advantages(batch.rewards, batch.group_ids, alg.advantage, token_counts=token_counts)
-        adv_tok = expand_to_tokens(adv_seq, batch.cu_seqlens)
+        token_counts, adv_seq, adv_tok = batch_advantages(batch, alg.advantage)
         metrics = MetricAccumulator()
         multi_step = alg.num_mini_batches > 1 or alg.ppo_epochs > 1
         old_lp = self.compute_logprobs(batch, temperature=temperature) if multi_step else None
@@ -576,12 +574,6 @@ def _validate(batch: TrajectoryBatch) -> TrajectoryBatch:
     if batch.rewards.numel() != batch.num_sequences or batch.group_ids.numel() != batch.num_sequences:
         raise ValueError("rewards and group_ids need one entry per sequence")
     return batch
-
-
-def _seq_sums(values: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    c = torch.zeros(values.numel() + 1, dtype=torch.float64)
-    c[1:] = torch.cumsum(values.to(torch.float64), 0)
-    return (c[cu_seqlens[1:]] - c[cu_seqlens[:-1]]).to(torch.float32)
 
 
 def _split_even(n: int, parts: int) -> list[tuple[int, int]]:

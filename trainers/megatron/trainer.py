@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from miles.trainers import checkpoint as ckpt_io
-from miles.trainers.advantages import compute_advantages, expand_to_tokens
+from miles.trainers.advantages import batch_advantages
 from miles.trainers.errors import CheckpointError, ConfigError
 from miles.trainers.losses import LossInputs, LossOutput, policy_loss, sft_loss
 from miles.trainers.megatron.compat import label_params_as_cuda
@@ -43,7 +43,6 @@ from miles.trainers.megatron.parallel import ParallelInfo, initialize_parallel
 from miles.trainers.metrics import MetricAccumulator, train_step_metrics
 from miles.trainers.torch_backend import (
     AlgorithmConfig,
-    _seq_sums,
     _split_even,
     _token_balanced_share,
     _validate,
@@ -224,9 +223,7 @@ class MegatronTrainer:
         batch = _validate(batch)
         temperature = self._temperature(batch)
         mask = batch.loss_mask
-        token_counts = _seq_sums(mask, batch.cu_seqlens)
-        adv_seq = compute_advantages(batch.rewards, batch.group_ids, alg.advantage, token_counts=token_counts)
-        adv_tok = expand_to_tokens(adv_seq, batch.cu_seqlens)
+        token_counts, adv_seq, adv_tok = batch_advantages(batch, alg.advantage)
         multi_step = alg.num_mini_batches > 1 or alg.ppo_epochs > 1
         old_lp = self.compute_logprobs(batch, temperature=temperature) if multi_step else None
         metrics = MetricAccumulator()
