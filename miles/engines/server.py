@@ -18,10 +18,12 @@ from typing import Any
 import fastapi
 import uvicorn
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from miles.engine import EngineError
 from miles.engines.embedded import EmbeddedEngine
 from miles.engines.errors import InvalidRequestError
+from miles.engines.metrics import engine_registry, render_metrics
 from miles.engines.weight_broadcast import WeightReceiver
 from miles.engines.wire import (
     ROUTING_KEY_HEADER,
@@ -217,6 +219,12 @@ def create_app(engine: EmbeddedEngine) -> fastapi.FastAPI:
         t = params[body["name"]].detach().float().cpu()
         size = int(body.get("truncate_size", 100))
         return JSONResponse(t[:size].tolist() if t.dim() else t.item())
+
+    registry = engine_registry(engine)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(render_metrics(registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
 
