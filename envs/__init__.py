@@ -15,6 +15,7 @@ from miles.envs.base import (
 )
 from miles.envs.episode import EpisodeResult, arun_episode, run_episode
 from miles.envs.hooks import HookDefinitionError, cleanup, reward, stop_condition
+from miles.envs.recipe import EnvRecipe, import_user_modules
 from miles.envs.registry import EnvSpec, RegistryError, UnknownEnvError, make, register, registry
 from miles.envs.spaces import MessageSpace, MessagesSpace
 from miles.envs.tasks import Task, TaskSource, TaskSourceError, UnknownTaskError
@@ -26,9 +27,9 @@ register("Orders-v0", "miles.envs.orders:OrdersEnv")
 register("PythonSandbox-v0", "miles.envs.python_sandbox:PythonSandboxEnv")
 
 __all__ = [
-    "Env", "EnvError", "EnvSpec", "EpisodeOverError", "EpisodeResult", "HookDefinitionError", "HookError",
-    "InvalidActionError", "MessageSpace", "MessagesSpace", "NoOracleError", "OraclePolicy", "RegistryError",
-    "ResetNeededError", "Task", "TaskSource", "TaskSourceError", "ToolEnv", "UnknownEnvError",
-    "UnknownTaskError", "arun_episode", "cleanup", "make", "register", "registry", "reward", "run_episode",
-    "stop_condition",
+    "Env", "EnvError", "EnvRecipe", "EnvSpec", "EpisodeOverError", "EpisodeResult", "HookDefinitionError",
+    "HookError", "InvalidActionError", "MessageSpace", "MessagesSpace", "NoOracleError", "OraclePolicy",
+    "RegistryError", "ResetNeededError", "Task", "TaskSource", "TaskSourceError", "ToolEnv", "UnknownEnvError",
+    "UnknownTaskError", "arun_episode", "cleanup", "import_user_modules", "make", "register", "registry",
+    "reward", "run_episode", "stop_condition",
 ]

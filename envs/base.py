@@ -16,7 +16,7 @@ import gymnasium
 
 from miles.envs.hooks import BoundHook, collect_hooks
 from miles.envs.spaces import MessageSpace, MessagesSpace
-from miles.envs.tasks import Task, TaskSource, as_task_source
+from miles.envs.tasks import Task, TaskSource, as_task_source, select_split
 from miles.types import Message, TerminationReason, ToolErrorType
 
 
@@ -76,6 +76,10 @@ class Env(gymnasium.Env):
     Override `default_tasks` (or pass `tasks=`), and optionally `on_reset`, `initial_messages`,
     `react` (the observation for one action) and `is_final`. Rewards, stop conditions and cleanup are
     methods decorated with `@reward`, `@stop_condition` and `@cleanup` (see `miles.envs.hooks`).
+
+    `split` ("all", "train" or "held_out"), which the train loop passes, keeps the deterministic part of
+    the tasks whose prompt hash (salted with `split_salt`) falls outside (train) or inside (held_out) the
+    `held_out_fraction`; a subclass needs no code for it.
     """
 
     metadata: ClassVar[dict[str, Any]] = {"render_modes": ["ansi"], "render_fps": 1}
@@ -85,15 +89,23 @@ class Env(gymnasium.Env):
     #: If set, `info["success"]` is `reward_components[success_component] >= 1`; otherwise every
     #: positively weighted component must reach 1.
     success_component: str | None = None
+    #: Share of the tasks that `split="held_out"` keeps (and `split="train"` leaves out).
+    held_out_fraction: float = 0.1
+    #: Salt of the split's prompt hash.
+    split_salt: str = ""
 
     def __init__(self, tasks: TaskSource | Iterable[Task | Mapping[str, Any]] | None = None, *,
-                 max_turns: int | None = None, reward_weights: Mapping[str, float] | None = None,
-                 system_prompt: str | None = None, render_mode: str | None = None) -> None:
+                 split: str = "all", held_out_fraction: float | None = None, max_turns: int | None = None,
+                 reward_weights: Mapping[str, float] | None = None, system_prompt: str | None = None,
+                 render_mode: str | None = None) -> None:
         if render_mode is not None and render_mode not in self.metadata["render_modes"]:
             raise ValueError(f"render_mode {render_mode!r} not in {self.metadata['render_modes']}")
         self.render_mode = render_mode
+        if held_out_fraction is not None:
+            self.held_out_fraction = float(held_out_fraction)
         source = as_task_source(tasks, name=type(self).__name__)
-        self.tasks: TaskSource = source if source is not None else self.default_tasks()
+        self.tasks: TaskSource = select_split(source if source is not None else self.default_tasks(), split,
+                                              self.held_out_fraction, salt=self.split_salt)
         if max_turns is not None:
             if max_turns < 1:
                 raise ValueError(f"max_turns must be >= 1, got {max_turns}")

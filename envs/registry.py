@@ -10,6 +10,7 @@ from typing import Any
 
 import gymnasium
 
+from miles.config import ConfigError
 from miles.envs.base import Env
 
 NAMESPACE = "miles"
@@ -19,8 +20,15 @@ class RegistryError(ValueError):
     """A registration conflicts with an existing one or names an unusable entry point."""
 
 
-class UnknownEnvError(KeyError):
-    """`make` was asked for an id nobody registered."""
+class UnknownEnvError(ConfigError, KeyError):
+    """`make` was asked for an id nobody registered. A `ConfigError` on key `env.id`, so the CLI prints its
+    one-line message (with the fix) instead of a traceback."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("env.id", message)
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return ConfigError.__str__(self)
 
 
 @dataclass(frozen=True)
@@ -88,8 +96,9 @@ def make(id: str, **kwargs: Any) -> Env:
     spec = _REGISTRY.get(id)
     if spec is None:
         close = difflib.get_close_matches(id, list(_REGISTRY), n=3)
-        hint = f"; did you mean {', '.join(close)}?" if close else f"; registered: {', '.join(sorted(_REGISTRY))}"
-        raise UnknownEnvError(f"no environment registered as {id!r}{hint}")
+        hint = (f"did you mean {', '.join(close)}?" if close else f"registered: {', '.join(sorted(_REGISTRY))}; "
+                "an env of your own must be registered first: import its module (env.import / --import)")
+        raise UnknownEnvError(f"no environment registered as {id!r}; {hint}")
     env = spec.load()(**{**spec.kwargs, **kwargs})
     if not isinstance(env, Env):
         raise RegistryError(f"entry point of {id!r} returned {type(env).__name__}, not a miles Env")
