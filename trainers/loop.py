@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import copy
 import dataclasses
 import json
 import logging
@@ -19,12 +17,12 @@ import torch
 import yaml
 
 from miles.config import to_dict
-from miles.engine import RolloutEngine
 from miles.envs import Env, Task, make
 from miles.sessions.recorder import Recorder
 from miles.sessions.records import SessionRecord
 from miles.sessions.scheduler import SessionScheduler
 from miles.trainers.demos import oracle_demos
+from miles.trainers.engine_setup import bounded_by_context, build_engine_set
 from miles.trainers.evaluate import EvalResult, evaluate
 from miles.trainers.metrics_log import MetricsLog
 from miles.trainers.models import build_policy, build_tito
@@ -80,23 +78,13 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build_engines(cfg: TrainConfig, model: torch.nn.Module, tokenizer: Any) -> list[RolloutEngine]:
-    """The rollout engines the config names; embedded engines get their own copy of the policy."""
-    if cfg.engine.kind == "embedded":
-        from miles.engines.embedded import EmbeddedEngine
-
-        return [EmbeddedEngine(copy.deepcopy(model).eval(), tokenizer=tokenizer, device=cfg.engine.device,
-                               max_batch_size=cfg.engine.max_batch_size, engine_id=f"embedded-{i}")
-                for i in range(cfg.engine.num_engines)]
-    from miles.engines.client import SGLangClient
-
-    return [SGLangClient(url) for url in cfg.engine.urls]
-
-
-def trainable(records: list[SessionRecord]) -> list[Trajectory]:
+def trainable(records: list[SessionRecord], *, on_timeout: str = "drop") -> list[Trajectory]:
+    """The trajectories to train on: sessions that ended for infrastructure reasons are left out, and so are
+    timed-out ones unless `on_timeout` is "zero" (then they count with reward 0)."""
+    skip = UNTRAINABLE + ((TerminationReason.TIMEOUT,) if on_timeout == "drop" else ())
     out = []
     for r in records:
-        if r.termination in UNTRAINABLE or r.trajectory.num_generated == 0:
+        if r.termination in skip or r.trajectory.num_generated == 0:
             continue
         traj = r.trajectory
         traj.reward = r.reward
@@ -155,31 +143,38 @@ class TrainLoop:
         finally:
             env.close()
 
-    def _setup(self) -> None:
+    async def _setup(self) -> None:
         cfg = self.cfg
         seed_everything(cfg.seed)
         self.tito = build_tito(cfg.model)
         self.model = build_policy(cfg.model, self.tito.tokenizer)
-        self.engines = build_engines(cfg, self.model, self.tito.tokenizer)
-        if cfg.backend == "megatron":
-            from miles.trainers.megatron.driver import build_megatron_trainer
-
-            self.trainer: Any = build_megatron_trainer(self.model, cfg)
-        else:
-            from miles.trainers.torch_backend import TorchTrainer
-
-            self.trainer = TorchTrainer(self.model, cfg.trainer, cfg.algorithm)
-        self.sync = WeightSync(self.engines, method=cfg.sync.method, policy=cfg.sync.policy,
-                               staging_dir=self.out / "weights")
         self.train_env = self._env_factory(cfg.env.train_split)
         self.eval_env = self._env_factory(cfg.env.eval_split)
         self.train_tasks = self._tasks(cfg.env.train_split, cfg.env.num_train_tasks)
         self.eval_tasks = self._tasks(cfg.env.eval_split, cfg.eval.num_tasks, distinct=True)
         self.cursor = TaskCursor(len(self.train_tasks), cfg.seed)
+        # Engines copy the policy before the trainer wraps it (FSDP, Megatron conversion).
+        self.engine_set = await build_engine_set(cfg.engine, self.model, self.tito.tokenizer, cfg.model.tokenizer)
+        self.engines = self.engine_set.rollout
+        self.scheduler_cfg = bounded_by_context(cfg.rollout.scheduler, self.engine_set.context_length)
+        try:
+            if cfg.backend == "megatron":
+                from miles.trainers.megatron.driver import build_megatron_trainer
+
+                self.trainer: Any = build_megatron_trainer(self.model, cfg)
+            else:
+                from miles.trainers.torch_backend import TorchTrainer
+
+                self.trainer = TorchTrainer(self.model, cfg.trainer, cfg.algorithm)
+            self.sync = WeightSync(self.engine_set.workers, method=cfg.sync.method, policy=cfg.sync.policy,
+                                   staging_dir=self.out / "weights")
+        except BaseException:
+            await self.engine_set.close()
+            raise
         self.recorder = Recorder(self.out / "sessions.jsonl")
         self.eval_recorder = Recorder(self.out / "eval_sessions.jsonl")
         self.scheduler = SessionScheduler(self.engines, tokenizer=self.tito, env_factory=self.train_env,
-                                          config=cfg.rollout.scheduler, recorder=self.recorder, run_id="train")
+                                          config=self.scheduler_cfg, recorder=self.recorder, run_id="train")
 
     # ---- stages --------------------------------------------------------------------------------------
     async def _sync(self, version: int | None = None) -> None:
@@ -193,7 +188,7 @@ class TrainLoop:
         results = {}
         for greedy in modes:
             res = await evaluate(self.engines, tokenizer=self.tito, env_factory=self.eval_env,
-                                 tasks=self.eval_tasks, scheduler=cfg.rollout.scheduler, greedy=greedy,
+                                 tasks=self.eval_tasks, scheduler=self.scheduler_cfg, greedy=greedy,
                                  recorder=self.eval_recorder, max_new_tokens=cfg.eval.max_new_tokens)
             results[res.mode] = res
             self.metrics.write("eval", self.trainer.step, stage=stage, **res.to_dict())
@@ -236,7 +231,7 @@ class TrainLoop:
                 if val_tasks and steps >= sft.min_steps and steps % sft.check_every == 0:
                     await self._sync()
                     val = await evaluate(self.engines, tokenizer=self.tito, env_factory=self.train_env,
-                                         tasks=val_tasks, scheduler=cfg.rollout.scheduler, greedy=True)
+                                         tasks=val_tasks, scheduler=self.scheduler_cfg, greedy=True)
                     self.metrics.write("sft_val", steps, success_rate=val.success_rate)
                     self.echo(f"[sft] step {steps}: loss {m['loss']:.3f}, validation success "
                               f"{val.success_rate:.1%}")
@@ -260,7 +255,7 @@ class TrainLoop:
         groups = await self.scheduler.run(tasks, num_groups=cfg.rollout.tasks_per_step)
         records = [r for g in groups for r in g.records]
         t_rollout = time.perf_counter() - t0
-        trajs = trainable(records)
+        trajs = trainable(records, on_timeout=cfg.rollout.on_timeout)
         informative, num_groups, flat = split_by_reward_spread(trajs)
         if cfg.rollout.drop_zero_std_groups:
             trajs = informative
@@ -269,6 +264,7 @@ class TrainLoop:
             "rollout_success_rate": (float(np.mean([bool(r.final_info.get("success")) for r in records]))
                                      if records else 0.0),
             "sessions": len(records), "trained_sessions": len(trajs),
+            "timeout_sessions": sum(r.termination == TerminationReason.TIMEOUT for r in records),
             "rollout_zero_std_group_frac": flat / num_groups if num_groups else 0.0,
             "generated_tokens": sum(t.num_generated for t in trajs), "rollout_s": t_rollout,
         }
@@ -295,7 +291,7 @@ class TrainLoop:
     async def run(self) -> RunSummary:
         cfg = self.cfg
         t_start = time.perf_counter()
-        self._setup()
+        await self._setup()
         start_step = 0
         try:
             ckpt_root = self.out / "checkpoints"
@@ -335,7 +331,7 @@ class TrainLoop:
             await self.scheduler.aclose()
             await self.recorder.aclose()
             await self.eval_recorder.aclose()
-            await asyncio.gather(*(e.close() for e in self.engines), return_exceptions=True)
+            await self.engine_set.close()
             self.metrics.close()
         self.summary.seconds["total"] = time.perf_counter() - t_start
         (self.out / "summary.json").write_text(json.dumps(self.summary.to_dict(), indent=1))

@@ -69,10 +69,14 @@ class RolloutConfig:
 
     `drop_zero_std_groups` trains only on groups whose rewards differ (their advantages are all zero
     otherwise); the loss normalisation then counts only the kept tokens.
+    `on_timeout`: sessions that ended `timeout` (a slow engine or env, not the policy) are left out of training
+    ("drop", the default) or trained on with reward 0 ("zero"); either way they are recorded and counted in the
+    step's `timeout_sessions` metric.
     """
 
     tasks_per_step: int = 4
     drop_zero_std_groups: bool = False
+    on_timeout: Literal["drop", "zero"] = "drop"
     scheduler: SchedulerConfig = field(default_factory=lambda: SchedulerConfig(group_size=8))
 
     def __post_init__(self) -> None:

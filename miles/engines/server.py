@@ -220,6 +220,33 @@ def create_app(engine: EmbeddedEngine) -> fastapi.FastAPI:
         size = int(body.get("truncate_size", 100))
         return JSONResponse(t[:size].tolist() if t.dim() else t.item())
 
+    def _tokenizer() -> Any:
+        if engine.tokenizer is None:
+            raise InvalidRequestError("this server was started without a tokenizer")
+        return engine.tokenizer
+
+    @app.post("/tokenize")
+    @app.post("/v1/tokenize")
+    async def tokenize(request: fastapi.Request) -> JSONResponse:
+        """SGLang's `TokenizeRequest` for a text prompt (or a list of them)."""
+        body = await _json_body(request)
+        _require(body, "prompt")
+        prompt, special = body["prompt"], bool(body.get("add_special_tokens", True))
+        texts = prompt if isinstance(prompt, list) else [prompt]
+        if not all(isinstance(t, str) for t in texts):
+            raise InvalidRequestError("prompt must be a string or a list of strings")
+        tokens = [_tokenizer().encode(t, add_special_tokens=special) for t in texts]
+        out = (tokens, [len(t) for t in tokens]) if isinstance(prompt, list) else (tokens[0], len(tokens[0]))
+        return JSONResponse({"tokens": out[0], "count": out[1], "max_model_len": engine.max_context})
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        """SGLang's OpenAI-compatible model list: the served model with its context length."""
+        name = engine.model_path or "miles-embedded"
+        return JSONResponse({"object": "list", "data": [
+            {"id": name, "object": "model", "created": int(started), "owned_by": "miles", "root": name,
+             "parent": None, "max_model_len": engine.max_context}]})
+
     registry = engine_registry(engine)
 
     @app.get("/metrics")
