@@ -24,7 +24,8 @@ def _is_path(name: str) -> bool:
     return name.endswith(".py") or "/" in name or os.sep in name
 
 
-def _one_line(exc: BaseException) -> str:
+def error_line(exc: BaseException) -> str:
+    """`exc` as one line: its type and the first line of its message."""
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
@@ -64,10 +65,10 @@ def import_user_modules(names: Iterable[str]) -> None:
                 raise ConfigError(IMPORT_KEY, f"cannot import {name!r}: no module named {exc.name!r}; run from "
                                   "the folder that holds it, add that folder to PYTHONPATH, or give the path "
                                   "to its .py file") from exc
-            raise ConfigError(IMPORT_KEY, f"cannot import {name!r}: {_one_line(exc)} (a module it imports is "
+            raise ConfigError(IMPORT_KEY, f"cannot import {name!r}: {error_line(exc)} (a module it imports is "
                               "missing; install it)") from exc
         except Exception as exc:  # the user's module itself raised
-            raise ConfigError(IMPORT_KEY, f"cannot import {name!r}: {_one_line(exc)}; run "
+            raise ConfigError(IMPORT_KEY, f"cannot import {name!r}: {error_line(exc)}; run "
                               f"`python -c 'import {module}'` to see the traceback") from exc
 
 
@@ -118,7 +119,7 @@ class EnvRecipe:
             return make(self.id, **kwargs)
         except TypeError as exc:
             raise ConfigError("env.kwargs", f"cannot build {self.id!r} with {sorted(kwargs)}: "
-                              f"{_one_line(exc)}") from exc
+                              f"{error_line(exc)}") from exc
 
     def to_record(self) -> dict[str, Any]:
         """The JSON form: `{"id", "kwargs", "imports"}`."""

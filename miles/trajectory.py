@@ -13,8 +13,9 @@ from safetensors.torch import load_file, save_file
 from miles.types import Message, TerminationReason
 
 
-def _message_record(m: Message) -> dict[str, Any]:
-    """`Message.to_dict()` plus each tool call's `raw_arguments` / `parse_error`, so the JSON form is lossless."""
+def message_record(m: Message) -> dict[str, Any]:
+    """`Message.to_dict()` plus each tool call's `raw_arguments` / `parse_error`: the lossless JSON form of a
+    message (`message_from_record` is its inverse)."""
     out = m.to_dict()
     for entry, call in zip(out.get("tool_calls", []), m.tool_calls, strict=True):
         entry["raw_arguments"] = call.raw_arguments
@@ -22,7 +23,8 @@ def _message_record(m: Message) -> dict[str, Any]:
     return out
 
 
-def _message_from_record(data: dict[str, Any]) -> Message:
+def message_from_record(data: dict[str, Any]) -> Message:
+    """Inverse of `message_record`; the plain `Message.to_dict()` form loads too."""
     m = Message.from_dict(data)
     for entry, call in zip(data.get("tool_calls") or [], m.tool_calls, strict=True):
         if "raw_arguments" in entry:
@@ -125,7 +127,7 @@ class Trajectory:
             "reward_components": self.reward_components,
             "termination": self.termination.value if self.termination else None,
             "meta": asdict(self.meta),
-            "messages": [_message_record(m) for m in self.messages],
+            "messages": [message_record(m) for m in self.messages],
         }
 
     @classmethod
@@ -140,7 +142,7 @@ class Trajectory:
             reward_components=dict(data.get("reward_components", {})),
             termination=TerminationReason(term) if term else None,
             meta=TrajectoryMeta(**data.get("meta", {})),
-            messages=[_message_from_record(m) for m in data.get("messages", [])],
+            messages=[message_from_record(m) for m in data.get("messages", [])],
         )
 
     def to_json(self) -> str:

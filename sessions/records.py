@@ -1,4 +1,11 @@
-"""The recorded form of a session: one JSON object per session, one line in `sessions.jsonl`."""
+"""The recorded form of a session: one JSON object per session, one line in `sessions.jsonl`.
+
+Version 2 stores every message once: the reset messages in `initial_messages`, then each turn's assistant
+message and observation (lossless: tool calls keep their raw arguments and parse errors). What can be
+derived from them is left out of the JSON and rebuilt on reading: a turn's `tool_calls` and `tool_results`,
+and the trajectory's `messages`, `meta`, `reward`, `reward_components` and `termination` (each is written
+only when it differs from its derivation). Version 1 records, which repeat all of these, still load.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +15,12 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from miles.trajectory import Trajectory
+from miles.envs.recipe import EnvRecipe
+from miles.tito.spec import TokenizerSpec
+from miles.trajectory import Trajectory, TrajectoryMeta
 from miles.types import TerminationReason
 
-RECORD_VERSION = 1
+RECORD_VERSION = 2
 
 
 def jsonable(value: Any, _depth: int = 0) -> Any:
@@ -38,6 +47,24 @@ def jsonable(value: Any, _depth: int = 0) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return jsonable({f.name: getattr(value, f.name) for f in dataclasses.fields(value)}, _depth + 1)
     return repr(value)
+
+
+def calls_view(assistant: dict[str, Any]) -> list[dict[str, Any]]:
+    """A recorded assistant message's tool calls as a turn lists them: the OpenAI-style entries, with
+    `parse_error` on calls that could not be parsed."""
+    out = []
+    for entry in assistant.get("tool_calls") or []:
+        call = {k: v for k, v in entry.items() if k not in ("raw_arguments", "parse_error")}
+        if entry.get("parse_error"):
+            call["parse_error"] = entry["parse_error"]
+        out.append(call)
+    return out
+
+
+def observed_tool_results(observation: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The tool results an observation shows: one `{call_id, name, content}` per tool message."""
+    return [{"call_id": m.get("tool_call_id") or "", "name": m.get("name") or "", "content": m.get("content") or ""}
+            for m in observation if m.get("role") == "tool"]
 
 
 @dataclass
@@ -68,7 +95,10 @@ class AttemptRecord:
 class TurnRecord:
     """One model turn: the generate call, the parsed message and the env step that followed.
 
-    `output_start:output_end` indexes the generated tokens in the trajectory's `token_ids`.
+    `output_start:output_end` indexes the generated tokens in the trajectory's `token_ids`; `finish_reason`
+    is the engine's ("stop", "length", ...). `assistant` and `observation` are messages in their lossless
+    record form (`miles.trajectory.message_record`); `tool_calls` and `tool_results` are views of them
+    (unless the env reported its own tool results in `info["tool_results"]`).
     """
 
     index: int
@@ -96,33 +126,50 @@ class TurnRecord:
     attempts: list[AttemptRecord] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
+        """The JSON form; `tool_calls` and `tool_results` only when they differ from their derivation."""
         out = {name: getattr(self, name) for name in _TURN_FIELDS}
         out["attempts"] = [{"engine_id": a.engine_id, "rid": a.rid, "error": asdict(a.error),
                             "duration_s": a.duration_s} for a in self.attempts]
+        if self.tool_calls == calls_view(self.assistant):
+            del out["tool_calls"]
+        if self.tool_results == observed_tool_results(self.observation):
+            del out["tool_results"]
         return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TurnRecord:
+        """Inverse of `to_dict` (reads version 1 turns too)."""
         data = dict(data)
         data["attempts"] = [AttemptRecord(**{**a, "error": ErrorInfo(**a["error"])})
                             for a in data.get("attempts", [])]
+        if "tool_calls" not in data:
+            data["tool_calls"] = calls_view(data.get("assistant") or {})
+        if "tool_results" not in data:
+            data["tool_results"] = observed_tool_results(data.get("observation") or [])
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
 
 
 @dataclass
 class SessionRecord:
-    """Everything about one session: what it was asked to do, every turn, and how it ended."""
+    """Everything about one session: what it was asked to do, every turn, and how it ended.
+
+    What rebuilds the episode: `recipe` (env id, constructor kwargs, user modules), `task` (reset seed and
+    options), `tokenizer_spec` (tokenizer, chat-template override), `parser`, and each turn's output and
+    finish reason. `tokenizer` is a readable "family:name" label.
+    """
 
     session_id: str
     env_id: str = ""
     env_class: str = ""
+    recipe: EnvRecipe | None = None
     task: dict[str, Any] = field(default_factory=dict)
     group_id: str = ""
     sample_index: int = 0
     seed: int | None = None
     sampling_params: dict[str, Any] = field(default_factory=dict)
     tokenizer: str = ""
+    tokenizer_spec: TokenizerSpec | None = None
     parser: str = ""
     tools: list[dict[str, Any]] = field(default_factory=list)
     initial_messages: list[dict[str, Any]] = field(default_factory=list)
@@ -147,25 +194,59 @@ class SessionRecord:
     def weight_versions(self) -> list[int | None]:
         return [t.weight_version for t in self.turns]
 
+    def messages(self) -> list[dict[str, Any]]:
+        """The conversation in record form: the reset messages, then each turn's assistant message (when the
+        model produced one) and observation."""
+        out = list(self.initial_messages)
+        for t in self.turns:
+            if t.assistant:
+                out.append(t.assistant)
+            out.extend(t.observation)
+        return out
+
+    def trajectory_meta(self) -> TrajectoryMeta:
+        """The trajectory's provenance, from this record."""
+        task_id = self.task.get("task_id") or str(self.reset_info.get("task_id", "") or "")
+        return TrajectoryMeta(env_id=self.env_id, task_id=task_id, seed=self.seed, group_id=self.group_id,
+                              sample_index=self.sample_index, session_id=self.session_id,
+                              sampling_params=self.sampling_params)
+
+    def _derived_trajectory(self) -> dict[str, Any]:
+        return {"messages": self.messages(), "meta": asdict(self.trajectory_meta()), "reward": self.reward,
+                "reward_components": self.reward_components, "termination": self.termination.value}
+
     def to_dict(self) -> dict[str, Any]:
-        """The JSON form. Free-form parts (task, infos, tool results) were made JSON-safe when captured."""
+        """The JSON form (each message once). Free-form parts (task, infos, tool results) were made JSON-safe
+        when captured."""
         out = {name: getattr(self, name) for name in _SESSION_FIELDS}
+        out["recipe"] = self.recipe.to_record() if self.recipe else None
+        out["tokenizer_spec"] = self.tokenizer_spec.to_record() if self.tokenizer_spec else None
         out["termination"] = self.termination.value
         out["turns"] = [t.to_dict() for t in self.turns]
         out["error"] = asdict(self.error) if self.error else None
-        out["trajectory"] = self.trajectory.to_dict()
+        traj = self.trajectory.to_dict()
+        for key, value in self._derived_trajectory().items():
+            if traj[key] == value:
+                del traj[key]
+        out["trajectory"] = traj
         return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SessionRecord:
-        """Inverse of `to_dict`; unknown keys (from newer writers) are ignored."""
+        """Inverse of `to_dict`; reads version 1 records too. Unknown keys (from newer writers) are ignored."""
         names = {f.name for f in dataclasses.fields(cls)}
-        kw = {k: v for k, v in data.items() if k in names}
+        kw = {k: v for k, v in data.items() if k in names and k != "trajectory"}
+        kw["recipe"] = EnvRecipe.from_record(data["recipe"]) if data.get("recipe") else None
+        kw["tokenizer_spec"] = (TokenizerSpec.from_record(data["tokenizer_spec"]) if data.get("tokenizer_spec")
+                                else None)
         kw["termination"] = TerminationReason(data.get("termination", "aborted"))
         kw["turns"] = [TurnRecord.from_dict(t) for t in data.get("turns", [])]
         kw["error"] = ErrorInfo(**data["error"]) if data.get("error") else None
-        kw["trajectory"] = Trajectory.from_dict(data["trajectory"]) if data.get("trajectory") else Trajectory()
-        return cls(**kw)
+        kw.setdefault("version", 1)
+        rec = cls(**kw)
+        if data.get("trajectory"):
+            rec.trajectory = Trajectory.from_dict({**rec._derived_trajectory(), **data["trajectory"]})
+        return rec
 
 
 _TURN_FIELDS = tuple(f.name for f in dataclasses.fields(TurnRecord))

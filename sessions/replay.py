@@ -3,6 +3,7 @@ the recorded model outputs (`check`, `rescore`) and verify its token alignment (
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -13,9 +14,13 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from miles.config import ConfigError
 from miles.engine import FinishReason
+from miles.envs.recipe import error_line
 from miles.sessions.records import ErrorInfo, SessionRecord, jsonable
 from miles.sessions.session import tool_results_of
+from miles.tito.spec import TokenizerSpec
+from miles.trajectory import message_from_record, message_record
 from miles.types import Message, TerminationReason
 
 
@@ -171,8 +176,12 @@ def _import_path(path: str) -> Any:
 
 
 def env_for(record: SessionRecord) -> Any:
-    """A fresh env for `record`: `miles.envs.make(env_id)` when registered, else its recorded class
-    (`module:qualname`) built without arguments."""
+    """A fresh env for `record`, built as the session's was: from its recorded `recipe` (the user modules
+    imported, the registered id made with the recorded constructor kwargs). Records without a recipe (older
+    ones) fall back to `miles.envs.make(env_id)` when registered, else their recorded class
+    (`module:qualname`) built without arguments. Raises `ReplayError` when the env cannot be rebuilt."""
+    if record.recipe is not None:
+        return _env_from_recipe(record)
     errors = []
     try:
         from miles.envs import make, registry
@@ -190,6 +199,24 @@ def env_for(record: SessionRecord) -> Any:
                       + ("; ".join(errors) or "no env id or class recorded"))
 
 
+def _env_from_recipe(record: SessionRecord) -> Any:
+    from miles.envs import make, registry
+
+    recipe = record.recipe
+    assert recipe is not None
+    where = f"cannot rebuild env {recipe.id!r} of session {record.session_id}"
+    try:
+        recipe.import_modules()
+    except ConfigError as exc:
+        if recipe.id not in registry():  # not registered by an --import module either
+            raise ReplayError(f"{where}: {exc.message}; or pass --import MODULE (a module name or a .py path)") \
+                from exc
+    try:
+        return make(recipe.id, **recipe.kwargs)
+    except Exception as exc:
+        raise ReplayError(f"{where} with kwargs {recipe.kwargs}: {error_line(exc)}") from exc
+
+
 def _reset_options(record: SessionRecord) -> dict[str, Any]:
     options = dict(record.task.get("options") or {})
     row = options.get("task")
@@ -202,6 +229,11 @@ def _reset_options(record: SessionRecord) -> dict[str, Any]:
 
 def _results_view(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{k: r.get(k) for k in ("name", "content", "error") if k in r} for r in results]
+
+
+def _messages_view(messages: list[Message], record: SessionRecord) -> list[dict[str, Any]]:
+    """Messages in the form `record` stores them: lossless since version 2, plain `to_dict` before."""
+    return [message_record(m) if record.version >= 2 else m.to_dict() for m in messages]
 
 
 async def redrive(record: SessionRecord, env: Any, *, parser: Any = None) -> RedriveResult:
@@ -219,7 +251,7 @@ async def redrive(record: SessionRecord, env: Any, *, parser: Any = None) -> Red
         out.error = ErrorInfo.from_exception("reset", exc)
         out.divergence = Divergence(-1, "reset", "succeeded", f"raised {type(exc).__name__}: {exc}")
         return out
-    replayed = [m.to_dict() for m in obs]
+    replayed = _messages_view(obs, record)
     if record.error is not None and record.error.where == "reset":
         out.divergence = Divergence(-1, "reset", f"raised {record.error.type}", "succeeded")
         return out
@@ -230,12 +262,13 @@ async def redrive(record: SessionRecord, env: Any, *, parser: Any = None) -> Red
     for turn in record.turns:
         if not turn.assistant:
             break  # the turn never got a model output (engine error, timeout, abort)
-        action = Message.from_dict(turn.assistant)
+        action = message_from_record(turn.assistant)
         if parser is not None:
             parsed = parser.parse(turn.text)
             action = Message(role="assistant", content=parsed.content, tool_calls=list(parsed.calls))
-            if action.to_dict() != Message.from_dict(turn.assistant).to_dict():
-                out.divergence = Divergence(turn.index, "parsed assistant message", turn.assistant, action.to_dict())
+            reparsed = _messages_view([action], record)[0]
+            if reparsed != turn.assistant:
+                out.divergence = Divergence(turn.index, "parsed assistant message", turn.assistant, reparsed)
                 return out
         stepped = turn.reward is not None
         try:
@@ -251,7 +284,7 @@ async def redrive(record: SessionRecord, env: Any, *, parser: Any = None) -> Red
             recorded = f"raised {record.error.type}" if record.error else "not stepped"
             out.divergence = Divergence(turn.index, "step", recorded, "returned")
             return out
-        new_obs = [m.to_dict() for m in obs]
+        new_obs = _messages_view(obs, record)
         results = tool_results_of(obs, info)
         checks = [("tool results", _results_view(turn.tool_results), _results_view(results)),
                   ("observation", turn.observation, new_obs),
@@ -275,8 +308,13 @@ async def redrive(record: SessionRecord, env: Any, *, parser: Any = None) -> Red
 
 async def check(record: SessionRecord, env_factory: Callable[[SessionRecord], Any] = env_for, *,
                 parser: Any = None) -> RedriveResult:
-    """`redrive` on a fresh env; the env is closed afterwards."""
-    env = env_factory(record)
+    """`redrive` on a fresh env; the env is closed afterwards. A factory that fails raises `ReplayError`."""
+    try:
+        env = env_factory(record)
+    except ReplayError:
+        raise
+    except Exception as exc:
+        raise ReplayError(f"cannot rebuild the env of session {record.session_id}: {error_line(exc)}") from exc
     try:
         return await redrive(record, env, parser=parser)
     finally:
@@ -333,6 +371,28 @@ def _first_diff(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def legacy_tokenizer_name(label: str) -> str:
+    """The `load_tokenizer` name in a version 1 record's "family:name_or_path" tokenizer label."""
+    family, colon, path = label.partition(":")
+    if not colon:
+        family, path = "", label
+    if path in ("tiny", "miles-tiny") or (family == "tiny" and not path):
+        return "tiny"
+    return path or label
+
+
+def tokenizer_spec_for(record: SessionRecord, *, tokenizer: str | None = None,
+                       chat_template: str | None = None) -> TokenizerSpec:
+    """The spec that rebuilds the session's TITO tokenizer: the recorded one (older records: the tokenizer
+    named by their label, with no template override), with `tokenizer` / `chat_template` overriding."""
+    spec = record.tokenizer_spec or TokenizerSpec(legacy_tokenizer_name(record.tokenizer))
+    if tokenizer is not None:
+        spec = dataclasses.replace(spec, tokenizer=tokenizer, template_sha256="")
+    if chat_template is not None:
+        spec = dataclasses.replace(spec, chat_template=chat_template or None, template_sha256="")
+    return spec
+
+
 def check_tito(record: SessionRecord, tito: Any) -> TitoCheck:
     """Rebuild the conversation with `tito` (a `miles.tito.TITOTokenizer`) from the recorded reset messages,
     generated ids and observations, and compare ids and loss mask with the recording; `report` holds
@@ -340,7 +400,7 @@ def check_tito(record: SessionRecord, tito: Any) -> TitoCheck:
     traj = record.trajectory
     if not traj.token_ids:
         return TitoCheck(record.session_id, True, "no tokens recorded")
-    conv = tito.start([Message.from_dict(m) for m in record.initial_messages], tools=record.tools or None)
+    conv = tito.start([message_from_record(m) for m in record.initial_messages], tools=record.tools or None)
     for turn in record.turns:
         if turn.output_end <= turn.output_start and not turn.assistant:
             break
@@ -356,9 +416,9 @@ def check_tito(record: SessionRecord, tito: Any) -> TitoCheck:
         if text != turn.text:
             return TitoCheck(record.session_id, False, f"turn {turn.index}: decoded text {text!r} differs from "
                              f"the recorded {turn.text!r}", turn.output_start)
-        assistant = Message.from_dict(turn.assistant) if turn.assistant else Message(role="assistant", content=text)
+        assistant = message_from_record(turn.assistant) if turn.assistant else Message(role="assistant", content=text)
         if turn.reward is not None and not (turn.terminated or turn.truncated):
-            conv.append_observation(assistant, [Message.from_dict(m) for m in turn.observation])
+            conv.append_observation(assistant, [message_from_record(m) for m in turn.observation])
         else:
             conv.finish(assistant)
             break

@@ -1,12 +1,19 @@
-"""`miles replay FILE [--session ID] [--check] [--rescore] [--tito]`: inspect a run's sessions.jsonl."""
+"""`miles replay FILE [--session ID] [--check] [--rescore] [--tito]`: inspect a run's sessions.jsonl.
+
+Exit status: 0 all fine; 1 a check found a divergence or a misalignment; 2 bad usage or input (unreadable
+file, unknown session, a module that cannot be imported, an env or tokenizer that cannot be rebuilt).
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 from typing import Any
 
+from miles.config import ConfigError
+from miles.envs.recipe import error_line
 from miles.sessions.recorder import read_sessions
 from miles.sessions.records import SessionRecord
 from miles.sessions.replay import (
@@ -20,12 +27,14 @@ from miles.sessions.replay import (
     list_table,
     render_session,
     rescore,
+    tokenizer_spec_for,
 )
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="miles replay", description="List, render and re-check recorded sessions "
-                                "(no engine needed).")
+                                "(no engine needed). Exit status: 0 fine, 1 divergence or misalignment, 2 bad "
+                                "usage or an env/tokenizer that cannot be rebuilt.")
     p.add_argument("file", help="a sessions.jsonl written by a run")
     p.add_argument("--session", help="render (or check) only this session id")
     p.add_argument("--env", help="only sessions of this env id")
@@ -36,29 +45,27 @@ def build_parser() -> argparse.ArgumentParser:
                    "report the first divergence")
     p.add_argument("--rescore", action="store_true", help="recompute rewards with the current reward functions")
     p.add_argument("--tito", action="store_true", help="verify the token alignment against the tokenizer")
-    p.add_argument("--tokenizer", help="tokenizer for --tito and the token view: 'tiny', a path or an HF name "
-                   "(default: the recorded one)")
+    p.add_argument("--tokenizer", help="tokenizer for --tito and the token view: 'tiny', 'qwen3', 'llama3', "
+                   "'smollm2-135m' or a folder (default: the recorded one)")
+    p.add_argument("--chat-template", help="chat-template override for --tito: 'compact' or a .jinja file; "
+                   "'' for the tokenizer's own (default: the recorded one)")
     p.add_argument("--parser", help="re-parse recorded texts with this tool-call parser during --check")
-    p.add_argument("--env-factory", help="module:callable that builds the env (default: the registry, then "
-                   "the recorded class)")
+    p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                   help="import this module (a name or a .py path) first, e.g. the one that registers your "
+                   "env (repeatable; the recorded modules are imported too)")
+    p.add_argument("--env-factory", help="module:callable that builds the env (default: the recorded recipe, "
+                   "then the registry, then the recorded class)")
     return p
 
 
-def load_tokenizer(name: str) -> Any:
-    """'tiny' (or a recorded 'family:miles-tiny') -> the tiny tokenizer; else `AutoTokenizer`."""
-    family, _, path = name.rpartition(":") if ":" in name and not name.startswith("/") else ("", "", name)
-    if path in ("tiny", "miles-tiny") or (family == "tiny" and not path):
-        from miles.tiny import load_tiny_tokenizer
+def _load_tokenizer(name: str) -> Any:
+    from miles.tito import load_tokenizer
 
-        return load_tiny_tokenizer()
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
+    return load_tokenizer(name)
 
 
 def main(argv: list[str] | None = None, *, stdout: Any = None) -> int:
-    """Run the replay command. Exit status: 0 all fine, 1 a check found a divergence or misalignment,
-    2 bad input (unreadable file, unknown session, env or tokenizer that cannot be rebuilt)."""
+    """Run the replay command; returns the exit status (see the module docstring)."""
     args = build_parser().parse_args(argv)
     out = console_for(stdout or sys.stdout)
     err = console_for(sys.stderr)
@@ -80,31 +87,65 @@ def main(argv: list[str] | None = None, *, stdout: Any = None) -> int:
         err.print(f"no session {args.session!r} in {args.file} (with the given filters)")
         return 2
     try:
+        if args.imports:
+            from miles.envs import import_user_modules
+
+            import_user_modules(args.imports)
         if args.check or args.rescore or args.tito:
             return _run_checks(args, records, out)
         if args.session:
-            tok = load_tokenizer(args.tokenizer) if args.tokenizer else None
+            tok = _load_tokenizer(args.tokenizer) if args.tokenizer else None
             for r in records:
                 out.print(render_session(r, tok))
             return 0
-    except ReplayError as exc:
-        err.print(str(exc))
+    except (ReplayError, ConfigError) as exc:
+        err.print(f"miles replay: {exc}")
+        return 2
+    except Exception as exc:  # e.g. a tokenizer that cannot be loaded for the token view
+        err.print(f"miles replay: {error_line(exc)}")
         return 2
     out.print(list_table(records))
     out.print(f"{len(records)} of {len(result.records)} sessions")
     return 0
 
 
-def _run_checks(args: argparse.Namespace, records: list[SessionRecord], out: Any) -> int:
-    factory = env_for
-    if args.env_factory:
-        try:
-            fn = _import_path(args.env_factory)
-        except (ImportError, AttributeError, ValueError) as exc:
-            raise ReplayError(f"cannot import --env-factory {args.env_factory!r}: {exc}") from exc
+def _factory(spec: str | None) -> Any:
+    if not spec:
+        return env_for
+    try:
+        fn = _import_path(spec)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ReplayError(f"cannot import --env-factory {spec!r}: {error_line(exc)}") from exc
 
-        def factory(_: SessionRecord) -> Any:
-            return fn()
+    def factory(_: SessionRecord) -> Any:
+        return fn()
+
+    return factory
+
+
+def _tito_for(args: argparse.Namespace, record: SessionRecord, cache: dict[str, Any]) -> tuple[Any, str]:
+    """The TITO tokenizer that renders `record` (cached by spec), and a note when its chat template is not
+    the one the session used."""
+    spec = tokenizer_spec_for(record, tokenizer=args.tokenizer, chat_template=args.chat_template)
+    key = json.dumps([spec.tokenizer, spec.chat_template, dict(spec.chat_template_kwargs)], sort_keys=True)
+    if key not in cache:
+        try:
+            cache[key] = spec.build()
+        except Exception as exc:
+            raise ReplayError(f"cannot load tokenizer {spec.tokenizer!r} (chat template {spec.chat_template!r}) "
+                              f"for session {record.session_id}: {error_line(exc)}; pass --tokenizer / "
+                              "--chat-template") from exc
+    tito = cache[key]
+    recorded = record.tokenizer_spec.template_sha256 if record.tokenizer_spec else ""
+    note = ""
+    if recorded and tito.spec.template_sha256 != recorded:
+        note = (f" (the chat template {tito.spec.chat_template or 'of the tokenizer'} is not the one recorded: "
+                f"sha256 {tito.spec.template_sha256[:12]} vs {recorded[:12]})")
+    return tito, note
+
+
+def _run_checks(args: argparse.Namespace, records: list[SessionRecord], out: Any) -> int:
+    factory = _factory(args.env_factory)
     parser = None
     if args.parser:
         from miles.tools import get_parser
@@ -126,18 +167,12 @@ def _run_checks(args: argparse.Namespace, records: list[SessionRecord], out: Any
             out.print(f"{r.session_id}: reward {rs.recorded_reward:.4g} -> {rs.reward:.4g} ({mark}) "
                       f"{rs.recorded_components} -> {rs.components}")
         if args.tito:
-            name = args.tokenizer or r.tokenizer
-            if name not in tito_cache:
-                from miles.tito import TITOTokenizer
-
-                try:
-                    tito_cache[name] = TITOTokenizer(load_tokenizer(name))
-                except Exception as exc:
-                    raise ReplayError(f"cannot load tokenizer {name!r}: {exc}") from exc
-            tc = check_tito(r, tito_cache[name])
+            tito, note = _tito_for(args, r, tito_cache)
+            tc = check_tito(r, tito)
             if not tc.ok:
                 status = 1
-            out.print(f"{r.session_id}: tito {'ok' if tc.ok else 'MISALIGNED'}: {tc.message}")
+            out.print(f"{r.session_id}: tito {'ok' if tc.ok else 'MISALIGNED'}: {tc.message}"
+                      f"{'' if tc.ok else note}")
     return status
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from miles.engine import RolloutEngine
+from miles.envs.recipe import EnvRecipe
 from miles.sessions.config import SchedulerConfig
 from miles.sessions.pool import EnginePool
 from miles.sessions.progress import ProgressDisplay, RunStats
@@ -93,6 +94,10 @@ class _GroupState:
 class SessionScheduler:
     """Runs sessions of `env_factory()` envs (one fresh env per session) on `engines`.
 
+    `recipe` (a `miles.envs.EnvRecipe`) says how those envs are built; it is recorded into every
+    `SessionRecord` so that `miles replay --check` can rebuild them. Without `env_factory`, the envs are
+    `recipe.make()`.
+
     Usage::
 
         async with contextlib.aclosing(scheduler.run_groups(tasks, num_groups=8)) as groups:
@@ -104,9 +109,14 @@ class SessionScheduler:
     """
 
     def __init__(self, engines: RolloutEngine | Sequence[RolloutEngine] | EnginePool, *, tokenizer: Any,
-                 env_factory: Callable[[], SessionEnv], config: SchedulerConfig | None = None,
+                 env_factory: Callable[[], SessionEnv] | None = None, config: SchedulerConfig | None = None,
                  recorder: Recorder | str | os.PathLike[str] | None = None, parser: Any = None,
-                 run_id: str | None = None) -> None:
+                 run_id: str | None = None, recipe: EnvRecipe | None = None) -> None:
+        if env_factory is None:
+            if recipe is None:
+                raise ValueError("SessionScheduler needs env_factory= or recipe=")
+            env_factory = recipe.make
+        self.recipe = recipe
         self.config = config or SchedulerConfig()
         self.config.validate()
         scfg = self.config.session
@@ -222,6 +232,7 @@ class SessionScheduler:
             self._running[task] = session
             rec = await session.run()
             self._running[task] = None  # from here on the task is never cancelled
+        rec.recipe = self.recipe
         if env is not None:
             await _close_env(env)
         self.stats.add(rec)

@@ -16,10 +16,18 @@ from typing import Any, Protocol
 from miles.engine import EngineError, FinishReason, GenerateResult, RolloutEngine, SamplingParams
 from miles.sessions.config import SessionConfig
 from miles.sessions.pool import EnginePool, EngineSlot
-from miles.sessions.records import AttemptRecord, ErrorInfo, SessionRecord, TurnRecord, jsonable
+from miles.sessions.records import (
+    AttemptRecord,
+    ErrorInfo,
+    SessionRecord,
+    TurnRecord,
+    calls_view,
+    jsonable,
+    observed_tool_results,
+)
 from miles.sessions.retry import backoff_delay_s, is_retryable
 from miles.sessions.spec import SessionSpec
-from miles.trajectory import Trajectory, TrajectoryMeta
+from miles.trajectory import Trajectory, message_from_record, message_record
 from miles.types import Message, TerminationReason
 
 _ERROR_ENDS = (TerminationReason.ENV_ERROR, TerminationReason.ENGINE_ERROR, TerminationReason.TIMEOUT,
@@ -47,20 +55,12 @@ class _End(Exception):
         self.error = error
 
 
-def _call_dict(call: Any) -> dict[str, Any]:
-    d = call.to_dict()
-    if getattr(call, "parse_error", None):
-        d["parse_error"] = call.parse_error
-    return d
-
-
 def tool_results_of(observation: list[Message], info: dict[str, Any]) -> list[dict[str, Any]]:
     """The tool results of one step: `info["tool_results"]` when the env gives them, else its tool messages."""
     given = info.get("tool_results")
     if isinstance(given, list):
         return [jsonable(r) for r in given]
-    return [{"call_id": m.tool_call_id or "", "name": m.name or "", "content": m.content}
-            for m in observation if m.role == "tool"]
+    return observed_tool_results([m.to_dict() for m in observation])
 
 
 class Session:
@@ -122,7 +122,8 @@ class Session:
             group_id=spec.group_id, sample_index=spec.sample_index, seed=spec.seed,
             sampling_params=self.sampling.to_dict(),
             tokenizer=f"{getattr(self.tokenizer, 'family', '')}:{getattr(tok, 'name_or_path', '')}",
-            parser=self.config.parser or "env", started_at=time.time())
+            tokenizer_spec=getattr(self.tokenizer, "spec", None),
+            parser=getattr(self.parser, "name", "") or "env", started_at=time.time())
         t0 = time.monotonic()
         budget = self.config.timeouts.session_budget_s
         self._budget_end = t0 + budget if budget is not None else None
@@ -151,7 +152,7 @@ class Session:
         seed = task.seed if task.seed is not None else self.spec.seed
         obs, info = await self._env_call("reset", env.areset(seed=seed, options=dict(task.options)),
                                          cfg.timeouts.env_reset_s)
-        rec.initial_messages = [m.to_dict() for m in obs]
+        rec.initial_messages = [message_record(m) for m in obs]
         rec.reset_info = jsonable(info)
         try:
             tools = list(env.tool_schemas())
@@ -182,8 +183,8 @@ class Session:
             turn.output_end = len(conv)
             turn.text = text
             action = self._parse(text)
-            turn.assistant = action.to_dict()
-            turn.tool_calls = [_call_dict(c) for c in action.tool_calls]
+            turn.assistant = message_record(action)
+            turn.tool_calls = calls_view(turn.assistant)
             t_env = time.monotonic()
             try:
                 obs, reward, terminated, truncated, info = await self._env_call(
@@ -195,7 +196,7 @@ class Session:
                 turn.env_s = time.monotonic() - t_env
             self._reward += float(reward)
             turn.reward, turn.terminated, turn.truncated = float(reward), bool(terminated), bool(truncated)
-            turn.observation = [m.to_dict() for m in obs]
+            turn.observation = [message_record(m) for m in obs]
             turn.tool_results = tool_results_of(obs, info)
             cumulative = {str(k): int(v) for k, v in dict(info.get("tool_errors") or {}).items()}
             turn.tool_errors = {k: v - seen_errors.get(k, 0) for k, v in cumulative.items()
@@ -338,15 +339,12 @@ class Session:
                     rec.termination = TerminationReason.ENV_ERROR
                     rec.error = ErrorInfo.from_exception("session", exc)
         if traj is None:
-            traj = Trajectory(messages=[Message.from_dict(m) for m in rec.initial_messages])
+            traj = Trajectory(messages=[message_from_record(m) for m in rec.initial_messages])
         failed = rec.termination in _ERROR_ENDS
         rec.reward = 0.0 if failed else self._reward
         comps = {} if failed else dict(self._final_info.get("reward_components") or {})
         rec.reward_components = {str(k): float(v) for k, v in comps.items()}
         rec.final_info = jsonable(self._final_info)
         traj.reward, traj.reward_components, traj.termination = rec.reward, rec.reward_components, rec.termination
-        task_id = rec.task.get("task_id") or str(rec.reset_info.get("task_id", "") or "")
-        traj.meta = TrajectoryMeta(env_id=rec.env_id, task_id=task_id, seed=rec.seed, group_id=rec.group_id,
-                                   sample_index=rec.sample_index, session_id=rec.session_id,
-                                   sampling_params=rec.sampling_params)
+        traj.meta = rec.trajectory_meta()
         rec.trajectory = traj

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from miles.tito import TITOTokenizer, load_tokenizer
+from miles.tito import ChatTemplateError, TITOTokenizer, TokenizerSpec
 from miles.trainers.train_config import ModelConfig
 
 
@@ -16,18 +16,12 @@ class ModelSpecError(ValueError):
 
 
 def build_tito(cfg: ModelConfig) -> TITOTokenizer:
-    """The TITO tokenizer the config names, with its chat-template override if any."""
-    template = None
-    if cfg.chat_template == "compact":
-        from miles.tiny import compact_chat_template
-
-        template = compact_chat_template()
-    elif cfg.chat_template:
-        path = Path(cfg.chat_template)
-        if not path.is_file():
-            raise ModelSpecError(f"model.chat_template {cfg.chat_template!r}: use 'compact' or a .jinja file")
-        template = path.read_text(encoding="utf-8")
-    return TITOTokenizer(load_tokenizer(cfg.tokenizer), chat_template=template)
+    """The TITO tokenizer the config names, with its chat-template override if any (its `spec` is recorded
+    with every session)."""
+    try:
+        return TokenizerSpec(cfg.tokenizer, cfg.chat_template).build()
+    except ChatTemplateError as exc:
+        raise ModelSpecError(f"model.chat_template {exc}") from exc
 
 
 def build_policy(cfg: ModelConfig, tokenizer: Any) -> torch.nn.Module:

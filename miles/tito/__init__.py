@@ -13,10 +13,13 @@ from miles.tito.errors import (
 from miles.tito.families import HANDLERS, FamilyHandler, detect_family, get_handler
 from miles.tito.loading import llama3_chat_template, load_tokenizer
 from miles.tito.report import Mismatch, MismatchKind, TITOReport
+from miles.tito.spec import CHAT_TEMPLATES, ChatTemplateError, TokenizerSpec, resolve_chat_template
 from miles.tito.tokenizer import TITOTokenizer
 
 __all__ = [
+    "CHAT_TEMPLATES",
     "HANDLERS",
+    "ChatTemplateError",
     "Conversation",
     "ConversationStateError",
     "DeltaPrefixError",
@@ -28,10 +31,12 @@ __all__ = [
     "TITOMismatchError",
     "TITOReport",
     "TITOTokenizer",
+    "TokenizerSpec",
     "TokenizerSpecError",
     "UnknownFamilyError",
     "detect_family",
     "get_handler",
     "llama3_chat_template",
     "load_tokenizer",
+    "resolve_chat_template",
 ]

@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from miles.tito.errors import DeltaPrefixError, TITOError
 from miles.tito.families import FamilyHandler, detect_family, get_handler, template_source
 from miles.types import Message
 
+if TYPE_CHECKING:
+    from miles.tito.spec import TokenizerSpec
+
 MessageLike = Message | dict[str, Any]
 
 
 def as_dicts(messages: Sequence[MessageLike]) -> list[dict[str, Any]]:
-    """Messages in the dict form chat templates take."""
-    return [m.to_dict() if isinstance(m, Message) else dict(m) for m in messages]
+    """Messages in the dict form chat templates take; tool-call arguments keep their original JSON text."""
+    return [m.to_dict(verbatim=True) if isinstance(m, Message) else dict(m) for m in messages]
 
 
 class TITOTokenizer:
@@ -25,6 +28,9 @@ class TITOTokenizer:
     `chat_template` overrides the tokenizer's template; `chat_template_kwargs` (e.g. `enable_thinking`) are
     passed to every render.
     """
+
+    #: The names that rebuild this tokenizer, when `TokenizerSpec.build` made it (sessions record it).
+    spec: TokenizerSpec | None = None
 
     def __init__(self, tokenizer: Any, family: str | None = None, *, chat_template: str | None = None,
                  chat_template_kwargs: dict[str, Any] | None = None) -> None:
