@@ -51,9 +51,8 @@ class ToolEnv(Env):
         return list(self.toolbox.names)
 
     def parse_action(self, text: str) -> Message:
-        """Raw model text -> assistant message, with tool calls parsed by `self.parser`."""
-        parsed = self._parser.parse(text)
-        return Message(role="assistant", content=parsed.content, tool_calls=list(parsed.calls))
+        """Raw model text -> assistant message, with tool calls (and reasoning) parsed by `self.parser`."""
+        return self._parser.parse(text).to_message()
 
     async def areset(self, *, seed: int | None = None, options: dict[str, Any] | None = None
                      ) -> tuple[list[Message], dict[str, Any]]:

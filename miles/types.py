@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -31,11 +32,48 @@ class ToolErrorType(str, Enum):
     OUTPUT_TRUNCATED = "output_truncated"
 
 
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON (only finite numbers are)")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text} is out of range (it is not a finite double)")
+    return value
+
+
+#: A JSON decoder that accepts only finite numbers; `raw_decode` on it decodes one value from a position.
+STRICT_JSON = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite_float)
+
+
+def loads_strict(text: str) -> Any:
+    """`json.loads` that accepts only standard, finite JSON.
+
+    Raises ValueError for invalid JSON, for the NaN / Infinity / -Infinity literals, for number literals that
+    overflow a double (`1e400`) anywhere in the structure, and for nesting too deep to decode.
+    """
+    try:
+        return STRICT_JSON.decode(text)
+    except RecursionError as exc:
+        raise ValueError("JSON nested too deeply") from exc
+
+
+def _same_json(a: Any, b: Any) -> bool:
+    """Equal as JSON values (unlike `==`, `true` differs from `1` and `1.0` from `1`); key order is ignored."""
+    try:
+        return json.dumps(a, sort_keys=True, allow_nan=False) == json.dumps(b, sort_keys=True, allow_nan=False)
+    except (TypeError, ValueError):
+        return False
+
+
 @dataclass
 class ToolCall:
     """One tool call parsed from model text.
 
     `arguments` is None when `raw_arguments` is not a JSON object; `parse_error` then says why.
+    `raw_arguments` is the arguments' JSON text exactly as it arrived (the model's bytes, or an OpenAI-style
+    string); rendering uses it, so a chat template reproduces those bytes instead of a re-serialisation.
     """
 
     name: str
@@ -44,14 +82,34 @@ class ToolCall:
     raw_arguments: str = ""
     parse_error: str | None = None
 
-    def to_dict(self) -> dict[str, Any]:
-        """OpenAI-style `tool_calls` entry, as chat templates expect it."""
+    @property
+    def arguments_text(self) -> str | None:
+        """`raw_arguments` when it is the JSON text of `arguments` (still in sync with it), else None."""
+        if self.arguments is None or self.parse_error is not None or not self.raw_arguments.strip():
+            return None
+        try:
+            decoded = loads_strict(self.raw_arguments)
+        except ValueError:
+            return None
+        return self.raw_arguments if _same_json(decoded, self.arguments) else None
+
+    def to_dict(self, *, verbatim: bool = False) -> dict[str, Any]:
+        """OpenAI-style `tool_calls` entry, as chat templates expect it.
+
+        Arguments are a dict, or the raw text when they did not parse. With `verbatim=True` they are the
+        original JSON text whenever there is one (`arguments_text`): chat templates render string arguments
+        as they are, so the render reproduces the original bytes (what TITO rendering needs).
+        """
         args: Any = self.arguments if self.arguments is not None else self.raw_arguments
+        if verbatim:
+            text = self.arguments_text
+            if text is not None:
+                args = text
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": args}}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ToolCall:
-        """Inverse of `to_dict`; accepts arguments as a dict or as a JSON string."""
+        """Inverse of `to_dict`; accepts arguments as a dict or as a JSON string (kept as `raw_arguments`)."""
         fn = data.get("function", data)
         args = fn.get("arguments")
         raw = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
@@ -59,11 +117,11 @@ class ToolCall:
         error = None
         if isinstance(args, str):
             try:
-                value = json.loads(args)
+                value = loads_strict(args)
                 parsed = value if isinstance(value, dict) else None
                 if parsed is None:
                     error = "arguments are not a JSON object"
-            except json.JSONDecodeError as exc:
+            except ValueError as exc:
                 error = f"invalid JSON: {exc}"
         return cls(name=fn.get("name", ""), arguments=parsed, id=data.get("id", ""), raw_arguments=raw,
                    parse_error=error)
@@ -80,11 +138,11 @@ class Message:
     name: str | None = None
     reasoning: str | None = None
 
-    def to_dict(self) -> dict[str, Any]:
-        """The dict form that HF chat templates and JSONL recordings use."""
+    def to_dict(self, *, verbatim: bool = False) -> dict[str, Any]:
+        """The dict form that HF chat templates and JSONL recordings use (`verbatim`: see `ToolCall.to_dict`)."""
         out: dict[str, Any] = {"role": self.role, "content": self.content}
         if self.tool_calls:
-            out["tool_calls"] = [c.to_dict() for c in self.tool_calls]
+            out["tool_calls"] = [c.to_dict(verbatim=verbatim) for c in self.tool_calls]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
         if self.name is not None:

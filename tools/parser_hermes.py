@@ -8,6 +8,7 @@ import re
 from miles.tools.parser_base import (
     ParsedOutput,
     ToolCallParser,
+    arguments_json,
     call_from_payload,
     garbage_call,
     loads_strict,
@@ -51,6 +52,6 @@ class HermesParser(ToolCallParser):
     def render(self, content: str, calls: list[ToolCall]) -> str:
         blocks = []
         for call in calls:
-            payload = {"name": call.name, "arguments": call.arguments if call.arguments is not None else {}}
-            blocks.append(f"{OPEN}\n{json.dumps(payload, ensure_ascii=False)}\n{CLOSE}")
+            payload = f'{{"name": {json.dumps(call.name, ensure_ascii=False)}, "arguments": {arguments_json(call)}}}'
+            blocks.append(f"{OPEN}\n{payload}\n{CLOSE}")
         return "\n".join(p for p in [content, *blocks] if p)

@@ -9,17 +9,17 @@ from __future__ import annotations
 import json
 
 from miles.tools.parser_base import (
+    STRICT_JSON,
     ParsedOutput,
     ToolCallParser,
+    arguments_json,
     call_from_payload,
     garbage_call,
-    reject_constant,
 )
 from miles.types import ToolCall
 
 PYTHON_TAG = "<|python_tag|>"
 _END_TOKENS = ("<|eom_id|>", "<|eot_id|>")
-_DECODER = json.JSONDecoder(parse_constant=reject_constant)
 
 
 def _strip_end(text: str) -> str:
@@ -56,7 +56,7 @@ class Llama3JsonParser(ToolCallParser):
         pos = 0
         while pos < len(body) and body[pos] == "{":
             try:
-                payload, end = _DECODER.raw_decode(body, pos)
+                payload, end = STRICT_JSON.raw_decode(body, pos)
             except (ValueError, RecursionError) as exc:
                 if not calls and not tagged:
                     return ParsedOutput(content=stripped, calls=[])
@@ -73,8 +73,8 @@ class Llama3JsonParser(ToolCallParser):
         return ParsedOutput(content=body[pos:].strip(), calls=calls)
 
     def render(self, content: str, calls: list[ToolCall]) -> str:
-        parts = [json.dumps({"name": c.name, "parameters": c.arguments if c.arguments is not None else {}},
-                            ensure_ascii=False) for c in calls]
+        parts = [f'{{"name": {json.dumps(c.name, ensure_ascii=False)}, "parameters": {arguments_json(c)}}}'
+                 for c in calls]
         text = "; ".join(parts)
         if content:
             text = f"{text}\n{content}" if text else content

@@ -1,10 +1,12 @@
-"""The tool-call parser registry, with the built-in "hermes" (alias "qwen") and "llama3_json" parsers."""
+"""The tool-call parser registry, with the built-in "hermes" (alias "qwen", for Qwen2.5), "qwen3" (Hermes
+calls plus `<think>` reasoning) and "llama3_json" parsers."""
 
 from __future__ import annotations
 
 from miles.tools.parser_base import ToolCallParser
 from miles.tools.parser_hermes import HermesParser
 from miles.tools.parser_llama3 import Llama3JsonParser
+from miles.tools.parser_qwen3 import Qwen3Parser
 
 
 class UnknownParserError(KeyError):
@@ -39,4 +41,5 @@ def available_parsers() -> list[str]:
 
 register_parser("hermes", HermesParser)
 register_parser("qwen", HermesParser)
+register_parser("qwen3", Qwen3Parser)
 register_parser("llama3_json", Llama3JsonParser)

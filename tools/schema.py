@@ -212,16 +212,44 @@ def _object_schema(tp: type, where: str, seen: tuple[Any, ...]) -> dict[str, Any
     return schema
 
 
-def make_converter(tp: Any) -> Converter | None:
-    """A function turning already-validated JSON into `tp` (Enum members, dataclasses, tuples...).
+def _to_int(value: Any) -> Any:
+    """An integral float (which JSON schema counts as an integer, e.g. `3.0`) as the int it stands for."""
+    return int(value) if isinstance(value, float) else value
 
-    None when the JSON value can be passed through unchanged.
+
+def _to_float(value: Any) -> Any:
+    return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
+def _literal_converter(values: tuple[Any, ...]) -> Converter | None:
+    """Map a number to the numeric literal it equals (`1.0` to `Literal[1]`'s `1`); None without numbers."""
+    numbers = [v for v in values if isinstance(v, int | float) and not isinstance(v, bool | enum.Enum)]
+    if not numbers:
+        return None
+
+    def convert(value: Any) -> Any:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return next((n for n in numbers if n == value), value)
+        return value
+
+    return convert
+
+
+def make_converter(tp: Any) -> Converter | None:
+    """A function turning already-validated JSON into `tp` (ints, Enum members, dataclasses, tuples...).
+
+    None when the JSON value can be passed through unchanged. An `int` receives an int: the schema admits
+    only integral numbers, and an integral float such as `3.0` becomes `3` (also inside containers).
     """
     origin = typing.get_origin(tp)
     if origin is Annotated:
         return make_converter(tp.__origin__)
+    if tp is int:
+        return _to_int
     if tp is float:
-        return lambda v: float(v) if isinstance(v, int) and not isinstance(v, bool) else v
+        return _to_float
+    if origin is Literal:
+        return _literal_converter(typing.get_args(tp))
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         return tp
     if _is_union(origin):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import math
 import re
 import types
 import typing
@@ -53,15 +54,22 @@ class ToolSpec:
                 "function": {"name": self.name, "description": self.description, "parameters": self.parameters}}
 
     def validation_errors(self, arguments: Any, limit: int = 5) -> list[str]:
-        """Precise messages for every schema violation of `arguments` (empty when valid)."""
+        """Precise messages for every schema violation of `arguments` (empty when valid).
+
+        Non-finite numbers (NaN, ±Infinity), which JSON cannot hold, are violations wherever they are.
+        """
         validator = self.validator or Draft202012Validator(self.parameters)
         errors = sorted(validator.iter_errors(arguments), key=lambda e: [str(p) for p in e.absolute_path])
+        messages = [(list(err.absolute_path), err.message) for err in errors]
+        reported = {tuple(path) for path, _ in messages}
+        messages += [(path, f"{value!r} is not a finite number") for path, value in _non_finite(arguments)
+                     if tuple(path) not in reported]
         out = []
-        for err in errors[:limit]:
-            path = "/".join(str(p) for p in err.absolute_path)
-            out.append(f"at '{path}': {err.message}" if path else err.message)
-        if len(errors) > limit:
-            out.append(f"... and {len(errors) - limit} more")
+        for path_parts, message in messages[:limit]:
+            path = "/".join(str(p) for p in path_parts)
+            out.append(f"at '{path}': {message}" if path else message)
+        if len(messages) > limit:
+            out.append(f"... and {len(messages) - limit} more")
         return out
 
     def bind_arguments(self, arguments: Mapping[str, Any],
@@ -90,6 +98,21 @@ class ToolSpec:
                 break  # the remaining positional-only parameters keep their defaults
             args.append(values.pop(key))
         return args, values
+
+
+def _non_finite(value: Any) -> list[tuple[list[Any], float]]:
+    """(path, value) of every NaN or infinite float inside a JSON-like value."""
+    found: list[tuple[list[Any], float]] = []
+    stack: list[tuple[list[Any], Any]] = [([], value)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, float) and not math.isfinite(item):
+            found.append((path, item))
+        elif isinstance(item, dict):
+            stack.extend(([*path, k], v) for k, v in item.items())
+        elif isinstance(item, list | tuple):
+            stack.extend(([*path, i], v) for i, v in enumerate(item))
+    return sorted(found, key=lambda hit: [str(p) for p in hit[0]])
 
 
 def _resolve_hints(fn: Callable[..., Any], name: str) -> dict[str, Any]:

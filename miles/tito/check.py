@@ -15,7 +15,7 @@ from miles.engine import FinishReason
 from miles.tito.errors import DeltaPrefixError
 from miles.tito.loading import load_tokenizer
 from miles.tito.report import TITOReport
-from miles.tito.tokenizer import TITOTokenizer
+from miles.tito.tokenizer import MessageLike, TITOTokenizer
 from miles.types import Message, ToolCall
 
 CALC_TOOL = {"type": "function", "function": {
@@ -31,10 +31,12 @@ TOOLS = [CALC_TOOL, LOOKUP_TOOL]
 class Turn:
     """One scripted model turn and what the environment answers (None: the conversation ends here).
 
-    `truncate_to_text`: the engine stops on max tokens right after this prefix of the turn's text.
+    `assistant` may be an OpenAI-style dict (arguments as JSON strings), as a client would send it: the model's
+    output is the template's rendering of exactly that dict. `truncate_to_text`: the engine stops on max
+    tokens right after this prefix of the turn's text.
     """
 
-    assistant: Message
+    assistant: MessageLike
     observation: list[Message] | None = None
     truncate_to_text: str | None = None
 
@@ -85,6 +87,10 @@ def _call(i: int, name: str, **args: Any) -> ToolCall:
 
 def _tool(i: int, content: str, name: str = "calculate") -> Message:
     return Message(role="tool", content=content, tool_call_id=f"call_{i}", name=name)
+
+
+def _openai_call(i: int, name: str, arguments: str) -> dict[str, Any]:
+    return {"id": f"call_{i}", "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 def scenarios() -> list[Scenario]:
@@ -138,6 +144,12 @@ def scenarios() -> list[Scenario]:
             Turn(Message("assistant", "The answer is 153.", reasoning="58 * 2 = 116; 116 + 37 = 153."),
                  [Message("user", "Are you sure?")]),
             Turn(Message("assistant", "Yes, 153.", reasoning="Check: 153 - 37 = 116 = 58 * 2.")),
+        ]),
+        Scenario("string_arguments", "OpenAI-style arguments as JSON strings with their own spacing", [q], [
+            Turn({"role": "assistant", "content": "", "tool_calls": [
+                _openai_call(0, "calculate", '{"expression":"58*2"}'),
+                _openai_call(1, "lookup", '{ "key" :\t"a\\u00e9" }')]}, [_tool(0, "116"), _tool(1, "x", "lookup")]),
+            Turn(Message("assistant", "The answer is 153.")),
         ]),
         Scenario("max_tokens", "the engine stops on max tokens inside a turn; the stop token is inserted", [q], [
             Turn(Message("assistant", "The answer is 153 and here is a long explanation that gets cut off."),
