@@ -265,7 +265,7 @@ async def redrive(record: SessionRecord, env: Any, *, parser: Any = None) -> Red
         action = message_from_record(turn.assistant)
         if parser is not None:
             parsed = parser.parse(turn.text)
-            action = Message(role="assistant", content=parsed.content, tool_calls=list(parsed.calls))
+            action = parsed.to_message()
             reparsed = _messages_view([action], record)[0]
             if reparsed != turn.assistant:
                 out.divergence = Divergence(turn.index, "parsed assistant message", turn.assistant, reparsed)

@@ -213,7 +213,7 @@ class Session:
         if self.parser is None:
             return self.env.parse_action(text)  # type: ignore[attr-defined]
         parsed = self.parser.parse(text)
-        return Message(role="assistant", content=parsed.content, tool_calls=list(parsed.calls))
+        return parsed.to_message()
 
     def _limit(self, timeout_s: float, where: str) -> float:
         if self._budget_end is None:
