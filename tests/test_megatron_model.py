@@ -177,7 +177,7 @@ def test_cpu_rng_tracker_forks_and_restores():
 
 
 def test_torchrun_launch_helpers(monkeypatch):
-    from miles.trainers.megatron import launch
+    from miles.trainers import launch
 
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(key, raising=False)

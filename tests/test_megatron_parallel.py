@@ -56,11 +56,13 @@ def make_batch(seed: int = 1, n: int = 6) -> TrajectoryBatch:
 
 def _algorithm(name: str):
     from miles.trainers.losses import LossConfig
-    from miles.trainers.torch_backend import AlgorithmConfig
+    from miles.trainers.trainer_config import AlgorithmConfig
 
     if name == "gspo-2mini":  # two optimizer steps, old logprobs from a forward-only pass, TIS
         return AlgorithmConfig(loss=LossConfig(policy_loss="gspo", aggregation="seq-mean-token-mean",
                                                tis_cap=2.0), num_mini_batches=2)
+    if name == "kl-2mini":  # a frozen reference; after the first optimizer step the policy has left it
+        return AlgorithmConfig(loss=LossConfig(kl_coef=0.5, entropy_coef=0.01), num_mini_batches=2)
     return AlgorithmConfig(loss=LossConfig(entropy_coef=0.01))
 
 
@@ -96,7 +98,7 @@ def _worker() -> None:
 
 def run_megatron(tmp_path: Path, family: str, tp: int, pp: int, nproc: int, alg: str = "ppo"):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    from miles.trainers.megatron.launch import torchrun_command
+    from miles.trainers.launch import torchrun_command
 
     cmd = torchrun_command([str(HERE), family, str(tp), str(pp), alg, str(tmp_path)], nproc,
                            master_port=_free_port())
@@ -133,6 +135,9 @@ def assert_same_step(result, weights, family: str, alg: str = "ppo") -> None:
     assert mg["grad_norm"] == pytest.approx(metrics["grad_norm"], rel=1e-4)
     assert mg["entropy"] == pytest.approx(metrics["entropy"], rel=1e-5)
     assert mg["clip_frac"] == pytest.approx(metrics["clip_frac"], abs=1e-9)
+    if alg == "kl-2mini":  # mean over both mini-batches: 0 on the first, > 0 on the second
+        assert metrics["ref_kl"] > 1e-8
+        assert mg["ref_kl"] == pytest.approx(metrics["ref_kl"], rel=1e-3, abs=1e-9)
     tied = {"lm_head.weight"} if make_hf(family).config.tie_word_embeddings else set()
     assert set(weights) == set(ref_weights) - tied
     for name, ref in ref_weights.items():
@@ -144,9 +149,9 @@ def assert_same_step(result, weights, family: str, alg: str = "ppo") -> None:
 
 
 @pytest.mark.slow
-def test_tp2_qwen2_tied_matches_torch_backend(tmp_path):
-    result, weights = run_megatron(tmp_path, "qwen2", tp=2, pp=1, nproc=2)
-    assert_same_step(result, weights, "qwen2")
+def test_tp2_qwen2_tied_with_kl_reference_matches_torch_backend(tmp_path):
+    result, weights = run_megatron(tmp_path, "qwen2", tp=2, pp=1, nproc=2, alg="kl-2mini")
+    assert_same_step(result, weights, "qwen2", "kl-2mini")
 
 
 @pytest.mark.slow

@@ -162,18 +162,18 @@ def test_megatron_checkpoint_round_trip_continues_identically(tmp_path, megatron
 
 
 def test_train_config_maps_to_megatron_trainer_config():
-    from miles.trainers.errors import ConfigError
-    from miles.trainers.megatron.driver import megatron_trainer_config, world_size_of
+    from miles.trainers.factory import megatron_trainer_config, world_size_of
     from miles.trainers.train_config import load_train_config
 
     cfg = load_train_config(None, ["backend=megatron", "parallel.tp=2", "parallel.pp=2", "parallel.dp=3",
                                    "trainer.lr=0.002", "trainer.warmup_steps=5", "trainer.max_grad_norm=0.5",
-                                   "seed=11"])
+                                   "seed=11", "megatron.attention=local", "megatron.distributed_optimizer=false",
+                                   "megatron.recompute=full", "megatron.vocab_divisible_by=64"])
     mc = megatron_trainer_config(cfg)
     assert (mc.tp, mc.pp, mc.lr, mc.warmup_steps, mc.max_grad_norm, mc.seed) == (2, 2, 0.002, 5, 0.5, 11)
+    assert (mc.attention, mc.distributed_optimizer, mc.recompute, mc.vocab_divisible_by) == ("local", False,
+                                                                                           "full", 64)
     assert world_size_of(cfg) == 12
-    with pytest.raises(ConfigError, match="gradient_checkpointing"):
-        megatron_trainer_config(load_train_config(None, ["trainer.gradient_checkpointing=true"]))
 
 
 @pytest.mark.slow

@@ -10,16 +10,13 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from miles.config import from_dict
 from miles.tiny import make_tiny_model
+from miles.trainers.batching import plan_micro_batches
 from miles.trainers.errors import ConfigError
 from miles.trainers.losses import LossConfig
-from miles.trainers.torch_backend import (
-    AlgorithmConfig,
-    TorchTrainer,
-    TorchTrainerConfig,
-    lr_lambda,
-    plan_micro_batches,
-)
+from miles.trainers.torch_backend import TorchTrainer
+from miles.trainers.trainer_config import AlgorithmConfig, TorchTrainerConfig, lr_lambda
 from miles.trajectory import Trajectory, TrajectoryBatch, TrajectoryMeta
 
 VOCAB = 64
@@ -159,15 +156,35 @@ def test_sft_step_lowers_nll():
 
 
 def test_reference_model_kl():
-    model = tiny()
-    ref = copy.deepcopy(model)
+    """kl_coef > 0 without a ref_model: the trainer keeps a frozen copy of the initial policy."""
     alg = AlgorithmConfig(loss=LossConfig(kl_coef=0.5))
-    trainer = TorchTrainer(model, TorchTrainerConfig(lr=1e-2), alg, ref_model=ref)
     batch = make_batch()
-    assert trainer.train_step(batch)["ref_kl"] == pytest.approx(0.0, abs=1e-6)
-    assert trainer.train_step(batch)["ref_kl"] > 1e-6
-    with pytest.raises(ConfigError, match="ref_model"):
-        TorchTrainer(tiny(), algorithm=alg).train_step(batch)
+    for ref in (None, tiny()):
+        trainer = TorchTrainer(tiny(), TorchTrainerConfig(lr=1e-2), alg, ref_model=copy.deepcopy(ref))
+        first = trainer.train_step(batch)["ref_kl"]
+        if ref is None:
+            assert first == pytest.approx(0.0, abs=1e-6)  # the policy is its own reference before any update
+        assert trainer.train_step(batch)["ref_kl"] > 1e-6
+        assert all(not p.requires_grad for p in trainer.ref_model.parameters())
+    assert TorchTrainer(tiny(), TorchTrainerConfig(lr=1e-2)).ref_model is None  # no KL, no reference
+
+
+def test_sft_gets_its_own_optimizer_then_rl_starts_fresh():
+    """begin_sft: SFT steps at sft lr (with warmup) on a fresh optimizer; the next RL step rebuilds the
+    optimizer at trainer.lr (no SFT moments) and re-takes the KL reference from the SFT'd policy."""
+    alg = AlgorithmConfig(loss=LossConfig(kl_coef=0.1))
+    trainer = TorchTrainer(tiny(), TorchTrainerConfig(lr=1e-3), alg)
+    trainer.begin_sft(5e-2, warmup_steps=2)
+    lrs = [trainer.sft_step(make_batch())["lr"] for _ in range(3)]
+    assert lrs == pytest.approx([2.5e-2, 5e-2, 5e-2])
+    rl = trainer.train_step(make_batch())
+    assert rl["lr"] == pytest.approx(1e-3)
+    assert rl["ref_kl"] == pytest.approx(0.0, abs=1e-6)  # the reference is the policy as SFT left it
+    assert all(len(s) and float(s["step"]) == 1 for s in trainer.optimizer.state.values())
+
+    # Without begin_sft, sft_step uses the RL optimizer and its schedule.
+    plain = TorchTrainer(tiny(), TorchTrainerConfig(lr=1e-3))
+    assert plain.sft_step(make_batch())["lr"] == pytest.approx(1e-3)
 
 
 def test_bf16_autocast_on_cpu_stays_close():
@@ -211,14 +228,15 @@ def test_trainer_config_validation(kwargs, key):
 
 
 def test_algorithm_config_from_dict_names_bad_keys():
-    alg = AlgorithmConfig.from_dict({"advantage": {"estimator": "dr_grpo"},
-                                     "loss": {"policy_loss": "gspo", "icepop": [0.5, 2.0]}, "ppo_epochs": 2})
+    alg = from_dict(AlgorithmConfig, {"advantage": {"estimator": "dr_grpo"},
+                                      "loss": {"policy_loss": "gspo", "icepop": [0.5, 2.0]}, "ppo_epochs": 2},
+                    "algorithm")
     assert alg.loss.icepop == (0.5, 2.0) and alg.advantage.estimator == "dr_grpo"
     with pytest.raises(ConfigError) as e:
-        AlgorithmConfig.from_dict({"loss": {"eps_clip": 0.2}})
+        from_dict(AlgorithmConfig, {"loss": {"eps_clip": 0.2}}, "algorithm")
     assert e.value.key == "algorithm.loss.eps_clip"
     with pytest.raises(ConfigError) as e:
-        AlgorithmConfig.from_dict({"loss": {"dual_clip_c": 0.5}})
+        from_dict(AlgorithmConfig, {"loss": {"dual_clip_c": 0.5}}, "algorithm")
     assert e.value.key == "algorithm.loss.dual_clip_c"
 
 
@@ -233,15 +251,25 @@ def test_malformed_batch_is_rejected():
 # ------------------------------------------------------------------ FSDP2 over gloo, world size 2
 
 
+def _fsdp_steps() -> tuple[TorchTrainer, list[dict]]:
+    """RL with a KL reference, SFT on its own optimizer, then RL again (fresh optimizer, re-taken reference)."""
+    alg = AlgorithmConfig(loss=LossConfig(kl_coef=0.1))
+    trainer = TorchTrainer(tiny(), TorchTrainerConfig(micro_batch_tokens=10, lr=1e-2), alg)
+    batch = make_batch()
+    metrics = [trainer.train_step(batch) for _ in range(2)]
+    trainer.begin_sft(1e-2)
+    metrics.append(trainer.sft_step(batch))
+    metrics.append(trainer.train_step(batch))
+    return trainer, metrics
+
+
 def _fsdp_worker(rank: int, world: int, port: int, out_path: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        trainer = TorchTrainer(tiny(), TorchTrainerConfig(micro_batch_tokens=10, lr=1e-2))
+        trainer, metrics = _fsdp_steps()
         batch = make_batch()
-        metrics = [trainer.train_step(batch) for _ in range(2)]
-        metrics.append(trainer.sft_step(batch))
         state = trainer.hf_state_dict()
         lp = trainer.compute_logprobs(batch)
         if rank == 0:
@@ -260,12 +288,13 @@ def test_fsdp2_world_size_two_matches_single_process(tmp_path):
     out = str(tmp_path / "fsdp.pt")
     mp.start_processes(_fsdp_worker, args=(2, _free_port(), out), nprocs=2, join=True, start_method="spawn")
     got = torch.load(out, weights_only=False)
-    trainer = TorchTrainer(tiny(), TorchTrainerConfig(micro_batch_tokens=10, lr=1e-2))
+    trainer, want = _fsdp_steps()
     batch = make_batch()
-    want = [trainer.train_step(batch) for _ in range(2)] + [trainer.sft_step(batch)]
+    assert want[1]["ref_kl"] > 1e-6 and want[3]["ref_kl"] == pytest.approx(0.0, abs=1e-6)
     for g, w in zip(got["metrics"], want, strict=True):
         assert g["loss"] == pytest.approx(w["loss"], abs=1e-5)
         assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-4)
+        assert g["lr"] == w["lr"] and g.get("ref_kl") == pytest.approx(w.get("ref_kl"), abs=1e-6)
     state = trainer.hf_state_dict()
     assert set(got["state"]) == set(state)
     for k, v in state.items():

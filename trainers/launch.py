@@ -1,9 +1,9 @@
-"""Spawning the Megatron backend's ranks with torchrun (``python -m torch.distributed.run``).
+"""Spawning a trainer's ranks with torchrun (``python -m torch.distributed.run``), for either backend.
 
-``miles train --backend megatron --tp 2 --pp 1`` on a machine with N processes to run: the CLI calls
-`relaunch_under_torchrun` first; outside a worker it re-executes the same command line under torchrun with
-``--nproc-per-node N`` and returns torchrun's exit status; inside a worker it returns None and the command goes
-on to build a `MegatronTrainer` (rank 0 owns rollout and weight sync).
+``miles train --dp 2`` (torch, FSDP2) or ``--backend megatron --tp 2``: the CLI calls `relaunch_under_torchrun`
+first; outside a worker it re-executes the same command line under torchrun with ``--nproc-per-node N`` and
+returns torchrun's exit status; inside a worker it returns None and the command goes on to build its trainer
+(rank 0 also owns rollout and weight sync). Ranks run with ``OMP_NUM_THREADS=1`` unless the caller set it.
 """
 
 from __future__ import annotations

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import random
@@ -158,14 +157,10 @@ class TrainLoop:
         self.engines = self.engine_set.rollout
         self.scheduler_cfg = bounded_by_context(cfg.rollout.scheduler, self.engine_set.context_length)
         try:
-            if cfg.backend == "megatron":
-                from miles.trainers.megatron.driver import build_megatron_trainer
+            from miles.trainers.factory import build_trainer
+            from miles.trainers.protocol import Trainer
 
-                self.trainer: Any = build_megatron_trainer(self.model, cfg)
-            else:
-                from miles.trainers.torch_backend import TorchTrainer
-
-                self.trainer = TorchTrainer(self.model, cfg.trainer, cfg.algorithm)
+            self.trainer: Trainer = build_trainer(cfg, self.model)
             self.sync = WeightSync(self.engine_set.workers, method=cfg.sync.method, policy=cfg.sync.policy,
                                    staging_dir=self.out / "weights")
         except BaseException:
@@ -198,15 +193,10 @@ class TrainLoop:
         return results
 
     def _sft_trainer(self) -> Any:
-        """SFT gets its own optimizer at `sft.lr` over the same weights (torch backend), so RL starts with
-        fresh optimizer state at `trainer.lr`. The Megatron backend trains SFT with its RL optimizer."""
-        if self.cfg.backend != "torch":
-            return self.trainer
-        from miles.trainers.torch_backend import TorchTrainer
-
-        sft_cfg = dataclasses.replace(self.cfg.trainer, lr=self.cfg.sft.lr, lr_schedule="constant",
-                                      total_steps=None, warmup_steps=self.cfg.sft.warmup_steps)
-        return TorchTrainer(self.trainer.model, sft_cfg, self.cfg.algorithm)
+        """SFT runs with its own optimizer at `sft.lr` (constant after `sft.warmup_steps` of warmup), on either
+        backend; the first RL step then starts from fresh optimizer state at `trainer.lr`."""
+        self.trainer.begin_sft(self.cfg.sft.lr, warmup_steps=self.cfg.sft.warmup_steps)
+        return self.trainer
 
     async def _sft(self) -> None:
         cfg, sft = self.cfg, self.cfg.sft
@@ -225,7 +215,7 @@ class TrainLoop:
                 m = sft_trainer.sft_step(batch)
                 steps += 1
                 if steps % 10 == 0:
-                    self.metrics.write("sft", steps, epoch=epoch, loss=m["loss"])
+                    self.metrics.write("sft", steps, epoch=epoch, loss=m["loss"], lr=m["lr"])
                 if sft.max_seconds is not None and time.perf_counter() - t0 > sft.max_seconds:
                     break
                 if val_tasks and steps >= sft.min_steps and steps % sft.check_every == 0:

@@ -7,6 +7,7 @@ from collections import defaultdict
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .advantages import group_stats
 
@@ -28,6 +29,23 @@ class MetricAccumulator:
 
     def result(self) -> dict[str, float]:
         return {k: (self._sums[k] / self._counts[k] if self._counts[k] else 0.0) for k in self._sums}
+
+    def sums(self) -> dict[str, tuple[float, float]]:
+        """The ``(sum, count)`` pairs accumulated so far, by name."""
+        return {k: (self._sums[k], self._counts[k]) for k in self._sums}
+
+
+def reduce_metrics(acc: MetricAccumulator) -> dict[str, float]:
+    """`acc.result()` over every rank of the default process group (a collective when there are several):
+    each rank contributes the ``(sum, count)`` pairs of the micro-batches it ran."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return acc.result()
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, acc.sums())
+    merged = MetricAccumulator()
+    for part in gathered:
+        merged.update(part)
+    return merged.result()
 
 
 def logprob_mismatch_sums(train_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
@@ -79,8 +97,11 @@ def reward_metrics(rewards: torch.Tensor, group_ids: torch.Tensor, *, zero_std_t
 
 
 def train_step_metrics(batch: Any, *, adv_seq: torch.Tensor, losses: list[float], grad_norms: list[float],
-                       lr: float, step: int, temperature: float, t0: float) -> dict[str, float]:
-    """The per-step scalars both backends report after an RL step (besides the loss metrics)."""
+                       lr: float, step: int, temperature: float, t0: float, micro_batches: int) -> dict[str, float]:
+    """The per-step scalars both backends report after an RL step (besides the loss metrics).
+
+    ``micro_batches``: forward/backward passes this rank ran for the update (old/reference logprob passes
+    not counted)."""
     metrics = reward_metrics(batch.rewards, batch.group_ids)
     metrics.update({
         "loss": sum(losses) / max(len(losses), 1),
@@ -91,6 +112,7 @@ def train_step_metrics(batch: Any, *, adv_seq: torch.Tensor, losses: list[float]
         "num_train_tokens": float(batch.loss_mask.sum()),
         "num_sequences": float(batch.num_sequences),
         "optimizer_steps": float(len(grad_norms)),
+        "micro_batches": float(micro_batches),
         "step": float(step),
         "temperature": temperature,
         "step_time_s": time.perf_counter() - t0,

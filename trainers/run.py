@@ -42,23 +42,20 @@ def format_summary(summary: RunSummary, cfg: TrainConfig | None = None) -> str:
 
 
 def run_loop(cfg: TrainConfig, args: argparse.Namespace, *, resume: bool) -> int:
-    """Run one `TrainLoop` and print its table. With ``backend: megatron`` on several ranks, the launcher
-    spawns them with torchrun, worker ranks serve trainer commands, and rank 0 runs the loop, releasing the
-    workers when it ends (also on an error)."""
-    if cfg.backend == "megatron":
-        from miles.trainers.megatron.driver import cli_argv, dispatch_ranks
+    """Run one `TrainLoop` and print its table. With several ranks (``parallel.tp * pp * dp > 1``, either
+    backend) the launcher spawns them with torchrun, worker ranks serve trainer commands, and rank 0 runs the
+    loop, releasing the workers when it ends (also on an error)."""
+    from miles.trainers.distributed import stop_workers
+    from miles.trainers.factory import cli_argv, dispatch_ranks
 
-        status = dispatch_ranks(cfg, cli_argv(args))
-        if status is not None:
-            return status
+    status = dispatch_ranks(cfg, cli_argv(args))
+    if status is not None:
+        return status
     loop = TrainLoop(cfg, resume=resume)
     try:
         summary = asyncio.run(loop.run())
     finally:
-        if cfg.backend == "megatron":
-            from miles.trainers.megatron.driver import stop_workers
-
-            stop_workers(getattr(loop, "trainer", None))
+        stop_workers(getattr(loop, "trainer", None))
     print(format_summary(summary, cfg))
     return 0
 

@@ -17,11 +17,10 @@ normalizes the loss by batch-global token/sequence counts so the update equals t
 
 from __future__ import annotations
 
-import math
+import copy
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,7 +29,7 @@ from torch import nn
 from miles.trajectory import TrajectoryBatch
 
 from . import varlen_attention
-from .advantages import AdvantageConfig, batch_advantages
+from .batching import plan_micro_batches, token_balanced_share
 from .checkpoint import (
     Checkpoint,
     capture_rng_state,
@@ -38,138 +37,24 @@ from .checkpoint import (
     restore_rng_state,
     save_checkpoint,
 )
-from .errors import CheckpointError, ConfigError
+from .errors import CheckpointError
 from .logprobs import shifted_entropy, shifted_token_logprobs
-from .losses import LossConfig, LossInputs, policy_loss, sft_loss
-from .metrics import MetricAccumulator, train_step_metrics
+from .losses import LossInputs, policy_loss, sft_loss
+from .metrics import MetricAccumulator, reduce_metrics, train_step_metrics
+from .step import RLStep, prepare_rl_step, resolve_temperature, validate_batch
+from .trainer_config import AlgorithmConfig, TorchTrainerConfig, TrainerConfig, lr_lambda
 
-Schedule = Literal["constant", "cosine", "linear"]
-Packing = Literal["auto", "varlen", "packed", "padded"]
-Precision = Literal["auto", "bf16", "fp32"]
-
-
-@dataclass(frozen=True)
-class AlgorithmConfig:
-    """Advantage estimator plus policy loss, and how many optimizer steps one batch gives."""
-
-    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
-    loss: LossConfig = field(default_factory=LossConfig)
-    num_mini_batches: int = 1
-    ppo_epochs: int = 1
-
-    def __post_init__(self) -> None:
-        if self.num_mini_batches < 1:
-            raise ConfigError("num_mini_batches", f"must be >= 1, got {self.num_mini_batches}")
-        if self.ppo_epochs < 1:
-            raise ConfigError("ppo_epochs", f"must be >= 1, got {self.ppo_epochs}")
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> AlgorithmConfig:
-        """Build from plain dicts (``{"advantage": {...}, "loss": {...}, ...}``); unknown keys raise ConfigError."""
-        data = dict(data)
-        adv = _build(AdvantageConfig, data.pop("advantage", {}) or {}, "algorithm.advantage")
-        loss_d = dict(data.pop("loss", {}) or {})
-        if loss_d.get("icepop") is not None:
-            loss_d["icepop"] = tuple(loss_d["icepop"])
-        loss = _build(LossConfig, loss_d, "algorithm.loss")
-        return _build(cls, {**data, "advantage": adv, "loss": loss}, "algorithm")
-
-
-@dataclass(frozen=True)
-class TorchTrainerConfig:
-    """Optimizer, schedule, batching and precision settings of `TorchTrainer`.
-
-    ``temperature=None`` takes the rollout temperature from the batch's ``meta[i]["sampling_params"]``
-    (1.0 when absent); logprobs are always recomputed as ``log_softmax(logits / T)``.
-    ``total_steps`` is needed by the ``cosine`` and ``linear`` schedules (decay to ``min_lr_ratio * lr``).
-    """
-
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    adam_eps: float = 1e-8
-    max_grad_norm: float | None = 1.0
-    lr_schedule: Schedule = "constant"
-    warmup_steps: int = 0
-    total_steps: int | None = None
-    min_lr_ratio: float = 0.0
-    micro_batch_tokens: int = 4096
-    temperature: float | None = None
-    packing: Packing = "auto"
-    precision: Precision = "auto"
-    compute_entropy: bool = True
-    gradient_checkpointing: bool = False
-    device: str = "auto"
-
-    def __post_init__(self) -> None:
-        if not self.lr > 0:
-            raise ConfigError("lr", f"must be > 0, got {self.lr}")
-        if self.lr_schedule not in ("constant", "cosine", "linear"):
-            raise ConfigError("lr_schedule", f"must be constant|cosine|linear, got {self.lr_schedule!r}")
-        if self.lr_schedule != "constant" and not (self.total_steps and self.total_steps > 0):
-            raise ConfigError("total_steps", f"the {self.lr_schedule} schedule needs total_steps > 0")
-        if self.warmup_steps < 0:
-            raise ConfigError("warmup_steps", f"must be >= 0, got {self.warmup_steps}")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ConfigError("min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
-        if self.micro_batch_tokens < 1:
-            raise ConfigError("micro_batch_tokens", f"must be >= 1, got {self.micro_batch_tokens}")
-        if self.temperature is not None and not self.temperature > 0:
-            raise ConfigError("temperature", f"must be > 0, got {self.temperature}")
-        if self.packing not in ("auto", "varlen", "packed", "padded"):
-            raise ConfigError("packing", f"must be auto|varlen|packed|padded, got {self.packing!r}")
-        if self.precision not in ("auto", "bf16", "fp32"):
-            raise ConfigError("precision", f"must be auto|bf16|fp32, got {self.precision!r}")
-        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-            raise ConfigError("max_grad_norm", f"must be > 0 or null, got {self.max_grad_norm}")
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> TorchTrainerConfig:
-        d = dict(data)
-        if "betas" in d:
-            d["betas"] = tuple(d["betas"])
-        return _build(cls, d, "trainer")
-
-
-def lr_lambda(step: int, config: TorchTrainerConfig) -> float:
-    """LR multiplier after ``step`` optimizer steps: linear warmup, then constant / cosine / linear decay."""
-    if config.warmup_steps and step < config.warmup_steps:
-        return (step + 1) / config.warmup_steps
-    if config.lr_schedule == "constant":
-        return 1.0
-    total = max(config.total_steps - config.warmup_steps, 1)  # type: ignore[operator]
-    progress = min(max(step - config.warmup_steps, 0) / total, 1.0)
-    shape = 0.5 * (1 + math.cos(math.pi * progress)) if config.lr_schedule == "cosine" else 1 - progress
-    return config.min_lr_ratio + (1 - config.min_lr_ratio) * shape
-
-
-def plan_micro_batches(lengths: list[int], token_budget: int, *, padded: bool = False) -> list[tuple[int, int]]:
-    """Split sequences (in order) into contiguous ``[start, end)`` ranges of at most ``token_budget`` tokens.
-
-    With ``padded=True`` a range costs ``count * longest`` (what a right-padded micro-batch holds).
-    A sequence longer than the budget gets a micro-batch of its own.
-    """
-    plans: list[tuple[int, int]] = []
-    start, used, longest = 0, 0, 0
-    for i, n in enumerate(lengths):
-        cost = (i - start + 1) * max(longest, n) if padded else used + n
-        if i > start and cost > token_budget:
-            plans.append((start, i))
-            start, used, longest = i, 0, 0
-        used += n
-        longest = max(longest, n)
-    if start < len(lengths):
-        plans.append((start, len(lengths)))
-    return plans
-
+__all__ = ["AlgorithmConfig", "TorchTrainer", "TorchTrainerConfig"]
 
 class TorchTrainer:
-    """Trains an HF causal LM on `TrajectoryBatch` es.
+    """Trains an HF causal LM on `TrajectoryBatch` es (implements `miles.trainers.protocol.Trainer`).
 
     ``model`` is any ``transformers`` causal LM (``model(input_ids, position_ids=...) -> .logits``).
-    ``ref_model`` (optional, frozen) provides reference logprobs for the KL penalty/metric.
-    When ``torch.distributed`` is initialized with world size > 1 the model is wrapped with FSDP2
-    (``fully_shard`` on every no-split decoder layer, then on the root).
+    With ``algorithm.loss.kl_coef > 0`` a frozen reference policy gives the KL term's logprobs: ``ref_model``
+    when passed, else a copy of ``model`` as given (the initial policy), re-taken from the policy when RL
+    starts after SFT (`begin_sft`). When ``torch.distributed`` is initialized with world size > 1 the policy
+    (and the reference) is wrapped with FSDP2 (``fully_shard`` on every no-split decoder layer, then on the
+    root), and every method is a collective that all ranks call with the same arguments.
     """
 
     def __init__(self, model: nn.Module, config: TorchTrainerConfig | None = None,
@@ -183,80 +68,91 @@ class TorchTrainer:
             self.config.precision == "auto" and self.device.type == "cuda")
         self.step = 0
         model.to(self.device)
+        self._ref_follows_policy = ref_model is None
+        if ref_model is None and self.algorithm.needs_reference:
+            ref_model = copy.deepcopy(model)
         if self.config.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
             model.gradient_checkpointing_enable()
         self.fsdp = self.world_size > 1
-        if self.fsdp:
-            _apply_fsdp2(model, self.device)
-        self.model = model
-        self.ref_model = ref_model
         if ref_model is not None:
             ref_model.to(self.device).eval().requires_grad_(False)
+        if self.fsdp:
+            for m in (model, ref_model):
+                if m is not None:
+                    _apply_fsdp2(m, self.device)
+        self.model = model
+        self.ref_model = ref_model
         self.packing = _resolve_packing(self.config.packing, model, self.device)
         if self.packing == "varlen":
             for m in (model, ref_model):
                 if m is not None and _attn_impl(m) != varlen_attention.NAME:
                     m.set_attn_implementation(varlen_attention.register())
         self.pad_token_id = int(getattr(getattr(model, "config", None), "pad_token_id", None) or 0)
-        params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=self.config.lr, betas=self.config.betas,
-                                           eps=self.config.adam_eps, weight_decay=self.config.weight_decay,
-                                           fused=self.device.type == "cuda" or None)
+        self._in_sft = False
+        self._build_optimizer(self.config)
+
+    def _build_optimizer(self, schedule: TrainerConfig) -> None:
+        """A fresh AdamW and LR schedule at ``schedule.lr`` (the optimizer settings always come from the config)."""
         cfg = self.config
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_lambda(s, cfg))
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=schedule.lr, betas=cfg.betas, eps=cfg.adam_eps,
+                                           weight_decay=cfg.weight_decay, fused=self.device.type == "cuda" or None)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_lambda(s, schedule))
 
     # ---------------------------------------------------------------- public steps
+
+    def begin_sft(self, lr: float, *, warmup_steps: int = 0) -> None:
+        """Following `sft_step` s use their own fresh optimizer at constant `lr` (after linear warmup)."""
+        self._build_optimizer(self.config.for_sft(lr, warmup_steps=warmup_steps))
+        self._in_sft = True
+
+    def _begin_rl(self) -> None:
+        """After SFT: a fresh optimizer at the configured lr, and the SFT'd policy as the KL reference."""
+        self._build_optimizer(self.config)
+        if self.ref_model is not None and self._ref_follows_policy:
+            with torch.no_grad():
+                self.ref_model.load_state_dict(self.model.state_dict())
+        self._in_sft = False
 
     def train_step(self, batch: TrajectoryBatch) -> dict[str, float]:
         """One RL update (``num_mini_batches * ppo_epochs`` optimizer steps) on ``batch``; returns metrics."""
         t0 = time.perf_counter()
-        alg = self.algorithm
-        batch = _validate(batch)
-        temperature = self._temperature(batch)
-        mask = batch.loss_mask
-        token_counts, adv_seq, adv_tok = batch_advantages(batch, alg.advantage)
+        if self._in_sft:
+            self._begin_rl()
+        rl = prepare_rl_step(batch, self.algorithm, self.config.temperature)
+        batch, temperature = rl.batch, rl.temperature
         metrics = MetricAccumulator()
-        multi_step = alg.num_mini_batches > 1 or alg.ppo_epochs > 1
-        old_lp = self.compute_logprobs(batch, temperature=temperature) if multi_step else None
-        ref_lp = None
-        if self.ref_model is not None:
-            ref_lp = self.compute_logprobs(batch, temperature=temperature, model=self.ref_model)
-        elif alg.loss.kl_coef > 0:
-            raise ConfigError("algorithm.loss.kl_coef", "kl_coef > 0 needs a ref_model")
-        minis = _split_even(batch.num_sequences, alg.num_mini_batches)
-        grad_norms, losses, lrs = [], [], []
+        old_lp = self._logprobs_of(self.model, batch, temperature) if rl.multi_step else None
+        ref_lp = self._logprobs_of(self.ref_model, batch, temperature) if self.ref_model is not None else None
+        grad_norms, losses, lrs, passes = [], [], [], 0
         self.model.train()
-        for _ in range(alg.ppo_epochs):
-            for lo, hi in minis:
-                tok_lo, tok_hi = int(batch.cu_seqlens[lo]), int(batch.cu_seqlens[hi])
-                num_tokens = float(mask[tok_lo:tok_hi].sum())
-                num_seqs = float((token_counts[lo:hi] > 0).sum())
-                if num_tokens == 0:
+        for mini in rl.mini_batches():
+            lrs.append(self.optimizer.param_groups[0]["lr"])
+            self.optimizer.zero_grad(set_to_none=True)
+            total = torch.zeros((), dtype=torch.float64)
+            for mb in self._rank_micro_batches(batch, mini.lo, mini.hi):
+                passes += 1
+                if mb is None:
+                    self._dummy_forward(backward=True)
                     continue
-                lrs.append(self.optimizer.param_groups[0]["lr"])
-                self.optimizer.zero_grad(set_to_none=True)
-                total = torch.zeros((), dtype=torch.float64)
-                for mb in self._rank_micro_batches(batch, lo, hi):
-                    if mb is None:
-                        self._dummy_forward(backward=True)
-                        continue
-                    inputs = self._loss_inputs(batch, mb[0], mb[1], temperature, adv_tok, old_lp, ref_lp)
-                    out = policy_loss(inputs, alg.loss, num_tokens=num_tokens, num_seqs=num_seqs)
-                    (out.loss * self.world_size).backward()
-                    total += out.loss.detach().double().cpu()
-                    metrics.update(out.metric_sums)
-                losses.append(float(self._all_reduce(total)))
-                grad_norms.append(self._optimizer_step())
-        result = self._reduce_metrics(metrics)
+                inputs = self._loss_inputs(rl, mb[0], mb[1], old_lp, ref_lp)
+                out = policy_loss(inputs, self.algorithm.loss, num_tokens=mini.num_tokens, num_seqs=mini.num_seqs)
+                (out.loss * self.world_size).backward()
+                total += out.loss.detach().double().cpu()
+                metrics.update(out.metric_sums)
+            losses.append(float(self._all_reduce(total)))
+            grad_norms.append(self._optimizer_step())
+        result = reduce_metrics(metrics)
         result.update(train_step_metrics(
-            batch, adv_seq=adv_seq, losses=losses, grad_norms=grad_norms, step=self.step, temperature=temperature,
-            lr=lrs[-1] if lrs else self.optimizer.param_groups[0]["lr"], t0=t0))
+            batch, adv_seq=rl.adv_seq, losses=losses, grad_norms=grad_norms, step=self.step,
+            temperature=temperature, lr=lrs[-1] if lrs else self.optimizer.param_groups[0]["lr"], t0=t0,
+            micro_batches=passes))
         return result
 
     def sft_step(self, batch: TrajectoryBatch) -> dict[str, float]:
         """One supervised step: token-mean cross-entropy on loss-masked tokens (temperature 1)."""
         t0 = time.perf_counter()
-        batch = _validate(batch)
+        batch = validate_batch(batch)
         num_tokens = float(batch.loss_mask.sum())
         metrics = MetricAccumulator()
         self.model.train()
@@ -278,50 +174,34 @@ class TorchTrainer:
             grad_norm = self._optimizer_step()
         else:
             grad_norm = 0.0
-        result = self._reduce_metrics(metrics)
+        result = reduce_metrics(metrics)
         result.update({"loss": float(self._all_reduce(total)), "grad_norm": grad_norm, "lr": lr,
                        "num_train_tokens": num_tokens, "step": float(self.step),
                        "step_time_s": time.perf_counter() - t0})
         return result
 
-    @torch.no_grad()
-    def compute_logprobs(self, batch: TrajectoryBatch, *, temperature: float | None = None,
-                         model: nn.Module | None = None) -> torch.Tensor:
-        """Logprobs ``[T]`` of every token of ``batch`` under ``model`` (default: the policy), 0 at sequence starts.
+    def compute_logprobs(self, batch: TrajectoryBatch, *, temperature: float | None = None) -> torch.Tensor:
+        """Logprobs ``[T]`` of every token of ``batch`` under the policy, 0 at sequence starts.
 
-        Under FSDP every rank computes its share and the result is all-gathered, so all ranks get all ``T``.
+        Under FSDP every rank computes its share and the result is all-reduced, so all ranks get all ``T``.
         """
-        model = model or self.model
-        batch = _validate(batch)
-        temperature = self._temperature(batch) if temperature is None else temperature
-        was_training = model.training
-        model.eval()
-        out = torch.zeros(batch.token_ids.numel(), dtype=torch.float32)
-        for mb in self._rank_micro_batches(batch, 0, batch.num_sequences):
-            if mb is None:
-                self._dummy_forward(backward=False, model=model)
-                continue
-            start, end = mb
-            lp = self._forward_logprobs(model, batch, start, end, temperature)[0]
-            out[int(batch.cu_seqlens[start]):int(batch.cu_seqlens[end])] = lp.float().cpu()
-        model.train(was_training)
-        if self.world_size > 1:
-            dist.all_reduce(out)  # ranks own disjoint token ranges, zeros elsewhere
-        return out
+        batch = validate_batch(batch)
+        override = self.config.temperature if temperature is None else temperature
+        return self._logprobs_of(self.model, batch, resolve_temperature(batch, override))
 
     def hf_state_dict(self, *, cpu: bool = False) -> dict[str, torch.Tensor]:
-        """Weights under their HF names (what ``model.state_dict()`` of an unwrapped HF model holds).
+        """A snapshot of the weights under their HF names (what ``model.state_dict()`` of an unwrapped HF
+        model holds): every tensor is a copy, so later optimizer steps never show through.
 
-        Without FSDP the tensors are the live parameters (detached, not copied) unless ``cpu=True``.
-        Under FSDP the full tensors are gathered (a collective: call it on every rank) and offloaded to CPU.
+        Under FSDP the full tensors are gathered into new CPU tensors (a collective: call it on every rank;
+        rank 0 gets them, the other ranks an empty dict).
         """
         if self.fsdp:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
             return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True,
                                                                              cpu_offload=True))
-        sd = {k: v.detach() for k, v in self.model.state_dict().items()}
-        return {k: v.cpu() for k, v in sd.items()} if cpu else sd
+        return {k: v.detach().to("cpu" if cpu else v.device, copy=True) for k, v in self.model.state_dict().items()}
 
     def save_checkpoint(self, root: str | Path, *, data_cursor: dict[str, Any] | None = None,
                         extra: dict[str, Any] | None = None, keep_last: int | None = None) -> Path | None:
@@ -366,14 +246,6 @@ class TorchTrainer:
 
     # ---------------------------------------------------------------- internals
 
-    def _temperature(self, batch: TrajectoryBatch) -> float:
-        if self.config.temperature is not None:
-            return float(self.config.temperature)
-        temps = {float(m.get("sampling_params", {}).get("temperature", 1.0) or 1.0) for m in batch.meta}
-        if len(temps) > 1:
-            raise ValueError(f"batch mixes rollout temperatures {sorted(temps)}; set trainer.temperature")
-        return temps.pop() if temps else 1.0
-
     def _rank_micro_batches(self, batch: TrajectoryBatch, lo: int, hi: int) -> list[tuple[int, int] | None]:
         """This rank's contiguous share of sequences ``[lo, hi)`` (balanced by tokens), as micro-batches.
 
@@ -386,7 +258,7 @@ class TorchTrainer:
             return [(lo + s, lo + e) for s, e in plan_micro_batches(lengths, budget, padded=padded)]
         plans = []
         for r in range(self.world_size):
-            a, b = _token_balanced_share(lengths, r, self.world_size)
+            a, b = token_balanced_share(lengths, r, self.world_size)
             plans.append([(lo + a + s, lo + a + e)
                           for s, e in plan_micro_batches(lengths[a:b], budget, padded=padded)])
         longest = max(len(p) for p in plans)
@@ -402,12 +274,30 @@ class TorchTrainer:
         if backward:
             (logits.float().sum() * 0.0).backward()
 
-    def _loss_inputs(self, batch: TrajectoryBatch, start: int, end: int, temperature: float,
-                     adv_tok: torch.Tensor, old_lp: torch.Tensor | None,
+    @torch.no_grad()
+    def _logprobs_of(self, model: nn.Module, batch: TrajectoryBatch, temperature: float) -> torch.Tensor:
+        """`compute_logprobs` under `model` (the policy or the reference), on CPU, all ranks' shares merged."""
+        was_training = model.training
+        model.eval()
+        out = torch.zeros(batch.token_ids.numel(), dtype=torch.float32)
+        for mb in self._rank_micro_batches(batch, 0, batch.num_sequences):
+            if mb is None:
+                self._dummy_forward(backward=False, model=model)
+                continue
+            start, end = mb
+            lp = self._forward_logprobs(model, batch, start, end, temperature)[0]
+            out[int(batch.cu_seqlens[start]):int(batch.cu_seqlens[end])] = lp.float().cpu()
+        model.train(was_training)
+        if self.world_size > 1:
+            dist.all_reduce(out)  # ranks own disjoint token ranges, zeros elsewhere
+        return out
+
+    def _loss_inputs(self, rl: RLStep, start: int, end: int, old_lp: torch.Tensor | None,
                      ref_lp: torch.Tensor | None) -> LossInputs:
         lc = self.algorithm.loss
+        batch = rl.batch
         want_entropy = self.config.compute_entropy or lc.entropy_coef != 0
-        lp, ent, seq_index = self._forward_logprobs(self.model, batch, start, end, temperature,
+        lp, ent, seq_index = self._forward_logprobs(self.model, batch, start, end, rl.temperature,
                                                     entropy=want_entropy, entropy_grad=lc.entropy_coef != 0)
         tl, th = int(batch.cu_seqlens[start]), int(batch.cu_seqlens[end])
         dev = self.device
@@ -417,7 +307,7 @@ class TorchTrainer:
 
         return LossInputs(
             logprobs=lp, old_logprobs=sl(old_lp) if old_lp is not None else lp.detach(),
-            advantages=sl(adv_tok), loss_mask=sl(batch.loss_mask), seq_index=seq_index,
+            advantages=sl(rl.adv_tok), loss_mask=sl(batch.loss_mask), seq_index=seq_index,
             rollout_logprobs=sl(batch.rollout_logprobs), ref_logprobs=sl(ref_lp), entropy=ent)
 
     def _forward_logprobs(self, model: nn.Module, batch: TrajectoryBatch, start: int, end: int,
@@ -485,17 +375,6 @@ class TorchTrainer:
             dist.all_reduce(value)
         return value
 
-    def _reduce_metrics(self, acc: MetricAccumulator) -> dict[str, float]:
-        if self.world_size == 1:
-            return acc.result()
-        names = sorted(acc._sums)
-        gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, {n: (acc._sums[n], acc._counts[n]) for n in names})
-        merged = MetricAccumulator()
-        for part in gathered:
-            merged.update(part)
-        return merged.result()
-
     def _optimizer_state(self) -> dict[str, Any]:
         if self.fsdp:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
@@ -560,51 +439,3 @@ def _resolve_device(name: str) -> torch.device:
             return torch.device("cuda", idx)
         return torch.device("cpu")
     return torch.device(name)
-
-
-def _validate(batch: TrajectoryBatch) -> TrajectoryBatch:
-    t = batch.token_ids.numel()
-    if batch.loss_mask.numel() != t or batch.rollout_logprobs.numel() != t:
-        raise ValueError(f"batch tensors disagree: token_ids={t} loss_mask={batch.loss_mask.numel()} "
-                         f"rollout_logprobs={batch.rollout_logprobs.numel()}")
-    if batch.cu_seqlens.numel() < 1 or int(batch.cu_seqlens[-1]) != t or int(batch.cu_seqlens[0]) != 0:
-        raise ValueError(f"cu_seqlens must run from 0 to {t}, got {batch.cu_seqlens.tolist()}")
-    if bool((batch.cu_seqlens[1:] <= batch.cu_seqlens[:-1]).any()):
-        raise ValueError("every sequence of the batch must have at least one token")
-    if batch.rewards.numel() != batch.num_sequences or batch.group_ids.numel() != batch.num_sequences:
-        raise ValueError("rewards and group_ids need one entry per sequence")
-    return batch
-
-
-def _split_even(n: int, parts: int) -> list[tuple[int, int]]:
-    parts = max(1, min(parts, n)) if n else 1
-    bounds = [round(i * n / parts) for i in range(parts + 1)]
-    return [(bounds[i], bounds[i + 1]) for i in range(parts) if bounds[i + 1] > bounds[i]]
-
-
-def _token_balanced_share(lengths: list[int], rank: int, world: int) -> tuple[int, int]:
-    """Contiguous ``[a, b)`` of ``lengths`` for ``rank``, cutting where the cumulative token count crosses k/world."""
-    total = sum(lengths)
-    cuts, acc, j = [0], 0, 1
-    for i, n in enumerate(lengths):
-        acc += n
-        while j < world and acc >= total * j / world:
-            cuts.append(i + 1)
-            j += 1
-    while len(cuts) < world + 1:
-        cuts.append(len(lengths))
-    return cuts[rank], cuts[rank + 1]
-
-
-def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
-    names = set(cls.__dataclass_fields__)
-    unknown = sorted(set(data) - names)
-    if unknown:
-        raise ConfigError(f"{prefix}.{unknown[0]}", f"unknown key; valid keys: {sorted(names)}")
-    try:
-        return cls(**data)
-    except ConfigError as e:
-        raise ConfigError(f"{prefix}.{e.key}", e.message) from e
-    except TypeError as e:
-        raise ConfigError(prefix, str(e)) from e
-

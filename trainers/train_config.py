@@ -8,7 +8,13 @@ from typing import Any, Literal
 from miles.config import ConfigError, load_config
 from miles.engine import SamplingParams
 from miles.sessions.config import SchedulerConfig, SessionConfig
-from miles.trainers.torch_backend import AlgorithmConfig, TorchTrainerConfig
+from miles.trainers.trainer_config import (
+    AlgorithmConfig,
+    MegatronOptions,
+    TorchOptions,
+    TrainerConfig,
+    changed_knobs,
+)
 
 
 @dataclass
@@ -136,11 +142,34 @@ class SyncConfig:
 
 @dataclass
 class ParallelConfig:
-    """Model parallelism for the Megatron backend (and data parallelism for both)."""
+    """How many ranks train: ``tp * pp * dp``, launched under torchrun by `miles train` when above 1.
+
+    ``dp`` (data parallelism) works on both backends (FSDP2 on torch); ``tp`` (tensor) and ``pp`` (pipeline)
+    need ``backend: megatron``.
+    """
 
     tp: int = 1
     pp: int = 1
     dp: int = 1
+
+    def __post_init__(self) -> None:
+        for key in ("tp", "pp", "dp"):
+            if getattr(self, key) < 1:
+                raise ConfigError(key, f"must be >= 1, got {getattr(self, key)}")
+
+
+def _check_backend_sections(cfg: TrainConfig) -> None:
+    """Settings that the chosen backend would silently ignore are errors that name the key and the fix."""
+    if cfg.backend == "torch":
+        for key in ("tp", "pp"):
+            if getattr(cfg.parallel, key) > 1:
+                raise ConfigError(f"parallel.{key}", "the torch backend parallelizes data only (FSDP2, "
+                                                     "parallel.dp); set it to 1, or set backend: megatron")
+    other, section = ("megatron", cfg.megatron) if cfg.backend == "torch" else ("torch", cfg.torch)
+    changed = changed_knobs(section)
+    if changed:
+        raise ConfigError(f"{other}.{changed[0]}", f"a {other}-backend setting, but backend is {cfg.backend}: "
+                                                   f"remove it, or set backend: {other}")
 
 
 @dataclass
@@ -157,7 +186,9 @@ class TrainConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    trainer: TorchTrainerConfig = field(default_factory=TorchTrainerConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    torch: TorchOptions = field(default_factory=TorchOptions)
+    megatron: MegatronOptions = field(default_factory=MegatronOptions)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -171,6 +202,7 @@ class TrainConfig:
             self.rollout.scheduler.validate()
         except ValueError as exc:
             raise ConfigError("rollout.scheduler", str(exc)) from exc
+        _check_backend_sections(self)
 
     @property
     def sampling(self) -> SamplingParams:

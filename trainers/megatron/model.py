@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-AttentionBackend = Literal["auto", "sdpa", "local", "te"]
+from miles.trainers.trainer_config import AttentionBackend
+
 SUPPORTED_FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral")
 
 

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import socket
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from miles.trainers.distributed import init_distributed
 from miles.trainers.errors import ConfigError
 from miles.trainers.megatron.compat import (
     cpu_model_parallel_seed,
@@ -40,25 +39,6 @@ class ParallelInfo:
         return self.pp_rank == self.pp_size - 1
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def init_distributed() -> None:
-    """Join the process group torchrun set up (env://), or start a single-process one when there is none."""
-    if dist.is_initialized():
-        return
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend)
-    else:
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-
-
 def initialize_parallel(tp_size: int = 1, pp_size: int = 1, *, seed: int = 0) -> ParallelInfo:
     """Initialize (or reuse) megatron's model-parallel groups; enables the CPU layer when no GPU is present."""
     from megatron.core import parallel_state as ps
@@ -66,12 +46,12 @@ def initialize_parallel(tp_size: int = 1, pp_size: int = 1, *, seed: int = 0) ->
     init_distributed()
     world = dist.get_world_size()
     if tp_size < 1 or pp_size < 1 or world % (tp_size * pp_size):
-        raise ConfigError("trainer.megatron", f"world size {world} is not divisible by tp={tp_size} x pp={pp_size}")
+        raise ConfigError("parallel", f"world size {world} is not divisible by tp={tp_size} x pp={pp_size}")
     cpu = enable_cpu_compat()
     if ps.model_parallel_is_initialized():
         if (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()) != (
                 tp_size, pp_size):
-            raise ConfigError("trainer.megatron", "model parallelism is already initialized with other sizes")
+            raise ConfigError("parallel", "model parallelism is already initialized with other sizes")
     else:
         ps.initialize_model_parallel(tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=pp_size)
     if cpu:

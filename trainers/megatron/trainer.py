@@ -1,4 +1,4 @@
-"""`MegatronTrainer`: the torch backend's interface (`train_step`, `sft_step`, `hf_state_dict`) on megatron-core.
+"""`MegatronTrainer`: the `Trainer` protocol (`train_step`, `sft_step`, `hf_state_dict`, ...) on megatron-core.
 
 Every rank calls `train_step` with the same full `TrajectoryBatch` (as with `TorchTrainer`). Advantages are
 computed on the whole batch; each data-parallel rank takes a token-balanced contiguous share of every
@@ -18,21 +18,20 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from miles.trainers import checkpoint as ckpt_io
-from miles.trainers.advantages import batch_advantages
+from miles.trainers.batching import plan_micro_batches, token_balanced_share
 from miles.trainers.errors import CheckpointError, ConfigError
 from miles.trainers.losses import LossInputs, LossOutput, policy_loss, sft_loss
 from miles.trainers.megatron.compat import label_params_as_cuda
 from miles.trainers.megatron.convert import hf_to_megatron, megatron_to_hf, tp_partition_dim
 from miles.trainers.megatron.logprobs import vocab_parallel_shifted_entropy, vocab_parallel_shifted_logprobs
 from miles.trainers.megatron.model import (
-    AttentionBackend,
     build_gpt_model,
     layout_from_hf,
     resolve_attention_backend,
@@ -40,80 +39,10 @@ from miles.trainers.megatron.model import (
     transformer_config,
 )
 from miles.trainers.megatron.parallel import ParallelInfo, initialize_parallel
-from miles.trainers.metrics import MetricAccumulator, train_step_metrics
-from miles.trainers.torch_backend import (
-    AlgorithmConfig,
-    _split_even,
-    _token_balanced_share,
-    _validate,
-    lr_lambda,
-    plan_micro_batches,
-)
+from miles.trainers.metrics import MetricAccumulator, reduce_metrics, train_step_metrics
+from miles.trainers.step import RLStep, prepare_rl_step, resolve_temperature, validate_batch
+from miles.trainers.trainer_config import AlgorithmConfig, MegatronTrainerConfig, TrainerConfig, lr_lambda
 from miles.trajectory import TrajectoryBatch
-
-Precision = Literal["auto", "bf16", "fp32"]
-
-
-@dataclass(frozen=True)
-class MegatronTrainerConfig:
-    """Parallelism, optimizer, schedule and batching settings of `MegatronTrainer`.
-
-    The optimizer fields mean what they mean in `TorchTrainerConfig` (AdamW with decoupled weight decay on
-    every parameter, global-norm clipping, the same LR schedules). ``tp`` x ``pp`` must divide the world size;
-    the rest is data parallelism. ``attention``: ``auto`` (Transformer Engine when present, else SDPA),
-    ``sdpa``, ``te``, or ``local`` (megatron's own unfused attention; no packing: one sequence per micro-batch).
-    """
-
-    tp: int = 1
-    pp: int = 1
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    adam_eps: float = 1e-8
-    max_grad_norm: float | None = 1.0
-    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
-    warmup_steps: int = 0
-    total_steps: int | None = None
-    min_lr_ratio: float = 0.0
-    micro_batch_tokens: int = 4096
-    temperature: float | None = None
-    precision: Precision = "auto"
-    compute_entropy: bool = True
-    distributed_optimizer: bool = True
-    attention: AttentionBackend = "auto"
-    vocab_divisible_by: int = 128
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        for key in ("tp", "pp", "micro_batch_tokens", "vocab_divisible_by"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"trainer.{key}", f"must be >= 1, got {getattr(self, key)}")
-        if not self.lr > 0:
-            raise ConfigError("trainer.lr", f"must be > 0, got {self.lr}")
-        if self.lr_schedule not in ("constant", "cosine", "linear"):
-            raise ConfigError("trainer.lr_schedule", f"must be constant|cosine|linear, got {self.lr_schedule!r}")
-        if self.lr_schedule != "constant" and not (self.total_steps and self.total_steps > 0):
-            raise ConfigError("trainer.total_steps", f"the {self.lr_schedule} schedule needs total_steps > 0")
-        if self.precision not in ("auto", "bf16", "fp32"):
-            raise ConfigError("trainer.precision", f"must be auto|bf16|fp32, got {self.precision!r}")
-        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-            raise ConfigError("trainer.max_grad_norm", f"must be > 0 or null, got {self.max_grad_norm}")
-        if self.temperature is not None and not self.temperature > 0:
-            raise ConfigError("trainer.temperature", f"must be > 0, got {self.temperature}")
-        if self.attention not in ("auto", "sdpa", "local", "te"):
-            raise ConfigError("trainer.attention", f"must be auto|sdpa|local|te, got {self.attention!r}")
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> MegatronTrainerConfig:
-        """Build from a plain dict; unknown keys raise `ConfigError` naming the key."""
-        d = dict(data)
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ConfigError(f"trainer.{unknown[0]}", f"unknown key; valid keys: {sorted(names)}")
-        if "betas" in d:
-            d["betas"] = tuple(d["betas"])
-        return cls(**d)
 
 
 @dataclass
@@ -137,10 +66,13 @@ def _finalize_grads(model: list[nn.Module], num_tokens: Any = None, **kwargs: An
 
 
 class MegatronTrainer:
-    """Trains a Llama / Qwen2 / Qwen3 policy as a megatron-core ``GPTModel`` with TP / PP / DP.
+    """Trains a Llama / Qwen2 / Qwen3 policy as a megatron-core ``GPTModel`` with TP / PP / DP (implements
+    `miles.trainers.protocol.Trainer`).
 
     ``model``: an HF causal LM (its config and weights are converted; the HF module itself is not kept), or a
     path for ``from_pretrained``; or pass ``hf_config`` alone for a randomly initialized model (benchmarks).
+    With ``algorithm.loss.kl_coef > 0`` a second, frozen ``GPTModel`` (same parallel layout) holds the
+    reference policy: the initial weights, re-taken from the policy when RL starts after SFT (`begin_sft`).
     Call it on every rank of the job (all ranks construct it and call every method collectively).
     """
 
@@ -149,8 +81,6 @@ class MegatronTrainer:
                  hf_config: Any = None, state_dict: dict[str, torch.Tensor] | None = None) -> None:
         self.config = cfg = config or MegatronTrainerConfig()
         self.algorithm = algorithm or AlgorithmConfig()
-        if self.algorithm.loss.kl_coef > 0:
-            raise ConfigError("algorithm.loss.kl_coef", "the Megatron backend has no reference model yet")
         if isinstance(model, str | os.PathLike):
             from transformers import AutoModelForCausalLM
 
@@ -159,7 +89,7 @@ class MegatronTrainer:
             hf_config = model.config
             state_dict = {k: v.detach() for k, v in model.state_dict().items()}
         if hf_config is None:
-            raise ConfigError("trainer.model", "MegatronTrainer needs an HF model, a path, or hf_config")
+            raise ConfigError("model", "MegatronTrainer needs an HF model, a path, or hf_config")
         self.hf_config = hf_config
         self.info: ParallelInfo = initialize_parallel(cfg.tp, cfg.pp, seed=cfg.seed)
         self.layout = layout_from_hf(hf_config, tp_size=cfg.tp, vocab_divisible_by=cfg.vocab_divisible_by)
@@ -169,18 +99,29 @@ class MegatronTrainer:
         self.attention = resolve_attention_backend(cfg.attention)
         self.packing = supports_packing(self.attention)
         self.tconfig = transformer_config(self.layout, tp_size=cfg.tp, pp_size=cfg.pp, params_dtype=self.dtype,
-                                          calculate_per_token_loss=True)
-        module = build_gpt_model(self.layout, self.tconfig, attention=self.attention)
-        if on_gpu:
-            module.cuda(self.info.device)
+                                          calculate_per_token_loss=True, **_recompute_settings(cfg.recompute))
+        module = self._new_module()
         self.layer_ids = [layer.layer_number - 1 for layer in module.decoder.layers]
         if state_dict is not None:
             self._load_hf(module, state_dict)
+        self.ref_model: nn.Module | None = None
+        if self.algorithm.needs_reference:
+            self.ref_model = self._new_module()
+            self.ref_model.load_state_dict(module.state_dict())
+            self.ref_model.eval().requires_grad_(False)
         self.model = module
         self._wrap(module)
         self.step = 0
+        self._in_sft = False
+        self._build_optimizer(cfg)
 
     # ---------------------------------------------------------------- setup
+
+    def _new_module(self) -> nn.Module:
+        module = build_gpt_model(self.layout, self.tconfig, attention=self.attention)
+        if self.info.device.type == "cuda":
+            module.cuda(self.info.device)
+        return module
 
     def _load_hf(self, module: nn.Module, hf: dict[str, torch.Tensor]) -> None:
         shard = hf_to_megatron(hf, self.layout, tp_size=self.info.tp_size, tp_rank=self.info.tp_rank,
@@ -189,85 +130,101 @@ class MegatronTrainer:
         own = {k for k in module.state_dict() if not k.endswith("_extra_state")}
         missing, unexpected = sorted(own - set(shard)), sorted(set(shard) - own)
         if missing or unexpected:
-            raise ConfigError("trainer.model", f"HF -> Megatron conversion mismatch: missing {missing[:5]}, "
-                                               f"unexpected {unexpected[:5]}")
+            raise ConfigError("model", f"HF -> Megatron conversion mismatch: missing {missing[:5]}, "
+                                       f"unexpected {unexpected[:5]}")
         module.load_state_dict({k: v.to(self.dtype) for k, v in shard.items()}, strict=False)
 
     def _wrap(self, module: nn.Module) -> None:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         cfg = self.config
         label_params_as_cuda(module)
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, overlap_param_gather=False,
+            grad_reduce_in_fp32=cfg.grad_reduce_in_fp32, overlap_grad_reduce=False, overlap_param_gather=False,
             use_distributed_optimizer=cfg.distributed_optimizer, check_for_nan_in_grad=False,
             average_in_collective=False)
         self.ddp = DistributedDataParallel(config=self.tconfig, ddp_config=ddp_config, module=module)
+        self.tconfig.no_sync_func = self.ddp.no_sync
+        self.tconfig.finalize_model_grads_func = _finalize_grads
+
+    def _build_optimizer(self, schedule: TrainerConfig) -> None:
+        """A fresh megatron optimizer whose LR follows ``schedule`` from the current step on."""
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        cfg = self.config
         opt_config = OptimizerConfig(
-            optimizer="adam", lr=cfg.lr, min_lr=0.0, weight_decay=cfg.weight_decay, adam_beta1=cfg.betas[0],
+            optimizer="adam", lr=schedule.lr, min_lr=0.0, weight_decay=cfg.weight_decay, adam_beta1=cfg.betas[0],
             adam_beta2=cfg.betas[1], adam_eps=cfg.adam_eps, clip_grad=cfg.max_grad_norm or 0.0,
             bf16=self.dtype == torch.bfloat16, params_dtype=self.dtype,
             use_distributed_optimizer=cfg.distributed_optimizer)
         # config_overrides={}: weight decay on every parameter, as torch's AdamW in the torch backend.
         self.optimizer = get_megatron_optimizer(opt_config, [self.ddp], config_overrides={})
-        self.tconfig.no_sync_func = self.ddp.no_sync
-        self.tconfig.finalize_model_grads_func = _finalize_grads
+        self._schedule = schedule
+        self._schedule_start = 0 if schedule is cfg else self.step  # RL's schedule counts the loop's steps
 
     # ---------------------------------------------------------------- public steps
+
+    def begin_sft(self, lr: float, *, warmup_steps: int = 0) -> None:
+        """Following `sft_step` s use their own fresh optimizer at constant `lr` (after linear warmup)."""
+        self._build_optimizer(self.config.for_sft(lr, warmup_steps=warmup_steps))
+        self._in_sft = True
+
+    def _begin_rl(self) -> None:
+        """After SFT: a fresh optimizer at the configured lr, and the SFT'd policy as the KL reference."""
+        self._build_optimizer(self.config)
+        if self.ref_model is not None:
+            self.ref_model.load_state_dict(self.model.state_dict())
+        self._in_sft = False
 
     def train_step(self, batch: TrajectoryBatch) -> dict[str, float]:
         """One RL update (``num_mini_batches * ppo_epochs`` optimizer steps) on ``batch``; returns metrics."""
         t0 = time.perf_counter()
-        alg = self.algorithm
-        batch = _validate(batch)
-        temperature = self._temperature(batch)
-        mask = batch.loss_mask
-        token_counts, adv_seq, adv_tok = batch_advantages(batch, alg.advantage)
-        multi_step = alg.num_mini_batches > 1 or alg.ppo_epochs > 1
-        old_lp = self.compute_logprobs(batch, temperature=temperature) if multi_step else None
+        if self._in_sft:
+            self._begin_rl()
+        rl = prepare_rl_step(batch, self.algorithm, self.config.temperature)
+        old_lp = self._logprobs_of(self.ddp, rl.batch, rl.temperature) if rl.multi_step else None
+        ref_lp = self._logprobs_of(self.ref_model, rl.batch, rl.temperature) if self.ref_model is not None else None
         metrics = MetricAccumulator()
-        grad_norms, losses, lrs = [], [], []
-        for _ in range(alg.ppo_epochs):
-            for lo, hi in _split_even(batch.num_sequences, alg.num_mini_batches):
-                tok_lo, tok_hi = int(batch.cu_seqlens[lo]), int(batch.cu_seqlens[hi])
-                num_tokens = float(mask[tok_lo:tok_hi].sum())
-                num_seqs = float((token_counts[lo:hi] > 0).sum())
-                if num_tokens == 0:
-                    continue
-                loss_fn = partial(self._policy_loss, batch=batch, temperature=temperature, adv_tok=adv_tok,
-                                  old_lp=old_lp, num_tokens=num_tokens, num_seqs=num_seqs)
-                lrs.append(self._set_lr())
-                loss, norm = self._optimizer_step(batch, list(range(lo, hi)), loss_fn, metrics)
-                losses.append(loss)
-                grad_norms.append(norm)
-        result = self._reduce_metrics(metrics)
+        grad_norms, losses, lrs, passes = [], [], [], 0
+        for mini in rl.mini_batches():
+            loss_fn = partial(self._policy_loss, rl=rl, old_lp=old_lp, ref_lp=ref_lp, num_tokens=mini.num_tokens,
+                              num_seqs=mini.num_seqs)
+            lrs.append(self._set_lr())
+            loss, norm, n = self._optimizer_step(rl.batch, list(range(mini.lo, mini.hi)), loss_fn, metrics)
+            losses.append(loss)
+            grad_norms.append(norm)
+            passes += n
+        result = reduce_metrics(metrics)
         result.update(train_step_metrics(
-            batch, adv_seq=adv_seq, losses=losses, grad_norms=grad_norms, step=self.step, temperature=temperature,
-            lr=lrs[-1] if lrs else self._lr(), t0=t0))
+            rl.batch, adv_seq=rl.adv_seq, losses=losses, grad_norms=grad_norms, step=self.step,
+            temperature=rl.temperature, lr=lrs[-1] if lrs else self._lr(), t0=t0, micro_batches=passes))
         return result
 
     def sft_step(self, batch: TrajectoryBatch) -> dict[str, float]:
         """One supervised step: token-mean cross-entropy on loss-masked tokens (temperature 1)."""
         t0 = time.perf_counter()
-        batch = _validate(batch)
+        batch = validate_batch(batch)
         num_tokens = float(batch.loss_mask.sum())
         metrics = MetricAccumulator()
         lr = self._set_lr()
         loss, norm = 0.0, 0.0
         if num_tokens > 0:
             loss_fn = partial(self._sft_loss, batch=batch, num_tokens=num_tokens)
-            loss, norm = self._optimizer_step(batch, list(range(batch.num_sequences)), loss_fn, metrics)
-        result = self._reduce_metrics(metrics)
+            loss, norm, _ = self._optimizer_step(batch, list(range(batch.num_sequences)), loss_fn, metrics)
+        result = reduce_metrics(metrics)
         result.update({"loss": loss, "grad_norm": norm, "lr": lr, "num_train_tokens": num_tokens,
                        "step": float(self.step), "step_time_s": time.perf_counter() - t0})
         return result
 
-    @torch.no_grad()
     def compute_logprobs(self, batch: TrajectoryBatch, *, temperature: float | None = None) -> torch.Tensor:
         """Logprobs ``[T]`` of every token under the current policy (0 at sequence starts), on every rank."""
-        batch = _validate(batch)
-        temperature = self._temperature(batch) if temperature is None else temperature
+        batch = validate_batch(batch)
+        override = self.config.temperature if temperature is None else temperature
+        return self._logprobs_of(self.ddp, batch, resolve_temperature(batch, override))
+
+    @torch.no_grad()
+    def _logprobs_of(self, model: nn.Module, batch: TrajectoryBatch, temperature: float) -> torch.Tensor:
+        """`compute_logprobs` under `model` (the policy's DDP wrapper or the reference module), on CPU."""
         out = torch.zeros(batch.token_ids.numel(), dtype=torch.float32, device=self.info.device)
 
         def collect(mb: _MicroBatch, logits: torch.Tensor) -> LossOutput:
@@ -276,12 +233,14 @@ class MegatronTrainer:
                 out[mb.token_range[0]:mb.token_range[1]] = lp.float()
             return LossOutput(loss=lp.sum() * 0.0)
 
-        self._run(batch, list(range(batch.num_sequences)), collect, MetricAccumulator(), forward_only=True)
+        self._run(batch, list(range(batch.num_sequences)), collect, MetricAccumulator(), forward_only=True,
+                  model=model)
         dist.all_reduce(out)  # each token is written by exactly one (last-stage, tp-rank-0) rank
         return out.cpu()
 
     def hf_state_dict(self, *, cpu: bool = False) -> dict[str, torch.Tensor]:
-        """The full model under HF names, on every rank (a collective: call it on all ranks).
+        """A snapshot of the full model under HF names (copies, never views of the live parameters), on
+        every rank (a collective: call it on all ranks).
 
         TP shards are all-gathered and merged; pipeline stages broadcast their tensors to every rank.
         """
@@ -303,7 +262,8 @@ class MegatronTrainer:
         hf = megatron_to_hf(shards, self.layout, layers=self.layer_ids, te_norms=self.attention == "te")
         if info.pp_size > 1:
             hf = self._gather_stages(hf)
-        return {k: v.cpu() for k, v in hf.items()} if cpu else hf
+        # The conversion returns views of live parameters where it can (tp=1): copy them.
+        return {k: v.to("cpu" if cpu else v.device, copy=True) for k, v in hf.items()}
 
     def save_pretrained(self, directory: str | Path) -> None:
         """Write the policy as an ordinary HF checkpoint (collective; rank 0 writes)."""
@@ -333,8 +293,7 @@ class MegatronTrainer:
             dist.all_gather_object(gathered, local)
         path = None
         if self.info.rank == 0:
-            optimizer_state = {"backend": "megatron", "tp": self.info.tp_size, "pp": self.info.pp_size,
-                               "world_size": self.info.world_size, "ranks": [g[0] for g in gathered]}
+            optimizer_state = {"backend": "megatron", **self._optimizer_layout(), "ranks": [g[0] for g in gathered]}
             path = ckpt_io.save_checkpoint(root, step=self.step, model_state=model_state,
                                            optimizer_state=optimizer_state, data_cursor=data_cursor,
                                            extra=extra, rng_states=[g[1] for g in gathered],
@@ -351,10 +310,10 @@ class MegatronTrainer:
         if opt is not None:
             if not isinstance(opt, dict) or opt.get("backend") != "megatron":
                 raise CheckpointError(f"{ckpt.path}: the optimizer state is not the Megatron backend's")
-            layout = (opt.get("tp"), opt.get("pp"), opt.get("world_size"))
-            if layout != (self.info.tp_size, self.info.pp_size, self.info.world_size):
-                raise CheckpointError(f"{ckpt.path}: saved with tp/pp/world {layout}, this run has "
-                                      f"{(self.info.tp_size, self.info.pp_size, self.info.world_size)}")
+            saved = {k: opt.get(k) for k in self._optimizer_layout()}
+            if saved != self._optimizer_layout():
+                raise CheckpointError(f"{ckpt.path}: the optimizer state was saved with {saved}, this run has "
+                                      f"{self._optimizer_layout()}")
         try:
             self._load_hf(self.model, ckpt.model)
         except (ConfigError, KeyError, RuntimeError) as e:
@@ -369,6 +328,11 @@ class MegatronTrainer:
         return ckpt
 
     # ---------------------------------------------------------------- internals
+
+    def _optimizer_layout(self) -> dict[str, Any]:
+        """What the per-rank optimizer shards depend on: a checkpoint resumes only into the same layout."""
+        return {"tp": self.info.tp_size, "pp": self.info.pp_size, "world_size": self.info.world_size,
+                "distributed_optimizer": self.config.distributed_optimizer}
 
     def _sub_optimizers(self) -> list[Any]:
         return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
@@ -416,19 +380,11 @@ class MegatronTrainer:
                 merged[name] = t
         return merged
 
-    def _temperature(self, batch: TrajectoryBatch) -> float:
-        if self.config.temperature is not None:
-            return float(self.config.temperature)
-        temps = {float(m.get("sampling_params", {}).get("temperature", 1.0) or 1.0) for m in batch.meta}
-        if len(temps) > 1:
-            raise ValueError(f"batch mixes rollout temperatures {sorted(temps)}; set trainer.temperature")
-        return temps.pop() if temps else 1.0
-
     def _lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
     def _set_lr(self) -> float:
-        lr = self.config.lr * lr_lambda(self.step, self.config)  # type: ignore[arg-type]
+        lr = self._schedule.lr * lr_lambda(self.step - self._schedule_start, self._schedule)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         return lr
@@ -442,7 +398,7 @@ class MegatronTrainer:
         lengths = (batch.cu_seqlens[lo + 1:hi + 1] - batch.cu_seqlens[lo:hi]).tolist()
         dummy = False
         if self.info.dp_size > 1:
-            a, b = _token_balanced_share(lengths, self.info.dp_rank, self.info.dp_size)
+            a, b = token_balanced_share(lengths, self.info.dp_rank, self.info.dp_size)
             if a == b:  # more ranks than sequences: run the first sequence with a zero loss
                 a, b, dummy = 0, 1, True
             lengths, lo = lengths[a:b], lo + a
@@ -486,8 +442,9 @@ class MegatronTrainer:
 
     def _run(self, batch: TrajectoryBatch, seqs: list[int],
              loss_fn: Callable[[_MicroBatch, torch.Tensor], LossOutput], metrics: MetricAccumulator, *,
-             forward_only: bool = False) -> float:
-        """Forward (and backward) every micro-batch of this rank's share of ``seqs``; returns the summed loss."""
+             forward_only: bool = False, model: nn.Module | None = None) -> tuple[float, int]:
+        """Forward (and backward) every micro-batch of this rank's share of ``seqs`` through ``model`` (default:
+        the policy); returns the summed loss and the number of micro-batches."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         mbs = self._micro_batches(batch, seqs)
@@ -495,48 +452,52 @@ class MegatronTrainer:
         forward_backward = get_forward_backward_func()
         forward_backward(
             forward_step_func=partial(self._forward_step, loss_fn=loss_fn, sink=sink),
-            data_iterator=iter(mbs), model=[self.ddp], num_microbatches=len(mbs),
+            data_iterator=iter(mbs), model=[model or self.ddp], num_microbatches=len(mbs),
             seq_length=max(mb.ids.size(1) for mb in mbs), micro_batch_size=1, forward_only=forward_only)
         total = 0.0
         if self._reports():
             for out in sink:
                 total += float(out.loss.detach())
                 metrics.update(out.metric_sums)
-        return total
+        return total, len(mbs)
 
     def _optimizer_step(self, batch: TrajectoryBatch, seqs: list[int],
                         loss_fn: Callable[[_MicroBatch, torch.Tensor], LossOutput],
-                        metrics: MetricAccumulator) -> tuple[float, float]:
+                        metrics: MetricAccumulator) -> tuple[float, float, int]:
+        """Returns the summed loss over all ranks, the gradient norm and this rank's micro-batch count."""
         self.ddp.train()
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        local = self._run(batch, seqs, loss_fn, metrics)
+        local, passes = self._run(batch, seqs, loss_fn, metrics)
         _, grad_norm, _ = self.optimizer.step()
         self.step += 1
         total = torch.tensor([local], dtype=torch.float64, device=self.info.device)
         dist.all_reduce(total)
-        return float(total), float(grad_norm or 0.0)
+        return float(total), float(grad_norm or 0.0), passes
 
     def _logprobs(self, mb: _MicroBatch, logits: torch.Tensor, batch: TrajectoryBatch,
                   temperature: float) -> torch.Tensor:
         return vocab_parallel_shifted_logprobs(logits, mb.ids[0], mb.starts, self.layout.vocab_size, temperature)
 
-    def _policy_loss(self, mb: _MicroBatch, logits: torch.Tensor, *, batch: TrajectoryBatch, temperature: float,
-                     adv_tok: torch.Tensor, old_lp: torch.Tensor | None, num_tokens: float,
-                     num_seqs: float) -> LossOutput:
+    def _policy_loss(self, mb: _MicroBatch, logits: torch.Tensor, *, rl: RLStep, old_lp: torch.Tensor | None,
+                     ref_lp: torch.Tensor | None, num_tokens: float, num_seqs: float) -> LossOutput:
         lc = self.algorithm.loss
-        lp = self._logprobs(mb, logits, batch, temperature)
+        lp = self._logprobs(mb, logits, rl.batch, rl.temperature)
         ent = None
         if self.config.compute_entropy or lc.entropy_coef != 0:
             with torch.set_grad_enabled(lc.entropy_coef != 0 and torch.is_grad_enabled()):
                 ent = vocab_parallel_shifted_entropy(logits if lc.entropy_coef != 0 else logits.detach(),
-                                                     mb.starts, self.layout.vocab_size, temperature)
+                                                     mb.starts, self.layout.vocab_size, rl.temperature)
         tl, th = mb.token_range
         dev = lp.device
+
+        def sl(x: torch.Tensor | None) -> torch.Tensor | None:
+            return None if x is None else x[tl:th].to(dev)
+
         inputs = LossInputs(
-            logprobs=lp, old_logprobs=old_lp[tl:th].to(dev) if old_lp is not None else lp.detach(),
-            advantages=adv_tok[tl:th].to(dev), loss_mask=batch.loss_mask[tl:th].to(dev), seq_index=mb.seq_index,
-            rollout_logprobs=batch.rollout_logprobs[tl:th].to(dev), entropy=ent)
+            logprobs=lp, old_logprobs=sl(old_lp) if old_lp is not None else lp.detach(),
+            advantages=sl(rl.adv_tok), loss_mask=sl(rl.batch.loss_mask), seq_index=mb.seq_index,
+            rollout_logprobs=sl(rl.batch.rollout_logprobs), ref_logprobs=sl(ref_lp), entropy=ent)
         return policy_loss(inputs, lc, num_tokens=num_tokens, num_seqs=num_seqs)
 
     def _sft_loss(self, mb: _MicroBatch, logits: torch.Tensor, *, batch: TrajectoryBatch,
@@ -545,16 +506,14 @@ class MegatronTrainer:
         tl, th = mb.token_range
         return sft_loss(lp, batch.loss_mask[tl:th].to(lp.device), num_tokens=num_tokens)
 
-    def _reduce_metrics(self, acc: MetricAccumulator) -> dict[str, float]:
-        if self.info.world_size == 1:
-            return acc.result()
-        names = sorted(acc._sums)
-        gathered: list[Any] = [None] * self.info.world_size
-        dist.all_gather_object(gathered, {n: (acc._sums[n], acc._counts[n]) for n in names})
-        merged = MetricAccumulator()
-        for part in gathered:
-            merged.update(part)
-        return merged.result()
+
+def _recompute_settings(recompute: str) -> dict[str, Any]:
+    """``TransformerConfig`` fields for `MegatronOptions.recompute`."""
+    if recompute == "full":
+        return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    if recompute == "selective":
+        return {"recompute_granularity": "selective"}
+    return {}
 
 
 def _to_cpu(x: Any) -> Any:
