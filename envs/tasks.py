@@ -163,15 +163,26 @@ class TaskSource:
     def _accept(self, task: Task) -> bool:
         return all(f(task) for f in self._filters)
 
+    #: A generated source gives up after this many generated tasks in a row fail its filters (an empty split).
+    max_misses: int = 10_000
+
     def __iter__(self) -> Iterator[Task]:
         if self._tasks is not None:
             yield from self._tasks
             return
-        index = 0
+        index = misses = 0
         while True:
             task = self._generate(index)
             if self._accept(task):
+                misses = 0
                 yield task
+            else:
+                misses += 1
+                if misses >= self.max_misses:
+                    raise TaskSourceError(
+                        f"task source {self.name!r} ({self.split_name} split): none of {misses} generated tasks in a "
+                        "row passed its filters; the generator makes too few distinct prompts for this split "
+                        "(raise held_out_fraction or vary the prompts)")
             index += 1
 
     def take(self, n: int) -> list[Task]:

@@ -77,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in the run dir")
         p.add_argument("--output-dir", default=None, help="overrides the config's output_dir")
         p.add_argument("--seed", type=int, default=None, help="overrides the config's seed")
+        p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                       help="a module (or .py path) that registers your env; adds to env.import (repeatable)")
         if name == "train":
             p.add_argument("--backend", choices=["torch", "megatron"], default=None)
             p.add_argument("--tp", type=int, default=None)

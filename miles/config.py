@@ -87,10 +87,16 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
     return value
 
 
+def config_key(f: dataclasses.Field[Any]) -> str:
+    """The YAML key of a config field: its name, or `field(metadata={"key": ...})` for names Python
+    reserves (e.g. `env.import`)."""
+    return str(f.metadata.get("key", f.name))
+
+
 def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
     """Build dataclass `cls` from a nested mapping, converting and checking every field."""
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    fields = {config_key(f): f for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(data) - set(fields))
     if unknown:
         raise ConfigError(_join(prefix, unknown[0]), f"unknown key (known: {', '.join(sorted(fields))})")
@@ -98,7 +104,7 @@ def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
     for name, f in fields.items():
         key = _join(prefix, name)
         if name in data:
-            kwargs[name] = _convert(hints[name], data[name], key)
+            kwargs[f.name] = _convert(hints[f.name], data[name], key)
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise ConfigError(key, "missing required key")
     try:
@@ -113,7 +119,7 @@ def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
 def to_dict(obj: Any) -> Any:
     """The plain-data form of a config dataclass (enums as values), for YAML and run records."""
     if dataclasses.is_dataclass(obj):
-        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return {config_key(f): to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, enum.Enum):
         return obj.value
     if isinstance(obj, list | tuple):

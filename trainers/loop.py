@@ -15,8 +15,8 @@ import numpy as np
 import torch
 import yaml
 
-from miles.config import to_dict
-from miles.envs import Env, Task, make
+from miles.config import ConfigError, to_dict
+from miles.envs import Env, Task, TaskSourceError
 from miles.sessions.recorder import Recorder
 from miles.sessions.records import SessionRecord
 from miles.sessions.scheduler import SessionScheduler
@@ -119,10 +119,10 @@ class TrainLoop:
 
     # ---- setup ---------------------------------------------------------------------------------------
     def _env_factory(self, split: str) -> Callable[[], Env]:
-        env_cfg = self.cfg.env
+        recipe = self.recipe
 
         def factory() -> Env:
-            return make(env_cfg.id, split=split, **env_cfg.kwargs)
+            return recipe.make(split=split)
 
         return factory
 
@@ -132,19 +132,28 @@ class TrainLoop:
         env = self._env_factory(split)()
         try:
             if not distinct:
-                return env.tasks.take(n)
-            seen: dict[str, Task] = {}
-            for i, task in enumerate(env.tasks):
-                seen.setdefault(task.prompt, task)
-                if len(seen) >= n or i >= 100 * n:
-                    break
-            return list(seen.values())
+                tasks = env.tasks.take(n)
+            else:
+                seen: dict[str, Task] = {}
+                for i, task in enumerate(env.tasks):
+                    seen.setdefault(task.prompt, task)
+                    if len(seen) >= n or i >= 100 * n:
+                        break
+                tasks = list(seen.values())
+        except TaskSourceError as exc:
+            raise ConfigError("env", f"the {split!r} split of {self.cfg.env.id}: {exc}") from None
         finally:
             env.close()
+        if not tasks:
+            raise ConfigError("env", f"the {split!r} split of {self.cfg.env.id} has no tasks; give the env more "
+                              "tasks or another split (env.train_split / env.eval_split)")
+        return tasks
 
     async def _setup(self) -> None:
         cfg = self.cfg
         seed_everything(cfg.seed)
+        self.recipe = cfg.env.recipe
+        self.recipe.make(split=cfg.env.train_split).close()  # imports the user's modules; fails early, in one line
         self.tito = build_tito(cfg.model)
         self.model = build_policy(cfg.model, self.tito.tokenizer)
         self.train_env = self._env_factory(cfg.env.train_split)

@@ -5,13 +5,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import json
 
 from miles.trainers.loop import RunSummary, TrainLoop
 from miles.trainers.train_config import TrainConfig, load_train_config
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    """The config file plus `--set` overrides, then the dedicated flags."""
+    """The config file plus `--set` overrides, then the dedicated flags.
+
+    `--import M` is turned into an `env.import` override (the config's modules plus M) kept in
+    `args.overrides`, so ranks that a launcher re-spawns with the same command line import it too.
+    """
+    if getattr(args, "imports", None):
+        base = load_train_config(args.config, list(args.overrides)).env.imports
+        args.overrides = [*args.overrides, f"env.import={json.dumps([*base, *args.imports])}"]
+        args.imports = []
     overrides = list(args.overrides)
     if getattr(args, "seed", None) is not None:  # --seed varies the sampling seeds too, not only the task order
         overrides.append(f"rollout.scheduler.seed={args.seed * 100_003}")

@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from miles.config import ConfigError, load_config
 from miles.engine import SamplingParams
+from miles.envs import EnvRecipe
 from miles.sessions.config import SchedulerConfig, SessionConfig
 from miles.trainers.trainer_config import (
     AlgorithmConfig,
@@ -22,11 +23,14 @@ class EnvConfig:
     """The environment, its constructor arguments, and which task splits train and evaluate.
 
     `num_train_tasks` is the size of the training pool the data cursor shuffles (keep it fixed across a
-    resumed run: it defines the task order).
+    resumed run: it defines the task order). `import` (YAML key; `imports` in Python) lists the user modules
+    (dotted names or paths to .py files) that register the env; they are imported before the id is looked up,
+    in every process of the run (the CLI's `--import` adds to it).
     """
 
     id: str = "Calculator-v0"
     kwargs: dict[str, Any] = field(default_factory=dict)
+    imports: list[str] = field(default_factory=list, metadata={"key": "import"})
     train_split: str = "train"
     eval_split: str = "held_out"
     num_train_tasks: int = 100_000
@@ -34,6 +38,11 @@ class EnvConfig:
     def __post_init__(self) -> None:
         if self.num_train_tasks < 1:
             raise ConfigError("num_train_tasks", "must be >= 1")
+
+    @property
+    def recipe(self) -> EnvRecipe:
+        """How every process of the run builds this env (and how replays rebuild it)."""
+        return EnvRecipe(id=self.id, kwargs=self.kwargs, imports=tuple(self.imports))
 
 
 @dataclass
