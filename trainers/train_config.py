@@ -16,6 +16,7 @@ from miles.trainers.trainer_config import (
     TrainerConfig,
     changed_knobs,
 )
+from miles.weight_sync import SyncConfig  # the `sync:` section lives beside the sync it configures
 
 
 @dataclass
@@ -138,15 +139,6 @@ class CheckpointConfig:
 
     every: int = 0
     keep: int = 2
-
-
-@dataclass
-class SyncConfig:
-    """Weight sync: `method` in_process | disk | broadcast; `policy` drain (wait for in-flight requests) or
-    pause (swap between decode steps; in-flight requests continue under the new weights)."""
-
-    method: Literal["in_process", "disk", "broadcast"] = "in_process"
-    policy: Literal["drain", "pause"] = "drain"
 
 
 @dataclass

@@ -38,6 +38,7 @@ class SGLangClient(RolloutEngine):
         self.lora_path = lora_path
         self._version = 0
         self._weight_group: Any = None
+        self._weight_sessions = True  # False once the server showed it has no /begin_weight_update
         self._in_flight = 0
         self._http = httpx.AsyncClient(
             base_url=self.base_url, headers=headers,
@@ -161,23 +162,72 @@ class SGLangClient(RolloutEngine):
     async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                         world_size: int, *, group_name: str = "weight_update_group",
                                         backend: str = "nccl") -> None:
+        """Join the trainer's weight-update group (blocks until the whole group has met)."""
         body = init_group_body(master_address, master_port, rank_offset, world_size, group_name=group_name,
                                backend=backend)
         data = await self._json("POST", "/init_weights_update_group", json=body)
         self._check_success(data, "init_weights_update_group")
 
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> bool:
+        """Leave the group; False when the server had no group of that name."""
+        status, data = await self._weight_call("/destroy_weights_update_group", {"group_name": group_name})
+        if status == 400:
+            return False
+        self._check_success(data, "destroy_weights_update_group")
+        return True
+
     def attach_weight_group(self, broadcaster: Any) -> None:
         """Remember the trainer-side group this engine joined (see `weight_broadcast`)."""
         self._weight_group = broadcaster
 
+    async def begin_weight_update(self) -> None:
+        """Open SGLang's weight-update session (`/begin_weight_update`, required by 0.5.23 before distributed
+        updates). A session left open by an interrupted sync is closed and reopened; a server without the
+        endpoint (an older SGLang) needs none."""
+        status, data = await self._weight_call("/begin_weight_update", {})
+        if status == 404:
+            self._weight_sessions = False
+            return
+        self._weight_sessions = True
+        if status == 400 and "already open" in str(data):
+            await self.end_weight_update()
+            status, data = await self._weight_call("/begin_weight_update", {})
+        self._check_success(data, "begin_weight_update")
+
+    async def end_weight_update(self) -> None:
+        """Close the session `begin_weight_update` opened."""
+        if not self._weight_sessions:
+            return
+        _, data = await self._weight_call("/end_weight_update", {})
+        self._check_success(data, "end_weight_update")
+
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                               *, group_name: str = "weight_update_group",
-                                              weight_version: int | None = None) -> None:
-        body = update_distributed_body(names, dtypes, shapes, group_name=group_name, weight_version=weight_version)
+                                              weight_version: int | None = None, flush_cache: bool = True,
+                                              load_format: str | None = None) -> None:
+        """Announce one transfer the trainer broadcasts meanwhile; the server loads it, then (with `flush_cache`)
+        flushes its cache and (with `weight_version`) takes that version."""
+        body = update_distributed_body(names, dtypes, shapes, group_name=group_name, weight_version=weight_version,
+                                       flush_cache=flush_cache, load_format=load_format)
         data = await self._json("POST", "/update_weights_from_distributed", json=body)
         self._check_success(data, "update_weights_from_distributed")
         if weight_version is not None:
             self._version = weight_version
+
+    async def _weight_call(self, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+        """POST an admin request whose 4xx answers the caller interprets: (status, JSON body or text)."""
+        try:
+            resp = await self._http.post(path, json=body)
+        except httpx.TransportError as exc:
+            raise EngineError(f"POST {self.base_url}{path}: {type(exc).__name__}: {exc}",
+                              engine_id=self.engine_id) from exc
+        if resp.status_code >= 500:
+            raise EngineError(f"POST {self.base_url}{path}: HTTP {resp.status_code}: {resp.text[:300]}",
+                              engine_id=self.engine_id)
+        try:
+            return resp.status_code, resp.json()
+        except ValueError:
+            return resp.status_code, resp.text
 
     async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> Any:
         return await self._json("POST", "/get_weights_by_name", json={"name": name, "truncate_size": truncate_size})

@@ -2,8 +2,9 @@
 
 Endpoints: `POST /generate`, `POST /abort_request`, `GET /health`, `GET /health_generate`,
 `GET /get_model_info` and `/model_info`, `GET /get_server_info` and `/server_info`, `POST|GET /flush_cache`,
-`POST /update_weights_from_disk`, `POST /init_weights_update_group`, `POST /update_weights_from_distributed`,
-`POST /destroy_weights_update_group`, `POST /update_weight_version`, `GET|POST /get_weights_by_name`.
+the weight-update endpoints of `weight_routes` (`/update_weights_from_disk`, `/init_weights_update_group`,
+`/begin_weight_update`, `/update_weights_from_distributed`, `/end_weight_update`, `/destroy_weights_update_group`),
+`POST /update_weight_version`, `GET|POST /get_weights_by_name`.
 Bad requests answer 400 with `{"error": {"message", "type"}}`; engine failures answer 503.
 """
 
@@ -24,7 +25,7 @@ from miles.engine import EngineError
 from miles.engines.embedded import EmbeddedEngine
 from miles.engines.errors import InvalidRequestError
 from miles.engines.metrics import engine_registry, render_metrics
-from miles.engines.weight_broadcast import WeightReceiver
+from miles.engines.weight_routes import add_weight_routes
 from miles.engines.wire import (
     ROUTING_KEY_HEADER,
     SESSION_HEADER,
@@ -62,7 +63,6 @@ def _require(body: dict[str, Any], *names: str) -> None:
 def create_app(engine: EmbeddedEngine) -> fastapi.FastAPI:
     """A FastAPI app that serves `engine` over SGLang's native HTTP API."""
     app = fastapi.FastAPI(title="miles embedded engine")
-    receivers: dict[str, WeightReceiver] = {}
     started = time.time()
 
     @app.exception_handler(InvalidRequestError)
@@ -145,57 +145,7 @@ def create_app(engine: EmbeddedEngine) -> fastapi.FastAPI:
         await engine.flush_cache()
         return PlainTextResponse("Cache flushed.\n")
 
-    def _version(body: dict[str, Any]) -> int | None:
-        return parse_weight_version(body.get("weight_version"))
-
-    @app.post("/update_weights_from_disk")
-    async def update_weights_from_disk(request: fastapi.Request) -> JSONResponse:
-        body = await _json_body(request)
-        _require(body, "model_path")
-        try:
-            version = await engine.update_weights(path=str(body["model_path"]), version=_version(body))
-        except InvalidRequestError as exc:
-            return JSONResponse({"success": False, "message": str(exc), "num_paused_requests": 0}, 400)
-        engine.model_path = str(body["model_path"])
-        return JSONResponse({"success": True, "message": f"weights loaded, version {version}",
-                             "num_paused_requests": 0})
-
-    @app.post("/init_weights_update_group")
-    async def init_weights_update_group(request: fastapi.Request) -> JSONResponse:
-        body = await _json_body(request)
-        _require(body, "master_address", "master_port", "rank_offset", "world_size")
-        name = str(body.get("group_name") or "weight_update_group")
-        try:
-            receiver = await asyncio.to_thread(
-                WeightReceiver, str(body["master_address"]), int(body["master_port"]), int(body["rank_offset"]),
-                int(body["world_size"]), group_name=name, backend=str(body.get("backend") or "nccl"))
-        except (InvalidRequestError, RuntimeError, ValueError) as exc:
-            return JSONResponse({"success": False, "message": f"group init failed: {exc}"}, 400)
-        receivers[name] = receiver
-        return JSONResponse({"success": True, "message": f"joined {name} over {receiver.backend}"})
-
-    @app.post("/update_weights_from_distributed")
-    async def update_weights_from_distributed(request: fastapi.Request) -> JSONResponse:
-        body = await _json_body(request)
-        _require(body, "names", "dtypes", "shapes")
-        name = str(body.get("group_name") or "weight_update_group")
-        receiver = receivers.get(name)
-        if receiver is None:
-            return JSONResponse({"success": False, "message": f"no weight update group {name!r}"}, 400)
-        try:
-            tensors = await asyncio.to_thread(receiver.receive, body["names"], body["dtypes"], body["shapes"])
-            version = await asyncio.to_thread(engine.load_weights_sync, tensors, _version(body))
-        except (InvalidRequestError, RuntimeError, ValueError, TypeError) as exc:
-            return JSONResponse({"success": False, "message": str(exc)}, 400)
-        return JSONResponse({"success": True, "message": f"weights loaded, version {version}"})
-
-    @app.post("/destroy_weights_update_group")
-    async def destroy_weights_update_group(request: fastapi.Request) -> JSONResponse:
-        body = await _json_body(request)
-        name = str(body.get("group_name") or "weight_update_group")
-        found = receivers.pop(name, None) is not None
-        return JSONResponse({"success": found, "message": "destroyed" if found else f"no group {name!r}"},
-                            200 if found else 400)
+    add_weight_routes(app, engine, _json_body)
 
     @app.post("/update_weight_version")
     async def update_weight_version(request: fastapi.Request) -> JSONResponse:

@@ -74,13 +74,16 @@ def init_group_body(master_address: str, master_port: int, rank_offset: int, wor
 
 
 def update_distributed_body(names: list[str], dtypes: list[str], shapes: list[list[int]], *,
-                            group_name: str = "weight_update_group",
-                            weight_version: int | None = None) -> dict[str, Any]:
-    """The JSON body of `POST /update_weights_from_distributed`."""
+                            group_name: str = "weight_update_group", weight_version: int | None = None,
+                            flush_cache: bool = True, load_format: str | None = None) -> dict[str, Any]:
+    """The JSON body of `POST /update_weights_from_distributed` (`load_format="flattened_bucket"`: the tensors
+    travel as one flat uint8 broadcast)."""
     body: dict[str, Any] = {"names": list(names), "dtypes": list(dtypes), "shapes": [list(s) for s in shapes],
-                            "group_name": group_name, "flush_cache": True}
+                            "group_name": group_name, "flush_cache": flush_cache}
     if weight_version is not None:
         body["weight_version"] = str(weight_version)
+    if load_format is not None:
+        body["load_format"] = load_format
     return body
 
 

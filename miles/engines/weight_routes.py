@@ -1,0 +1,148 @@
+"""The embedded server's weight-update endpoints, with SGLang 0.5.23's semantics (it stands in for SGLang in tests).
+
+- `POST /update_weights_from_disk {model_path, weight_version?, flush_cache?, abort_all_requests?}`;
+- `POST /init_weights_update_group {master_address, master_port, rank_offset, world_size, group_name?,
+  backend?}`: joins the trainer's group as SGLang's `init_custom_process_group` does (`weight_broadcast.join_group`);
+  a second group of the same name is refused, as torch refuses it in SGLang;
+- `POST /begin_weight_update`, `POST /end_weight_update`: the weight-update session, outside which
+  `/update_weights_from_distributed` is refused;
+- `POST /update_weights_from_distributed {names, dtypes, shapes, group_name?, load_format?, flush_cache?,
+  weight_version?, abort_all_requests?}`: receives one broadcast (one flat uint8 tensor for
+  `load_format: "flattened_bucket"`, else one per tensor), loads it at once (cast to the parameters' dtype), then
+  flushes the cache when `flush_cache` and takes `weight_version` when given (no version: the version stays);
+- `POST /destroy_weights_update_group {group_name?}`.
+
+Answers are SGLang's: `{"success", "message"}`, status 200, or 400 when `success` is false.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import fastapi
+from fastapi.responses import JSONResponse
+
+from miles.engines.embedded import EmbeddedEngine
+from miles.engines.errors import InvalidRequestError
+from miles.engines.weight_broadcast import DEFAULT_GROUP, WeightReceiver
+from miles.engines.wire import parse_weight_version
+
+JsonBody = Any  # an async callable: request -> dict (the server's body parser)
+
+
+def _answer(success: bool, message: str, **extra: Any) -> JSONResponse:
+    return JSONResponse({"success": success, "message": message, **extra}, status_code=200 if success else 400)
+
+
+def _require(body: dict[str, Any], *names: str) -> None:
+    missing = [n for n in names if n not in body]
+    if missing:
+        raise InvalidRequestError(f"missing fields: {missing}")
+
+
+def _target_version(engine: EmbeddedEngine, body: dict[str, Any]) -> int:
+    """The version after this update: `weight_version` when given (it must be an integer here), else unchanged."""
+    raw = body.get("weight_version")
+    if raw is None:
+        return engine.weight_version
+    version = parse_weight_version(raw)
+    if version is None:
+        raise InvalidRequestError(f"weight_version must be an integer string for the embedded engine, got {raw!r}")
+    return version
+
+
+def add_weight_routes(app: fastapi.FastAPI, engine: EmbeddedEngine, json_body: JsonBody) -> None:
+    """Register the weight-update endpoints of `engine` on `app`."""
+    receivers: dict[str, WeightReceiver] = {}
+    session = {"open": False}
+    lock = asyncio.Lock()  # one update at a time, like SGLang's model_update_lock
+
+    async def _load(tensors: dict[str, Any], body: dict[str, Any]) -> int:
+        version = _target_version(engine, body)
+        if body.get("abort_all_requests"):
+            await engine.abort_all()
+        loaded = await asyncio.to_thread(engine.load_weights_sync, tensors, version)
+        if body.get("flush_cache", True):
+            await engine.flush_cache()
+        return loaded
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: fastapi.Request) -> JSONResponse:
+        body = await json_body(request)
+        _require(body, "model_path")
+        from miles.engines.embedded import load_state_dict_from_folder
+
+        async with lock:
+            try:
+                tensors = await asyncio.to_thread(load_state_dict_from_folder, str(body["model_path"]))
+                version = await _load(tensors, body)
+            except InvalidRequestError as exc:
+                return _answer(False, str(exc), num_paused_requests=0)
+        engine.model_path = str(body["model_path"])
+        return _answer(True, f"weights loaded, version {version}", num_paused_requests=0)
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(request: fastapi.Request) -> JSONResponse:
+        body = await json_body(request)
+        _require(body, "master_address", "master_port", "rank_offset", "world_size")
+        name = str(body.get("group_name") or DEFAULT_GROUP)
+        if name in receivers:
+            return _answer(False, f"Failed to initialize custom process group: group {name!r} already exists.")
+        try:
+            receiver = await asyncio.to_thread(
+                WeightReceiver, str(body["master_address"]), int(body["master_port"]), int(body["rank_offset"]),
+                int(body["world_size"]), group_name=name, backend=str(body.get("backend") or "nccl"),
+                device=engine.device if str(engine.device).startswith("cuda") else None)
+        except (InvalidRequestError, RuntimeError, ValueError) as exc:
+            return _answer(False, f"Failed to initialize custom process group: {exc}.")
+        receivers[name] = receiver
+        return _answer(True, f"Succeeded to initialize custom process group {name!r} over {receiver.backend}.")
+
+    @app.post("/begin_weight_update")
+    async def begin_weight_update(request: fastapi.Request) -> JSONResponse:
+        await json_body(request)
+        if session["open"]:
+            return _answer(False, "a weight-update session is already open; call end_weight_update() first")
+        session["open"] = True
+        return _answer(True, "Success")
+
+    @app.post("/end_weight_update")
+    async def end_weight_update(request: fastapi.Request) -> JSONResponse:
+        await json_body(request)
+        if not session["open"]:
+            return _answer(False, "no weight-update session is open; call begin_weight_update() first")
+        session["open"] = False
+        return _answer(True, "Success")
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(request: fastapi.Request) -> JSONResponse:
+        body = await json_body(request)
+        _require(body, "names", "dtypes", "shapes")
+        name = str(body.get("group_name") or DEFAULT_GROUP)
+        receiver = receivers.get(name)
+        if receiver is None:
+            return _answer(False, f"Group {name} not in {sorted(receivers)}. Call /init_weights_update_group first.")
+        if not session["open"]:
+            return _answer(False, "update_weights_from_distributed must run between begin_weight_update() and "
+                                  "end_weight_update()")
+        async with lock:
+            try:
+                tensors = await asyncio.to_thread(receiver.receive, body["names"], body["dtypes"], body["shapes"],
+                                                  body.get("load_format"))
+            except (InvalidRequestError, RuntimeError, ValueError) as exc:
+                return _answer(False, f"Failed to receive weights: {exc}")
+            try:
+                version = await _load(tensors, body)
+            except (InvalidRequestError, RuntimeError, ValueError, TypeError) as exc:
+                return _answer(False, f"Failed to update parameter online: {exc}")
+        return _answer(True, f"Succeeded to update parameter online. Weight version {version}.")
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(request: fastapi.Request) -> JSONResponse:
+        body = await json_body(request)
+        receiver = receivers.pop(str(body.get("group_name") or DEFAULT_GROUP), None)
+        if receiver is None:
+            return _answer(False, "The group to be destroyed does not exist.")
+        receiver.close()
+        return _answer(True, "Succeeded to destroy custom process group.")
