@@ -18,7 +18,7 @@ class ConfigError(ValueError):
     """A config value is unknown, missing or of the wrong type. `key` is its dotted path."""
 
     def __init__(self, key: str, message: str) -> None:
-        super().__init__(f"{key or '<root>'}: {message}")
+        super().__init__(f"{key}: {message}" if key else message)
         self.key = key
         self.message = message
 
@@ -150,7 +150,14 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
     """Read YAML at `path` (optional), apply dotted overrides, and validate into `cls`."""
     data: dict[str, Any] = {}
     if path is not None:
-        loaded = yaml.safe_load(Path(path).read_text())
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except OSError as exc:
+            raise ConfigError("", f"cannot read the config file {str(path)!r}: {exc.strerror}") from None
+        except yaml.YAMLError as exc:
+            where = getattr(exc, "problem_mark", None)
+            at = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
+            raise ConfigError("", f"{str(path)!r} is not valid YAML{at}: {getattr(exc, 'problem', exc)}") from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError("", f"{path} must hold a mapping at the top level")
         data = loaded or {}

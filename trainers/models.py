@@ -7,12 +7,13 @@ from typing import Any
 
 import torch
 
-from miles.tito import ChatTemplateError, TITOTokenizer, TokenizerSpec
+from miles.config import ConfigError
+from miles.tito import ChatTemplateError, TITOTokenizer, TokenizerSpec, TokenizerSpecError
 from miles.trainers.train_config import ModelConfig
 
 
-class ModelSpecError(ValueError):
-    """The model name is neither a known built-in nor an HF checkpoint folder."""
+class ModelSpecError(ConfigError):
+    """The model, its tokenizer or its chat template cannot be found; the key names which."""
 
 
 def build_tito(cfg: ModelConfig) -> TITOTokenizer:
@@ -21,7 +22,9 @@ def build_tito(cfg: ModelConfig) -> TITOTokenizer:
     try:
         return TokenizerSpec(cfg.tokenizer, cfg.chat_template).build()
     except ChatTemplateError as exc:
-        raise ModelSpecError(f"model.chat_template {exc}") from exc
+        raise ModelSpecError("model.chat_template", str(exc)) from exc
+    except TokenizerSpecError as exc:
+        raise ModelSpecError("model.tokenizer", str(exc)) from exc
 
 
 def build_policy(cfg: ModelConfig, tokenizer: Any) -> torch.nn.Module:
@@ -30,7 +33,8 @@ def build_policy(cfg: ModelConfig, tokenizer: Any) -> torch.nn.Module:
 
     if cfg.init_from:
         if not Path(cfg.init_from).is_dir():
-            raise ModelSpecError(f"model.init_from {cfg.init_from!r} is not a folder")
+            raise ModelSpecError("model.init_from", f"{cfg.init_from!r} is not a folder (relative paths start at "
+                                 f"the working directory, {Path.cwd()}); give the warm start's folder")
         return AutoModelForCausalLM.from_pretrained(cfg.init_from, dtype=torch.float32)
     if cfg.name == "tiny":
         from miles.tiny import make_tiny_model
@@ -42,4 +46,5 @@ def build_policy(cfg: ModelConfig, tokenizer: Any) -> torch.nn.Module:
         return load_smollm2()[0]  # tokenizer: set model.tokenizer to "smollm2-135m" as well
     if Path(cfg.name).is_dir():
         return AutoModelForCausalLM.from_pretrained(cfg.name, dtype=torch.float32)
-    raise ModelSpecError(f"model.name {cfg.name!r}: use 'tiny', 'smollm2-135m' or an HF checkpoint folder")
+    raise ModelSpecError("model.name", f"{cfg.name!r} is not a model: use 'tiny' (with model.size), "
+                         "'smollm2-135m' or an HF checkpoint folder")
