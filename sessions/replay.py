@@ -4,6 +4,7 @@ the recorded model outputs (`check`, `rescore`) and verify its token alignment (
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ from rich.text import Text
 from miles.config import ConfigError
 from miles.engine import FinishReason
 from miles.envs.recipe import error_line
-from miles.sessions.records import ErrorInfo, SessionRecord, jsonable
+from miles.sessions.records import ErrorInfo, SessionRecord, TurnRecord, jsonable
 from miles.sessions.session import tool_results_of
 from miles.tito.spec import TokenizerSpec
 from miles.trajectory import message_from_record, message_record
@@ -236,6 +237,33 @@ def _messages_view(messages: list[Message], record: SessionRecord) -> list[dict[
     return [message_record(m) if record.version >= 2 else m.to_dict() for m in messages]
 
 
+@functools.cache
+def _parser_named(name: str) -> Any:
+    from miles.tools import get_parser
+
+    try:
+        return get_parser(name)
+    except Exception:  # "env" (the env's own parse_action) or a parser this version does not have
+        return None
+
+
+def recorded_action(record: SessionRecord, turn: TurnRecord) -> Message:
+    """The assistant message the session's env was given in `turn`.
+
+    Version 2 records store it losslessly. Version 1 records lost the tool calls' parse errors (such as
+    "the <tool_call> tag was not closed" on a turn cut by the token limit), so there the recorded text is
+    re-parsed with the recorded parser, and used when it gives the recorded message back.
+    """
+    recorded = message_from_record(turn.assistant)
+    if record.version >= 2:
+        return recorded
+    parser = _parser_named(record.parser)
+    if parser is None:
+        return recorded
+    again = parser.parse(turn.text).to_message()
+    return again if again.to_dict() == recorded.to_dict() else recorded
+
+
 async def redrive(record: SessionRecord, env: Any, *, parser: Any = None) -> RedriveResult:
     """Reset `env` as the session did and feed it the recorded assistant messages, comparing the
     observations, tool results, rewards and end flags turn by turn. With `parser`, the recorded text is
@@ -262,10 +290,9 @@ async def redrive(record: SessionRecord, env: Any, *, parser: Any = None) -> Red
     for turn in record.turns:
         if not turn.assistant:
             break  # the turn never got a model output (engine error, timeout, abort)
-        action = message_from_record(turn.assistant)
+        action = recorded_action(record, turn)
         if parser is not None:
-            parsed = parser.parse(turn.text)
-            action = parsed.to_message()
+            action = parser.parse(turn.text).to_message()
             reparsed = _messages_view([action], record)[0]
             if reparsed != turn.assistant:
                 out.divergence = Divergence(turn.index, "parsed assistant message", turn.assistant, reparsed)

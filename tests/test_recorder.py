@@ -8,16 +8,21 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_session_support import AddEnv, call_text, ids, tito
 
 from miles.sessions import (
     ErrorInfo,
+    InstantEngine,
     Recorder,
+    SchedulerConfig,
     SessionRecord,
+    SessionScheduler,
     TurnRecord,
     encode_record,
     jsonable,
@@ -73,12 +78,112 @@ def test_truncated_file_reports_torn_last_line(tmp_path: Path) -> None:
     assert [r.session_id for r in result.records] == ["s0", "s1", "s2"]
     torn = result.torn_tail
     assert torn is not None and torn.line_no == 4 and torn.offset == last_start
-    # A writer reopening the file appends after the torn bytes; the torn line stays isolated.
+
+
+def test_reopening_a_torn_file_quarantines_the_tail_and_keeps_every_record(tmp_path: Path) -> None:
+    """What `--resume` does after a kill: reopen the recording and append. The next record must be whole."""
+    path = tmp_path / "sessions.jsonl"
+    with Recorder(path) as rec:
+        for i in range(4):
+            rec.write(make_record(i))
+    data = path.read_bytes()
+    last_start = data.rstrip(b"\n").rfind(b"\n") + 1
+    cut = last_start + (len(data) - last_start) // 2
+    path.write_bytes(data[:cut])
     with Recorder(path) as rec:
         rec.write(make_record(9))
+        rec.write(make_record(10))
     result = read_sessions(path)
-    assert [r.session_id for r in result.records][:3] == ["s0", "s1", "s2"]
-    assert len(result.bad_lines) == 1
+    assert [r.session_id for r in result.records] == ["s0", "s1", "s2", "s9", "s10"]
+    assert result.bad_lines == []
+    assert path.read_bytes()[:last_start] == data[:last_start]
+    assert (tmp_path / "sessions.jsonl.torn").read_bytes() == data[last_start:cut] + b"\n"
+    assert rec.torn_bytes == cut - last_start
+
+
+def test_a_last_record_that_lost_only_its_newline_is_kept(tmp_path: Path) -> None:
+    path = tmp_path / "sessions.jsonl"
+    with Recorder(path) as rec:
+        for i in range(3):
+            rec.write(make_record(i))
+    path.write_bytes(path.read_bytes().rstrip(b"\n"))
+    assert [r.session_id for r in read_sessions(path).records] == ["s0", "s1"]
+    with Recorder(path) as rec:
+        rec.write(make_record(3))
+    result = read_sessions(path)
+    assert [r.session_id for r in result.records] == ["s0", "s1", "s2", "s3"] and result.bad_lines == []
+    assert not (tmp_path / "sessions.jsonl.torn").exists()
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 4), where=st.floats(0, 1), texts=st.lists(st.text(max_size=30), min_size=4, max_size=4))
+def test_any_cut_then_reopen_loses_no_complete_record(n: int, where: float, texts: list[str]) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "sessions.jsonl"
+        lines = [encode_record(make_record(i, texts[i])).encode() for i in range(n)]
+        data = b"".join(lines)
+        cut = int(where * len(data))
+        path.write_bytes(data[:cut])
+        whole, torn, offset = [], b"", 0
+        for i, line in enumerate(lines):  # a record survives when its JSON is complete, newline or not
+            if offset + len(line) - 1 <= cut:
+                whole.append(f"s{i}")
+            elif offset < cut:
+                torn = data[offset:cut]
+            offset += len(line)
+        with Recorder(path) as rec:
+            rec.write(make_record(99))
+        result = read_sessions(path)
+        assert [r.session_id for r in result.records] == [*whole, "s99"]
+        assert result.bad_lines == []
+        sidecar = Path(tmp) / "sessions.jsonl.torn"
+        assert (sidecar.read_bytes() if sidecar.exists() else b"") == (torn + b"\n" if torn else b"")
+
+
+def test_drop_after_moves_redone_sessions_aside(tmp_path: Path) -> None:
+    path = tmp_path / "sessions.jsonl"
+    rec = Recorder(path)
+    for i in range(6):
+        r = make_record(i)
+        r.started_at = 100.0 + i
+        rec.write(r)
+    assert rec.drop_after(102.5) == 3
+    rec.write(make_record(7))
+    rec.close()
+    assert [r.session_id for r in read_sessions(path).records] == ["s0", "s1", "s2", "s7"]
+    assert [r.session_id for r in read_sessions(tmp_path / "sessions.jsonl.dropped").records] == ["s3", "s4", "s5"]
+    with Recorder(path) as again:
+        assert again.drop_after(1000.0) == 0
+    assert not (tmp_path / "sessions.jsonl.tmp").exists()
+
+
+async def test_a_resumed_run_records_each_session_once(tmp_path: Path) -> None:
+    """Killed after a checkpoint (mid-write), resumed: the redone sessions replace the first tries."""
+    path = tmp_path / "sessions.jsonl"
+    engine = InstantEngine([ids(call_text("add", a=2, b=3)), ids("5")])
+
+    async def step(run_id: str, tasks: list[str], recorder: Recorder) -> None:
+        sched = SessionScheduler(engine, tokenizer=tito(), env_factory=AddEnv, recorder=recorder, run_id=run_id,
+                                 config=SchedulerConfig(group_size=2, progress=False))
+        await sched.run(tasks)
+
+    rec = Recorder(path)
+    await step("a", ["t0", "t1"], rec)
+    checkpoint_time = time.time()
+    await step("b", ["t2", "t3"], rec)
+    await rec.aclose()
+    with open(path, "ab") as f:  # the kill lands mid-write
+        f.write(b'{"session_id": "b-s4", "env_id": "Add-')
+    rec = Recorder(path)  # --resume
+    assert rec.drop_after(checkpoint_time) == 4
+    await step("c", ["t2", "t3"], rec)
+    await rec.aclose()
+    result = read_sessions(path)
+    assert result.bad_lines == []
+    assert sorted((r.task["task_id"], r.session_id[0]) for r in result.records) == [
+        ("t0", "a"), ("t0", "a"), ("t1", "a"), ("t1", "a"), ("t2", "c"), ("t2", "c"), ("t3", "c"), ("t3", "c")]
+    dropped = read_sessions(tmp_path / "sessions.jsonl.dropped").records
+    assert sorted(r.session_id for r in dropped) == [f"b-s{k}" for k in range(4)]
 
 
 def test_complete_but_unparseable_line_is_bad_not_torn(tmp_path: Path) -> None:
@@ -142,6 +247,11 @@ def test_killed_writer_leaves_only_complete_lines(tmp_path: Path) -> None:
     assert [r.session_id for r in result.records] == [f"s{i}" for i in range(len(complete))]
     assert all(json.loads(ln) for ln in complete)
     assert len(result.bad_lines) == (1 if raw_lines[-1] else 0)
+    with Recorder(path) as rec:  # --resume reopens it: the next record is whole
+        rec.write(make_record(10**6))
+    after = read_sessions(path)
+    assert [r.session_id for r in after.records] == [f"s{i}" for i in range(len(complete))] + [f"s{10**6}"]
+    assert after.bad_lines == []
 
 
 json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
