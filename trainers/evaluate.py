@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from miles.engine import RolloutEngine
-from miles.envs import Env, Task
+from miles.envs import Env, EnvRecipe, Task
 from miles.sessions.config import SchedulerConfig
 from miles.sessions.recorder import Recorder
 from miles.sessions.records import SessionRecord
@@ -43,8 +43,9 @@ def summarize(mode: str, records: Sequence[SessionRecord]) -> EvalResult:
 async def evaluate(engine: RolloutEngine | Sequence[RolloutEngine], *, tokenizer: Any,
                    env_factory: Callable[[], Env], tasks: Sequence[Task], scheduler: SchedulerConfig,
                    greedy: bool = True, recorder: Recorder | None = None,
-                   max_new_tokens: int | None = None) -> EvalResult:
-    """Run one session per task (group size 1) and summarize. Greedy sets temperature 0."""
+                   max_new_tokens: int | None = None, recipe: EnvRecipe | None = None) -> EvalResult:
+    """Run one session per task (group size 1) and summarize. Greedy sets temperature 0. `recipe` (how
+    `env_factory` builds its envs) is recorded with every session, so `miles replay --check` can rebuild them."""
     session = scheduler.session
     sampling = session.sampling
     if greedy:
@@ -54,7 +55,7 @@ async def evaluate(engine: RolloutEngine | Sequence[RolloutEngine], *, tokenizer
     config = dataclasses.replace(scheduler, group_size=1, oversample_groups=0, group_mode="backfill",
                                  progress=False, session=dataclasses.replace(session, sampling=sampling))
     sched = SessionScheduler(engine, tokenizer=tokenizer, env_factory=env_factory, config=config,
-                             recorder=recorder, run_id="eval")
+                             recorder=recorder, run_id="eval", recipe=recipe)
     try:
         groups = await sched.run([{"task": t} for t in tasks])
     finally:

@@ -178,7 +178,8 @@ class TrainLoop:
         self.recorder = Recorder(self.out / "sessions.jsonl")
         self.eval_recorder = Recorder(self.out / "eval_sessions.jsonl")
         self.scheduler = SessionScheduler(self.engines, tokenizer=self.tito, env_factory=self.train_env,
-                                          config=self.scheduler_cfg, recorder=self.recorder, run_id="train")
+                                          config=self.scheduler_cfg, recorder=self.recorder, run_id="train",
+                                          recipe=self.recipe)
 
     # ---- stages --------------------------------------------------------------------------------------
     async def _sync(self, version: int | None = None) -> None:
@@ -193,7 +194,8 @@ class TrainLoop:
         for greedy in modes:
             res = await evaluate(self.engines, tokenizer=self.tito, env_factory=self.eval_env,
                                  tasks=self.eval_tasks, scheduler=self.scheduler_cfg, greedy=greedy,
-                                 recorder=self.eval_recorder, max_new_tokens=cfg.eval.max_new_tokens)
+                                 recorder=self.eval_recorder, max_new_tokens=cfg.eval.max_new_tokens,
+                                 recipe=self.recipe)
             results[res.mode] = res
             self.metrics.write("eval", self.trainer.step, stage=stage, **res.to_dict())
             self.echo(f"[eval {stage}] {res.mode}: success {res.success_rate:.1%}  "
