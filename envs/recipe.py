@@ -129,3 +129,8 @@ class EnvRecipe:
     def from_record(cls, data: Mapping[str, Any]) -> EnvRecipe:
         """Inverse of `to_record`."""
         return cls(id=data["id"], kwargs=dict(data.get("kwargs") or {}), imports=tuple(data.get("imports") or ()))
+
+    def with_kwargs(self, **kwargs: Any) -> EnvRecipe:
+        """This recipe with `kwargs` added to (or replacing) its constructor kwargs, e.g. the loop's
+        `split=`, so that what is recorded is everything the env was built with."""
+        return EnvRecipe(self.id, {**self.kwargs, **kwargs}, self.imports)

@@ -115,6 +115,11 @@ def test_recipe_kwargs_are_plain_json():
     recipe = EnvRecipe("Calculator-v0", {"num_operators": (1, 2)})
     assert recipe.kwargs == {"num_operators": [1, 2]}
     assert EnvRecipe.from_record(recipe.to_record()) == recipe
+    train = recipe.with_kwargs(split="train")
+    assert train == EnvRecipe("Calculator-v0", {"num_operators": [1, 2], "split": "train"}) and recipe.kwargs == {
+        "num_operators": [1, 2]}
+    assert {t.id for t in train.make().tasks.take(5)} == {t.id for t in make("Calculator-v0", split="train",
+                                                                              num_operators=(1, 2)).tasks.take(5)}
     with pytest.raises(ConfigError, match="env.kwargs") as err:
         EnvRecipe("Calculator-v0", {"tasks": object()})
     assert "plain JSON data" in str(err.value)
