@@ -144,7 +144,8 @@ def assert_same_step(result, weights, family: str, alg: str = "ppo") -> None:
         if name in tied:
             continue
         assert (ref - before[name]).abs().max() > 0 or name.endswith("norm.weight"), f"{name} did not move"
-        torch.testing.assert_close(weights[name] - before[name], ref - before[name], rtol=1e-3, atol=1e-7,
+        # atol: two float32 ulps at 1.0 (norm weights sit near 1, their updates are ~1e-5).
+        torch.testing.assert_close(weights[name] - before[name], ref - before[name], rtol=1e-3, atol=2.4e-7,
                                    msg=lambda m, n=name: f"update of {n}: {m}")
 
 

@@ -70,8 +70,9 @@ def check_trainer_setup(cfg: TrainConfig) -> None:
                 raise ConfigError("megatron.attention", "te needs Transformer Engine and a GPU; use sdpa or auto")
 
 
-def _check_megatron_fits(cfg: TrainConfig, hf_config: Any) -> None:
-    """The model's shape against ``parallel.tp/pp``, named before megatron-core asserts on it."""
+def check_model_fits(cfg: TrainConfig, hf_config: Any) -> None:
+    """The Megatron backend: the model's shape (an HF config) against ``parallel.tp/pp``, as a `ConfigError`
+    naming the size to change, before megatron-core asserts on it."""
     p = cfg.parallel
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
     if kv_heads % p.tp:
@@ -89,7 +90,7 @@ def _local_trainer(cfg: TrainConfig, model: torch.nn.Module) -> Trainer:
         from miles.trainers.megatron.model import UnsupportedModelError
         from miles.trainers.megatron.trainer import MegatronTrainer
 
-        _check_megatron_fits(cfg, model.config)
+        check_model_fits(cfg, model.config)
         try:
             return MegatronTrainer(model, megatron_trainer_config(cfg), cfg.algorithm)
         except UnsupportedModelError as e:
