@@ -141,6 +141,21 @@ def test_megatron_trainer_is_a_trainer_exports_a_snapshot_and_keeps_a_reference(
     assert first_rl["ref_kl"] == pytest.approx(0.0, abs=1e-7)
 
 
+def test_megatron_recompute_reruns_layers_in_backward_with_the_same_step(megatron_process):
+    """megatron.recompute: full recomputes every layer's forward during backward; the update is unchanged."""
+    from miles.trainers.megatron import MegatronTrainer, MegatronTrainerConfig
+
+    results = {}
+    for recompute in ("none", "full"):
+        trainer = MegatronTrainer(tiny_hf(), MegatronTrainerConfig(lr=1e-2, recompute=recompute))
+        calls = []
+        trainer.model.decoder.layers[0].mlp.register_forward_hook(lambda *_, c=calls: c.append(1))
+        metrics = trainer.train_step(batch())
+        results[recompute] = (len(calls), metrics["micro_batches"], metrics["loss"], metrics["grad_norm"])
+    assert results["none"][0] == results["none"][1] and results["full"][0] == 2 * results["full"][1]
+    assert results["full"][2:] == pytest.approx(results["none"][2:], rel=1e-6)
+
+
 # ------------------------------------------------------------------ setup errors
 
 

@@ -18,6 +18,9 @@ while it is active, and only when ``torch.cuda.is_available()`` is False (on a G
   instance-level ``type()`` that answers with the CUDA name when called without arguments.
 * ``clip_grad_by_total_norm_fp32`` asserts ``grad.type() == 'torch.cuda.FloatTensor'``; the optimizer's
   reference to it is swapped for a copy that asserts float32 instead.
+* Activation recompute (``tensor_parallel.checkpoint``) saves and restores the CUDA generator through
+  ``tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state``; those two are swapped for the
+  CPU generator's state.
 
 Use it as a context manager (``with cpu_compat(): ...``) or call `enable_cpu_compat` once per process
 (the Megatron backend does the latter in its worker processes).
@@ -274,9 +277,21 @@ def _clip_grad_by_total_norm_fp32(parameters: Any, max_norm: float, total_norm: 
             g.detach().mul_(clip_coeff)
 
 
+def _cpu_get_rng_state(device: Any = None, clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _cpu_set_rng_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bool = False) -> None:
+    torch.set_rng_state(new_state)
+
+
+_RNG_FUNCTIONS = {"_get_cuda_rng_state": _cpu_get_rng_state, "_set_cuda_rng_state": _cpu_set_rng_state}
+
+
 class _State:
     active = False
     saved_torch: dict[str, Any] = {}
+    saved_rng: dict[str, Any] = {}
     saved_tensor_cuda: Any = None
     saved_clip: Any = None
     saved_buffer: Any = None
@@ -303,6 +318,11 @@ def enable_cpu_compat() -> bool:
 
     _State.saved_clip = mopt.clip_grad_by_total_norm_fp32
     mopt.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
+    from megatron.core.tensor_parallel import random as mrandom
+
+    for name, cpu_fn in _RNG_FUNCTIONS.items():
+        _State.saved_rng[name] = getattr(mrandom, name)
+        setattr(mrandom, name, cpu_fn)
     install_cpu_memory_buffer()
     _State.active = True
     return True
@@ -330,6 +350,11 @@ def disable_cpu_compat() -> None:
     from megatron.core.optimizer import optimizer as mopt
 
     mopt.clip_grad_by_total_norm_fp32 = _State.saved_clip
+    from megatron.core.tensor_parallel import random as mrandom
+
+    for name, real in _State.saved_rng.items():
+        setattr(mrandom, name, real)
+    _State.saved_rng = {}
     if isinstance(parallel_state._GLOBAL_MEMORY_BUFFER, CpuGlobalMemoryBuffer):
         parallel_state._GLOBAL_MEMORY_BUFFER = _State.saved_buffer
     _State.saved_buffer = None
