@@ -13,7 +13,6 @@ import importlib.util
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -22,7 +21,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -39,6 +37,7 @@ from miles.engines.launcher import (
 from miles.engines.server import DTYPES
 from miles.engines.sglang_router import free_port
 from miles.engines.subprocesses import spawn, stop
+from miles.engines.testing import RolloutProcess
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -362,38 +361,19 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-class Launcher:
-    """`python -m miles.cli rollout ...` in a subprocess; `ready()` reads its stdout until it serves."""
+class Launcher(RolloutProcess):
+    """A `RolloutProcess` that also remembers its children, so `kill` can clean up after a failed test."""
 
     def __init__(self, *args: str) -> None:
-        env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-        self.proc = subprocess.Popen([sys.executable, "-m", "miles.cli", "rollout", *args], cwd=REPO, env=env,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        self.lines: list[str] = []
-
-    def ready(self) -> dict:
-        """Lines up to 'Ctrl-C ...'; returns the printed `engine:` section."""
-        for line in self.proc.stdout:  # type: ignore[union-attr]
-            self.lines.append(line)
-            if "Ctrl-C or SIGTERM" in line:
-                return next(yaml.safe_load(x) for x in self.lines if x.startswith("engine:"))["engine"]
-        raise AssertionError(f"the launcher exited {self.proc.wait()}: {''.join(self.lines)}{self.proc.stderr.read()}")
-
-    def finish(self, sig: int, timeout_s: float = 60) -> tuple[int, str]:
-        self.proc.send_signal(sig)
-        out, err = self.proc.communicate(timeout=timeout_s)
-        self.lines.append(out)
-        return self.proc.returncode, err
+        super().__init__(*args, cwd=REPO)
 
     def children(self) -> list[int]:
-        """The launcher's child processes now (remembered, so `kill` can clean up after a failed test)."""
+        """The launcher's child processes now."""
         self.known = _children(self.proc.pid)
         return self.known
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+        super().kill()
         for pid in getattr(self, "known", []):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)

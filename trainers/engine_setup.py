@@ -67,7 +67,8 @@ async def build_engine_set(cfg: EngineConfig, model: torch.nn.Module, tokenizer:
     if cfg.kind == "router":
         from miles.engines.sglang_router import SGLangRouter
 
-        router = await SGLangRouter.launch(list(cfg.urls))
+        router = (await SGLangRouter.attach(cfg.router_url, list(cfg.urls)) if cfg.router_url
+                  else await SGLangRouter.launch(list(cfg.urls)))
         return EngineSet(rollout=[router], workers=list(router.workers.values()), is_http=True, facts=facts)
     from miles.engines.client import SGLangClient
 

@@ -28,7 +28,7 @@ from miles.trainers.models import build_policy, build_tito
 from miles.trainers.train_config import TrainConfig
 from miles.trajectory import Trajectory, TrajectoryBatch
 from miles.types import TerminationReason
-from miles.weight_sync import WeightSync
+from miles.weight_sync import build_weight_sync
 
 log = logging.getLogger(__name__)
 
@@ -170,8 +170,8 @@ class TrainLoop:
             from miles.trainers.protocol import Trainer
 
             self.trainer: Trainer = build_trainer(cfg, self.model)
-            self.sync = WeightSync(self.engine_set.workers, method=cfg.sync.method, policy=cfg.sync.policy,
-                                   staging_dir=self.out / "weights")
+            self.sync = await build_weight_sync(cfg.sync, self.engine_set.workers, staging_dir=self.out / "weights",
+                                                drain_engines=self.engine_set.rollout)
         except BaseException:
             await self.engine_set.close()
             raise
@@ -184,8 +184,8 @@ class TrainLoop:
     # ---- stages --------------------------------------------------------------------------------------
     async def _sync(self, version: int | None = None) -> None:
         report = await self.sync.push(self.trainer.hf_state_dict(), version=version)
-        self.metrics.write("sync", self.trainer.step, version=report.version, seconds=report.seconds,
-                           drain_seconds=report.drain_seconds, mb=report.num_bytes / 1e6)
+        self.metrics.write("sync", self.trainer.step, version=report.version, method=report.method,
+                           seconds=report.seconds, drain_seconds=report.drain_seconds, mb=report.num_bytes / 1e6)
 
     async def _evaluate(self, stage: str) -> dict[str, EvalResult]:
         cfg = self.cfg
@@ -301,7 +301,10 @@ class TrainLoop:
                 self.cursor.position = int(ckpt.data_cursor.get("position", 0))
                 start_step = ckpt.step
                 await self._sync(version=ckpt.extra.get("weight_version"))
-                self.metrics.drop_after(float(ckpt.extra.get("time", float("inf"))))
+                saved_at = float(ckpt.extra.get("time", float("inf")))
+                self.metrics.drop_after(saved_at)
+                for recorder in (self.recorder, self.eval_recorder):  # redone sessions stay in the file once
+                    recorder.drop_after(saved_at)
                 self.echo(f"[resume] from {ckpt.path.name}: step {start_step}")
             elif cfg.sft.enabled:
                 await self._sft()
@@ -332,6 +335,7 @@ class TrainLoop:
             await self.scheduler.aclose()
             await self.recorder.aclose()
             await self.eval_recorder.aclose()
+            await self.sync.close()
             await self.engine_set.close()
             self.metrics.close()
         self.summary.seconds["total"] = time.perf_counter() - t_start

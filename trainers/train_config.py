@@ -64,17 +64,30 @@ class ModelConfig:
 
 @dataclass
 class EngineConfig:
-    """Where rollouts run: the embedded engine (default), SGLang servers by URL, or the real sglang-router."""
+    """Where rollouts run: the embedded engine (default), SGLang servers by URL, or the real sglang-router.
+
+    - `embedded`: `num_engines` in-process engines on `device`, each batching up to `max_batch_size` requests;
+    - `sglang`: the servers at `urls` (SGLang or `miles rollout`), spread by the scheduler's router;
+    - `router`: the real sglang-router in front of the servers at `urls` (the workers; weight sync reaches each
+      one directly). `miles train` starts the router, or uses the one at `router_url` (e.g. the router that
+      `miles rollout --dp N` started).
+    """
 
     kind: Literal["embedded", "sglang", "router"] = "embedded"
     urls: list[str] = field(default_factory=list)
+    router_url: str | None = None
     num_engines: int = 1
     max_batch_size: int = 64
     device: str = "cpu"
 
     def __post_init__(self) -> None:
         if self.kind != "embedded" and not self.urls:
-            raise ConfigError("urls", f"engine kind {self.kind!r} needs at least one URL")
+            raise ConfigError("urls", f"engine kind {self.kind!r} needs the servers' URLs (`miles rollout` "
+                              "prints them)")
+        if self.kind == "embedded" and self.urls:
+            raise ConfigError("urls", "URLs are for engine kinds sglang and router; remove them or set engine.kind")
+        if self.router_url is not None and self.kind != "router":
+            raise ConfigError("router_url", "only engine kind 'router' uses a router URL")
         if self.num_engines < 1:
             raise ConfigError("num_engines", "must be >= 1")
 

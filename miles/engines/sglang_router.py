@@ -74,6 +74,16 @@ class SGLangRouter(RolloutEngine):
         await router.start()
         return router
 
+    @classmethod
+    async def attach(cls, router_url: str, worker_urls: list[str], **kwargs: Any) -> SGLangRouter:
+        """Drive an sglang-router that is already running (e.g. started by `miles rollout --dp N`) in front of
+        `worker_urls`; closing the returned object leaves that router running."""
+        url = httpx.URL(router_url)
+        router = cls(worker_urls, host=url.host, port=url.port, **kwargs)
+        router._client = SGLangClient(router.url, timeout_s=router.timeout_s, engine_id=router.engine_id)
+        await router.wait_for_workers(set(router.workers))
+        return router
+
     def command(self) -> list[str]:
         return router_command(list(self.workers), host=self.host, port=self.port, policy=self.policy,
                               extra_args=self.extra_args)
@@ -159,7 +169,7 @@ class SGLangRouter(RolloutEngine):
                 await client.abort(rid)
 
     async def health(self) -> bool:
-        if self.process is None or self.process.poll() is not None:
+        if self.process is not None and self.process.poll() is not None:
             return False
         try:
             resp = await self._admin.get("/health")

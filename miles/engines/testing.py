@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 from transformers import Qwen2ForCausalLM
@@ -82,3 +83,39 @@ class ServerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.kill()
+
+
+class RolloutProcess:
+    """`python -m miles.cli rollout ARGS` in a subprocess; `ready()` reads its stdout until it serves and returns
+    the `engine:` section it printed (and `router_url`, when it started a router)."""
+
+    def __init__(self, *args: str, cwd: str | Path | None = None) -> None:
+        env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+        self.proc = subprocess.Popen([sys.executable, "-m", "miles.cli", "rollout", *args], cwd=cwd, env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+        self.router_url: str | None = None
+
+    def ready(self) -> dict[str, Any]:
+        """Read the launcher's output up to its "Ctrl-C or SIGTERM" line; the printed `engine:` section."""
+        import yaml
+
+        for line in self.proc.stdout:  # type: ignore[union-attr]
+            self.lines.append(line)
+            if "use the router:" in line:
+                self.router_url = line.rsplit(" ", 1)[1].strip()
+            if "Ctrl-C or SIGTERM" in line:
+                return next(yaml.safe_load(x) for x in self.lines if x.startswith("engine:"))["engine"]
+        raise EngineError(f"the launcher exited {self.proc.wait()}: {''.join(self.lines)}{self.proc.stderr.read()}")
+
+    def finish(self, sig: int, timeout_s: float = 60) -> tuple[int, str]:
+        """Send `sig` and wait; the exit status and stderr."""
+        self.proc.send_signal(sig)
+        out, err = self.proc.communicate(timeout=timeout_s)
+        self.lines.append(out)
+        return self.proc.returncode, err
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
