@@ -5,6 +5,7 @@ final code runs in `miles.tools.run_python_sandboxed` under a harness that evalu
 and prints the results as JSON behind a per-run random marker; the env compares them with the expected
 values itself, so a solution that prints fake results or returns an object overriding `==` passes
 nothing. (The sandbox limits damage; it is not a defence against code built to subvert the harness.)
+Which sandbox backend judged an episode is recorded in `info["sandbox_backend"]`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,7 @@ from miles.envs.hooks import reward
 from miles.envs.tasks import TaskSource, select_split
 from miles.envs.tool_env import ToolEnv
 from miles.tools import arun_python_sandboxed, make_run_python_tool
+from miles.tools import sandbox_backend as resolve_sandbox_backend
 from miles.types import Message, ToolCall
 
 TASKS_FILE = Path(__file__).parent / "data" / "python_tasks.jsonl"
@@ -57,13 +60,27 @@ def extract_code(final: str) -> str | None:
     return blocks[-1] if blocks else None
 
 
-async def run_hidden_tests(code: str, tests: list[dict[str, Any]], *, timeout_s: float = 10.0
-                           ) -> list[bool]:
-    """Whether each hidden test `{"call", "expected"}` passes for `code`, run in the sandbox."""
+@dataclass(frozen=True)
+class HiddenTestResults:
+    """Per-test outcomes of one solution, and the sandbox backend ("bwrap" or "audit") that ran them."""
+
+    passed: tuple[bool, ...]
+    backend: str
+
+
+async def run_hidden_tests(code: str, tests: list[dict[str, Any]], *, timeout_s: float = 10.0,
+                           backend: str | None = None) -> HiddenTestResults:
+    """Whether each hidden test `{"call", "expected"}` passes for `code`, run in the sandbox (`backend` as
+    in `miles.tools.run_python_sandboxed`)."""
     mark = f"@@miles-results-{secrets.token_hex(16)}@@"
     harness = _HARNESS.format(mark=mark, calls=[t["call"] for t in tests])
-    result = await arun_python_sandboxed(harness, timeout_s=timeout_s, files={"solution.py": code})
-    lines = [ln for ln in result.stdout.splitlines() if ln.startswith(mark)]
+    result = await arun_python_sandboxed(harness, timeout_s=timeout_s, files={"solution.py": code},
+                                         backend=backend)
+    return HiddenTestResults(passed=tuple(_judge(result.stdout, mark, tests)), backend=result.backend)
+
+
+def _judge(stdout: str, mark: str, tests: list[dict[str, Any]]) -> list[bool]:
+    lines = [ln for ln in stdout.splitlines() if ln.startswith(mark)]
     if len(lines) != 1:
         return [False] * len(tests)
     try:
@@ -98,16 +115,21 @@ class PythonSandboxEnv(ToolEnv):
         split: "all", "train" or "held_out".
         held_out_fraction: share of tasks held out.
         test_timeout_s: wall-clock limit for running the hidden tests.
+        sandbox_backend: "auto", "bwrap" or "audit" for both `run_python` and the hidden tests; None
+            defers to $MILES_SANDBOX (see `miles.tools.sandbox_backend`).
     """
 
     max_turns = 6
     success_component = "all_passed"
 
     def __init__(self, *, split: str = "all", held_out_fraction: float = 0.2, test_timeout_s: float = 10.0,
-                 **kwargs: Any) -> None:
+                 sandbox_backend: str | None = None, **kwargs: Any) -> None:
         self._split, self._held_out = split, held_out_fraction
         self.test_timeout_s = test_timeout_s
-        super().__init__(tools=[make_run_python_tool(timeout_s=5.0)], **kwargs)
+        if sandbox_backend is not None:
+            resolve_sandbox_backend(sandbox_backend)  # a misspelt or unusable backend fails here, not mid-episode
+        self.sandbox_backend = sandbox_backend
+        super().__init__(tools=[make_run_python_tool(timeout_s=5.0, backend=sandbox_backend)], **kwargs)
 
     def default_tasks(self) -> TaskSource:
         return select_split(TaskSource.from_jsonl(TASKS_FILE), self._split, self._held_out, salt="python")
@@ -115,23 +137,28 @@ class PythonSandboxEnv(ToolEnv):
     def oracle(self) -> PythonSandboxOracle:
         return PythonSandboxOracle().bind(self)
 
-    async def _hidden(self, final: str, task_data: dict[str, Any], state: dict[str, Any]) -> list[bool]:
+    async def _hidden(self, final: str, task_data: dict[str, Any], state: dict[str, Any]
+                      ) -> HiddenTestResults | None:
+        """The hidden tests' results, or None when the final message has no code block to run."""
         if "hidden_results" not in state:
             code = extract_code(final)
-            tests = task_data["tests"]
-            state["hidden_results"] = ([False] * len(tests) if code is None else
-                                       await run_hidden_tests(code, tests, timeout_s=self.test_timeout_s))
+            state["hidden_results"] = None if code is None else await run_hidden_tests(
+                code, task_data["tests"], timeout_s=self.test_timeout_s, backend=self.sandbox_backend)
         return state["hidden_results"]
 
     @reward(weight=1.0)
     async def passed_fraction(self, final: str, task: Any, state: dict[str, Any], info: dict[str, Any]) -> float:
-        """The share of hidden tests the final code block passes (per-test outcomes go to info)."""
+        """The share of hidden tests the final code block passes (per-test outcomes and the sandbox backend
+        go to info)."""
         results = await self._hidden(final, task.data, state)
-        info["hidden_tests"] = list(results)
-        return sum(results) / len(results)
+        passed = [False] * len(task.data["tests"]) if results is None else list(results.passed)
+        info["hidden_tests"] = passed
+        if results is not None:
+            info["sandbox_backend"] = results.backend
+        return sum(passed) / len(passed)
 
     @reward(weight=0.0)
     async def all_passed(self, final: str, task: Any, state: dict[str, Any]) -> float:
         """1 iff every hidden test passes."""
         results = await self._hidden(final, task.data, state)
-        return float(all(results))
+        return float(results is not None and all(results.passed))

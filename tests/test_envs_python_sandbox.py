@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 import miles.envs as E
-from miles.envs.python_sandbox import extract_code, run_hidden_tests
+from miles.envs.python_sandbox import HiddenTestResults, extract_code, run_hidden_tests
+from miles.tools import SandboxError, bwrap_problem, sandbox_backend
 from miles.types import Message, ToolCall
 
 
@@ -20,11 +23,21 @@ def answer(code: str) -> str:
     return f"Here you go:\n```python\n{code}\n```"
 
 
-def test_oracle_passes_every_task(env):
+@pytest.mark.parametrize("backend", ["bwrap", "audit"])
+def test_oracle_passes_every_task(backend):
+    problem = bwrap_problem() if backend == "bwrap" else None
+    if problem is not None:  # CI must run the bwrap backend; elsewhere it may be missing
+        (pytest.fail if os.environ.get("CI") else pytest.skip)(problem)
+    env = E.make("PythonSandbox-v0", sandbox_backend=backend)
     results = [E.run_episode(env, options={"task": t}) for t in env.tasks]
     assert len(results) >= 10
     assert all(r.success and r.reward == 1.0 for r in results), [r.info["task_id"] for r in results if not r.success]
-    assert all(all(r.info["hidden_tests"]) for r in results)
+    assert all(all(r.info["hidden_tests"]) and r.info["sandbox_backend"] == backend for r in results)
+
+
+def test_unknown_sandbox_backend_fails_at_construction():
+    with pytest.raises(SandboxError, match="backend='docker' is not a sandbox backend"):
+        E.make("PythonSandbox-v0", sandbox_backend="docker")
 
 
 def test_run_python_tool_output_is_an_observation(env):
@@ -57,9 +70,12 @@ def test_wrong_or_cheating_solutions_do_not_pass(final, expected):
 
 async def test_hidden_tests_directly():
     tests = [{"call": "f(2)", "expected": [2, 2]}, {"call": "f(0)", "expected": []}]
-    assert await run_hidden_tests("def f(n):\n    return [n] * n\n", tests) == [True, True]
-    assert await run_hidden_tests("def f(n):\n    return (n,) * n\n", tests) == [True, True]
-    assert await run_hidden_tests("def f(n):\n    return None\n", tests) == [False, False]
+    for backend in ("audit", None):
+        ran = await run_hidden_tests("def f(n):\n    return [n] * n\n", tests, backend=backend)
+        assert isinstance(ran, HiddenTestResults) and ran.passed == (True, True)
+        assert ran.backend == sandbox_backend(backend)
+    assert (await run_hidden_tests("def f(n):\n    return (n,) * n\n", tests)).passed == (True, True)
+    assert (await run_hidden_tests("def f(n):\n    return None\n", tests)).passed == (False, False)
 
 
 def test_extract_code_takes_the_last_block():

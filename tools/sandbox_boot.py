@@ -1,7 +1,11 @@
 """Bootstrap that runs inside the sandbox subprocess (`python -I sandbox_boot.py CONFIG`); code comes on stdin.
 
-It sets the rlimits, then installs an audit hook (PEP 578) and runs the code as `__main__`. The hook
-refuses, with PermissionError:
+It sets the rlimits, switches to the configured unprivileged uid (privileged bwrap runs), installs an audit
+hook (PEP 578) and runs the code as `__main__`.
+
+Under bwrap (config `isolated`) the OS isolates files, network and processes, and the hook only refuses
+starting processes unless allowed. Under the audit backend the hook is the whole policy; it refuses, with
+PermissionError:
 - opening a file for writing, creating, removing, renaming, linking, chmod/chown/utime/truncate
   outside the working directory (symlinks are resolved first; /dev/null stays writable);
 - reading /proc/<pid>/... of other processes (their environment holds the secrets withheld here);
@@ -9,9 +13,9 @@ refuses, with PermissionError:
 - sockets connect/bind/send unless allowed; signalling other processes;
 - ctypes symbol lookups other than the Python C API.
 
-This guards against accidents and naive code, not against an adversary: C extensions, `dir_fd`
-arguments, memory tricks through ctypes or already-open descriptors bypass audit hooks. Use OS-level
-isolation (containers, namespaces, seccomp) for hostile code.
+Alone, this guards against accidents and naive code, not against an adversary: C extensions, `dir_fd`
+arguments, memory tricks through ctypes or already-open descriptors bypass audit hooks, and reads are not
+refused. That is why the bwrap backend exists (see `miles.tools.sandbox`).
 """
 
 from __future__ import annotations
@@ -49,7 +53,14 @@ def _set_limits(cfg: dict) -> None:
             resource.setrlimit(which, (int(value), hard))
 
 
-def _make_hook(root: str, allow_subprocess: bool, allow_network: bool):
+def _drop_privileges(uid: int) -> None:
+    """Become `uid` (and gid `uid`, no supplementary groups) for good; capabilities go with uid 0."""
+    os.setgroups([])
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, uid, uid)
+
+
+def _make_hook(root: str, allow_subprocess: bool, allow_network: bool, isolated: bool):
     me = os.getpid()
     realpath = os.path.realpath
     fsdecode = os.fsdecode
@@ -64,7 +75,12 @@ def _make_hook(root: str, allow_subprocess: bool, allow_network: bool):
         raise PermissionError(f"sandbox: {what} is not allowed")
 
     def hook(event: str, args: tuple) -> None:
-        if event == "open":
+        if event in _PROCESS_EVENTS:
+            if not allow_subprocess:
+                deny(f"starting processes ({event})")
+        elif isolated:
+            return
+        elif event == "open":
             path, mode, flags = args
             if isinstance(path, int) or path is None:
                 return
@@ -79,9 +95,6 @@ def _make_hook(root: str, allow_subprocess: bool, allow_network: bool):
             for i in _PATH_EVENTS[event]:
                 if i < len(args) and args[i] is not None and not inside(args[i]):
                     deny(f"{event} on {fsdecode(args[i])!r} outside the working directory")
-        elif event in _PROCESS_EVENTS:
-            if not allow_subprocess:
-                deny(f"starting processes ({event})")
         elif event in _NETWORK_EVENTS:
             if not allow_network:
                 deny(f"network access ({event})")
@@ -117,6 +130,8 @@ def main() -> int:
     sys.path.insert(0, root)
     sys.dont_write_bytecode = True
     _set_limits(cfg)
+    if cfg.get("uid") is not None:
+        _drop_privileges(int(cfg["uid"]))
     filename = "<sandbox>"
     linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
     try:
@@ -127,7 +142,8 @@ def main() -> int:
     module = types.ModuleType("__main__")
     module.__dict__["__builtins__"] = __builtins__
     sys.modules["__main__"] = module
-    sys.addaudithook(_make_hook(root, bool(cfg.get("allow_subprocess")), bool(cfg.get("allow_network"))))
+    sys.addaudithook(_make_hook(root, bool(cfg.get("allow_subprocess")), bool(cfg.get("allow_network")),
+                                bool(cfg.get("isolated"))))
     try:
         exec(compiled, module.__dict__)
     except SystemExit:
