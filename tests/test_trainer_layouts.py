@@ -192,6 +192,15 @@ def test_model_that_does_not_split_over_tp_or_pp_is_named():
     assert e.value.key == "parallel.pp"
 
 
+def test_several_ranks_need_the_launcher():
+    from miles.trainers.factory import build_trainer
+    from miles.trainers.train_config import load_train_config
+
+    with pytest.raises(ConfigError, match="miles train") as e:
+        build_trainer(load_train_config(None, ["parallel.dp=2"]), tiny_hf())
+    assert e.value.key == "parallel"
+
+
 def test_cli_setup_errors_are_one_line(tmp_path):
     config = write_config(tmp_path)
     proc = miles_train(config, "--set", "megatron.distributed_optimizer=false")

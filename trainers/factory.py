@@ -111,7 +111,10 @@ def build_trainer(cfg: TrainConfig, model: torch.nn.Module, *,
     """
     check_trainer_setup(cfg)
     world = world_size_of(cfg)
-    if world == 1 and not in_torchrun_worker():
+    if not in_torchrun_worker():
+        if world > 1:
+            raise ConfigError("parallel", f"tp*pp*dp = {world} ranks: run it with `miles train`, which launches "
+                                          "them under torchrun (or set parallel sizes to 1)")
         return _local_trainer(cfg, model)
     init_distributed()
     if dist.get_rank() != 0:
