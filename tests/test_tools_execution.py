@@ -5,8 +5,11 @@ import enum
 import json
 import threading
 from dataclasses import dataclass
+from typing import Literal, Optional, TypedDict
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from miles.tools import Injected, ToolBox, ToolDefinitionError, collect_tools, count_errors, tool
 from miles.tools.parsers import get_parser
@@ -392,3 +395,93 @@ def test_daemon_thread_pool_grows_bounded_and_shrinks():
     assert pool.workers == 0
     with pytest.raises(ZeroDivisionError):
         pool.submit(lambda: 1 / 0).result(timeout=10)
+
+
+# ---- int parameters through the executor (hypothesis) -------------------------------------------------------
+
+@dataclass
+class Order:
+    sku: str
+    qty: int
+
+
+class Part(TypedDict):
+    qty: int
+
+
+_received: list[dict] = []
+
+
+@tool
+def record_ints(n: int, counts: list[int], by_name: dict[str, int], maybe: Optional[int],  # noqa: UP045
+                pair: tuple[int, str], order: Order, part: Part, level: Literal[1, 2, 3] = 1) -> str:
+    """Record what the tool received.
+
+    Args:
+        n: A count.
+        counts: Counts.
+        by_name: Counts by name.
+        maybe: An optional count.
+        pair: A count and a label.
+        order: An order.
+        part: A part.
+        level: A level.
+    """
+    _received.append({"n": n, "counts": counts, "by_name": by_name, "maybe": maybe, "pair": pair,
+                      "order": order, "part": part, "level": level})
+    return "ok"
+
+
+INT_BOX = ToolBox([record_ints])
+# where an int can sit: (build the arguments around a value, read the delivered value back)
+INT_SLOTS = {
+    "n": (lambda v: {"n": v}, lambda r: r["n"]),
+    "counts": (lambda v: {"counts": [1, v]}, lambda r: r["counts"][1]),
+    "by_name": (lambda v: {"by_name": {"k": v}}, lambda r: r["by_name"]["k"]),
+    "maybe": (lambda v: {"maybe": v}, lambda r: r["maybe"]),
+    "pair": (lambda v: {"pair": [v, "x"]}, lambda r: r["pair"][0]),
+    "order": (lambda v: {"order": {"sku": "s", "qty": v}}, lambda r: r["order"].qty),
+    "part": (lambda v: {"part": {"qty": v}}, lambda r: r["part"]["qty"]),
+}
+_BASE = {"n": 0, "counts": [], "by_name": {}, "maybe": None, "pair": [0, "x"], "order": {"sku": "s", "qty": 0},
+         "part": {"qty": 0}}
+_finite = st.floats(allow_nan=False, allow_infinity=False)
+
+
+def _run_slot(slot, value):
+    build, _ = INT_SLOTS[slot]
+    _received.clear()
+    [result] = INT_BOX.execute_sync([call("record_ints", {**_BASE, **build(value)})])
+    return result
+
+
+@settings(max_examples=150, deadline=None)
+@given(slot=st.sampled_from(sorted(INT_SLOTS)),
+       value=_finite.filter(float.is_integer) | st.integers(-2**53, 2**53).map(float) | st.sampled_from(
+           [-0.0, 0.0, 1e300, -1e308, 2.0**63, 2.0**64 + 2**12]))
+def test_integral_floats_reach_int_parameters_as_ints(slot, value):
+    result = _run_slot(slot, value)
+    assert result.error is None and result.content == "ok", result.content
+    got = INT_SLOTS[slot][1](_received[0])
+    assert type(got) is int and got == int(value)
+
+
+@settings(max_examples=100, deadline=None)
+@given(slot=st.sampled_from(sorted(INT_SLOTS)),
+       value=_finite.filter(lambda f: not f.is_integer()) | st.sampled_from(
+           [0.5, -2.5, 1e-300, float("nan"), float("inf"), float("-inf"), True, False, "3", [3]]))
+def test_non_integral_values_for_int_parameters_are_schema_errors(slot, value):
+    result = _run_slot(slot, value)
+    assert result.error is ToolErrorType.SCHEMA_VIOLATION
+    assert result.content.startswith("Error: invalid arguments for tool 'record_ints': at '")
+    assert "is not of type 'integer'" in result.content or "is not valid under any" in result.content
+    assert _received == []  # the tool never ran
+
+
+def test_literal_int_level_and_model_facing_error():
+    _received.clear()
+    ok, bad = INT_BOX.execute_sync([call("record_ints", {**_BASE, "level": 2.0}, "a"),
+                                    call("record_ints", {**_BASE, "n": 30.5}, "b")])
+    assert ok.error is None and type(_received[0]["level"]) is int and _received[0]["level"] == 2
+    assert bad.to_message().content == ("Error: invalid arguments for tool 'record_ints': at 'n': 30.5 is not of "
+                                        "type 'integer'")

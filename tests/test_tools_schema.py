@@ -289,3 +289,89 @@ def _recursive(n: Node) -> None:
 def _generator(n: int):  # noqa: ANN202
     """Generator."""
     yield n
+
+
+# ---- int parameters: only integral numbers, always delivered as int ------------------------------------------
+
+@dataclass
+class Stock:
+    sku: str
+    qty: int
+
+
+class Line(TypedDict):
+    qty: int
+    ratio: float
+
+
+def test_int_converters_turn_integral_floats_into_ints_at_every_depth():
+    from miles.tools.schema import make_converter
+
+    cases = [
+        (int, 3.0, 3), (int, -0.0, 0), (int, 1e300, int(1e300)), (int, 7, 7),
+        (list[int], [1.0, 2, -3.0], [1, 2, -3]),
+        (dict[str, int], {"a": 4.0}, {"a": 4}),
+        (Optional[int], 5.0, 5),  # noqa: UP045 - Optional spelled out on purpose
+        (int | None, None, None),
+        (tuple[int, str], [6.0, "x"], (6, "x")),
+        (set[int], [1.0, 2.0], {1, 2}),
+        (Stock, {"sku": "s", "qty": 2.0}, Stock("s", 2)),
+        (Line, {"qty": 9.0, "ratio": 1}, {"qty": 9, "ratio": 1.0}),
+        (list[Line], [{"qty": 1.0, "ratio": 2.5}], [{"qty": 1, "ratio": 2.5}]),
+        (Literal[1, 2], 2.0, 2),
+        (Literal[1.5, 2], 2.0, 2),
+        (Literal[0.5, "a"], "a", "a"),
+        (Annotated[int, "count"], 8.0, 8),
+        (Priority, 2.0, Priority.HIGH),
+    ]
+    for tp, value, expected in cases:
+        out = make_converter(tp)(value)
+        assert out == expected, tp
+
+        def types_of(x):
+            if isinstance(x, dict):
+                return {k: types_of(v) for k, v in x.items()}
+            if isinstance(x, list | tuple | set):
+                return [types_of(v) for v in sorted(x, key=repr)]
+            if isinstance(x, Stock):
+                return types_of(vars(x))
+            return type(x)
+
+        assert types_of(out) == types_of(expected), tp
+
+
+def test_int_schema_admits_integral_numbers_only_and_never_bools():
+    @tool
+    def transfer(amount: int, splits: list[int]) -> str:
+        """Move money.
+
+        Args:
+            amount: Whole units.
+            splits: Whole units per part.
+        """
+        return ""
+
+    spec = get_spec(transfer)
+    assert spec.validation_errors({"amount": 30.0, "splits": [1.0, 2]}) == []
+    assert spec.validation_errors({"amount": 30.5, "splits": []}) == ["at 'amount': 30.5 is not of type 'integer'"]
+    assert spec.validation_errors({"amount": True, "splits": [False]}) == [
+        "at 'amount': True is not of type 'integer'", "at 'splits/0': False is not of type 'integer'"]
+    assert spec.validation_errors({"amount": float("nan"), "splits": [float("-inf")]}) == [
+        "at 'amount': nan is not of type 'integer'", "at 'splits/0': -inf is not of type 'integer'"]
+
+
+def test_non_finite_numbers_are_violations_even_where_the_schema_allows_any_number():
+    @tool
+    def measure(x: float, extra: Any = None) -> str:
+        """Measure.
+
+        Args:
+            x: A length.
+            extra: Anything.
+        """
+        return ""
+
+    spec = get_spec(measure)
+    assert spec.validation_errors({"x": 1e308, "extra": {"a": [1.5]}}) == []
+    assert spec.validation_errors({"x": float("inf"), "extra": {"a": [0.0, float("nan")]}}) == [
+        "at 'extra/a/1': nan is not a finite number", "at 'x': inf is not a finite number"]
