@@ -18,12 +18,32 @@ class SessionConfigError(ConfigError):
 
 @dataclass(frozen=True)
 class TimeoutConfig:
-    """Context-aware deadlines.
+    """Context- and load-aware deadlines.
 
-    A turn's deadline is `slack * (overhead + uncached_prompt_tokens * prefill_s_per_token
-    + max_new_tokens * decode_s_per_token)`, clamped to `[turn_floor_s, turn_cap_s]`, where the per-token
-    costs are the engine's measured (EMA) prefill and decode costs. Until `min_observations` turns were
-    measured on an engine, the prior throughputs are used.
+    A turn sent to engine E gets the deadline `clamp(slack * expected_s, turn_floor_s, turn_cap_s)` with
+
+        expected_s = overhead + prefill_wait + uncached * prefill_s_per_token
+                     + max_new_tokens * decode_s_per_token * (1 + batch_slowdown * requests_ahead)
+
+    and, while it runs, every request sent to E behind it adds
+    `uncached_behind * prefill_s_per_token + batch_slowdown * max_new_tokens * decode_s_per_token`
+    to `expected_s` (engines prefill new arrivals before the next decode step, and the batch grows).
+
+    - `overhead`, `prefill_s_per_token`, `decode_s_per_token`: E's measured (EMA least-squares) costs, the
+      priors until `min_observations` calls were measured on E.
+    - `uncached`: the prompt tokens E does not hold in its cache for this session.
+    - `prefill_wait`: the prefill still queued at E when the turn is sent: the prefill of the requests
+      this router sent there that E has not worked off yet (each adds `uncached * prefill_s_per_token` to E's
+      prefill backlog, which drains in real time), or what E reports waiting (`EngineLoad.waiting_tokens`),
+      whichever is larger.
+    - `requests_ahead`: the requests in flight at E, from this router or, when larger, as E reports them
+      (`running + waiting`).
+    - `batch_slowdown`: how much each other request in the batch slows one decode step: 0 for ideal
+      continuous batching, 1 for an engine that serves one request at a time (measured ~0.05 for the
+      embedded engine on CPU with the 3M tiny model).
+
+    With an idle engine this is `slack * (overhead + uncached * prefill + max_new_tokens * decode)`.
+    `env_step_s`/`env_reset_s` bound env calls, `session_budget_s` a whole session, `abort_s` an abort.
     """
 
     turn_floor_s: float = 5.0
@@ -32,6 +52,7 @@ class TimeoutConfig:
     prior_prefill_tokens_per_s: float = 2000.0
     prior_decode_tokens_per_s: float = 50.0
     prior_overhead_s: float = 0.05
+    batch_slowdown: float = 0.05
     ema_decay: float = 0.9
     min_observations: int = 4
     env_step_s: float = 120.0
@@ -46,6 +67,8 @@ class TimeoutConfig:
             raise SessionConfigError("slack must be > 0 and ema_decay in [0, 1)")
         if self.prior_prefill_tokens_per_s <= 0 or self.prior_decode_tokens_per_s <= 0:
             raise SessionConfigError("prior throughputs must be > 0")
+        if not 0 <= self.batch_slowdown <= 1:
+            raise SessionConfigError(f"batch_slowdown must be in [0, 1], got {self.batch_slowdown}")
         if self.env_step_s <= 0 or self.env_reset_s <= 0 or self.abort_s <= 0:
             raise SessionConfigError("env_step_s, env_reset_s and abort_s must be > 0")
         if self.session_budget_s is not None and self.session_budget_s <= 0:
@@ -54,20 +77,35 @@ class TimeoutConfig:
 
 @dataclass(frozen=True)
 class RetryConfig:
-    """Retries of infrastructure failures: delay `min(max_delay_s, base_delay_s * 2**attempt)`, times a
-    random factor in `[1 - jitter, 1 + jitter]`."""
+    """Retries of infrastructure failures, and how the router judges an engine.
+
+    A failed attempt is retried after `min(max_delay_s, base_delay_s * 2**attempt)` seconds, times a random
+    factor in `[1 - jitter, 1 + jitter]`, at most `max_retries` times per turn.
+
+    An engine becomes *suspect* (no new work) after a connection-level failure, after a turn timeout when it
+    finished nothing since that turn was sent, after `suspect_after_timeouts` consecutive turn timeouts, or
+    when a health probe (its `health()`, bounded by `probe_timeout_s`) fails after a timeout or while idle.
+    A suspect engine is probed every `health_interval_s` (or at once when no engine is left) and comes back
+    on probation (one request at a time) until a generate call on it succeeds.
+    """
 
     max_retries: int = 4
     base_delay_s: float = 0.2
     max_delay_s: float = 10.0
     jitter: float = 0.5
-    engine_cooldown_s: float = 5.0
+    suspect_after_timeouts: int = 2
+    probe_timeout_s: float = 3.0
+    health_interval_s: float = 2.0
 
     def validate(self) -> None:
         if self.max_retries < 0 or self.base_delay_s < 0 or self.max_delay_s < 0:
             raise SessionConfigError("max_retries, base_delay_s and max_delay_s must be >= 0")
         if not 0 <= self.jitter <= 1:
             raise SessionConfigError(f"jitter must be in [0, 1], got {self.jitter}")
+        if self.suspect_after_timeouts < 1:
+            raise SessionConfigError("suspect_after_timeouts must be >= 1")
+        if self.probe_timeout_s <= 0 or self.health_interval_s <= 0:
+            raise SessionConfigError("probe_timeout_s and health_interval_s must be > 0")
 
 
 @dataclass(frozen=True)

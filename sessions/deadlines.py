@@ -1,4 +1,4 @@
-"""Per-engine throughput measurement and context-aware turn deadlines."""
+"""Per-engine throughput measurement and context- and load-aware turn deadlines (see `TimeoutConfig`)."""
 
 from __future__ import annotations
 
@@ -108,12 +108,43 @@ class ThroughputEstimator:
         return ThroughputEstimate(t[0], t[1], t[2], self.observations)
 
     def expected_s(self, uncached_prompt_tokens: int, max_new_tokens: int) -> float:
-        """Expected latency of a call that decodes all `max_new_tokens`."""
-        e = self.estimate()
-        return e.overhead_s + uncached_prompt_tokens * e.prefill_s_per_token + max_new_tokens * e.decode_s_per_token
+        """Expected latency of a call that decodes all `max_new_tokens` on an idle engine."""
+        return self.deadline(uncached_prompt_tokens, max_new_tokens).expected_s
 
     def turn_deadline_s(self, uncached_prompt_tokens: int, max_new_tokens: int) -> float:
-        """`slack * expected_s(...)`, clamped to the configured floor and cap."""
+        """`slack * expected_s(...)`, clamped to the configured floor and cap (an idle engine)."""
+        return self.deadline(uncached_prompt_tokens, max_new_tokens).seconds
+
+    def deadline(self, uncached_prompt_tokens: int, max_new_tokens: int, *, prefill_wait_s: float = 0.0,
+                 requests_ahead: int = 0) -> TurnDeadline:
+        """The deadline of a call sent now, behind `prefill_wait_s` of queued prefill and `requests_ahead`
+        requests in flight at the engine."""
+        return TurnDeadline(self._cfg, self.estimate(), uncached_prompt_tokens, max_new_tokens,
+                            prefill_wait_s=prefill_wait_s, requests_ahead=requests_ahead)
+
+
+class TurnDeadline:
+    """The deadline of one call on one engine; it grows as requests arrive behind it (`add_arrival`).
+
+    The formula is documented on `TimeoutConfig`.
+    """
+
+    def __init__(self, cfg: TimeoutConfig, estimate: ThroughputEstimate, uncached_prompt_tokens: int,
+                 max_new_tokens: int, *, prefill_wait_s: float = 0.0, requests_ahead: int = 0) -> None:
+        self._cfg = cfg
+        self._estimate = estimate
+        self._decode_s = max_new_tokens * estimate.decode_s_per_token
+        self.expected_s = (estimate.overhead_s + max(0.0, prefill_wait_s)
+                           + max(0, uncached_prompt_tokens) * estimate.prefill_s_per_token
+                           + self._decode_s * (1.0 + cfg.batch_slowdown * max(0, requests_ahead)))
+
+    def add_arrival(self, uncached_prompt_tokens: int) -> None:
+        """A request with `uncached_prompt_tokens` to prefill was sent to the engine behind this one."""
+        self.expected_s += (max(0, uncached_prompt_tokens) * self._estimate.prefill_s_per_token
+                            + self._cfg.batch_slowdown * self._decode_s)
+
+    @property
+    def seconds(self) -> float:
+        """`slack * expected_s`, clamped to `[turn_floor_s, turn_cap_s]`."""
         cfg = self._cfg
-        raw = cfg.slack * self.expected_s(uncached_prompt_tokens, max_new_tokens)
-        return min(cfg.turn_cap_s, max(cfg.turn_floor_s, raw))
+        return min(cfg.turn_cap_s, max(cfg.turn_floor_s, cfg.slack * self.expected_s))

@@ -16,10 +16,10 @@ from typing import Any
 from miles.engine import RolloutEngine
 from miles.envs.recipe import EnvRecipe
 from miles.sessions.config import SchedulerConfig
-from miles.sessions.pool import EnginePool
 from miles.sessions.progress import ProgressDisplay, RunStats
 from miles.sessions.recorder import Recorder
 from miles.sessions.records import ErrorInfo, SessionRecord
+from miles.sessions.router import Router
 from miles.sessions.session import Session, SessionEnv
 from miles.sessions.spec import SessionSpec, TaskSpec
 from miles.trajectory import Trajectory
@@ -108,7 +108,7 @@ class SessionScheduler:
     `sessions.jsonl`) when it ends, aborted ones included; `stats` counts them.
     """
 
-    def __init__(self, engines: RolloutEngine | Sequence[RolloutEngine] | EnginePool, *, tokenizer: Any,
+    def __init__(self, engines: RolloutEngine | Sequence[RolloutEngine] | Router, *, tokenizer: Any,
                  env_factory: Callable[[], SessionEnv] | None = None, config: SchedulerConfig | None = None,
                  recorder: Recorder | str | os.PathLike[str] | None = None, parser: Any = None,
                  run_id: str | None = None, recipe: EnvRecipe | None = None) -> None:
@@ -120,9 +120,10 @@ class SessionScheduler:
         self.config = config or SchedulerConfig()
         self.config.validate()
         scfg = self.config.session
-        self.pool = engines if isinstance(engines, EnginePool) else EnginePool(
-            engines, timeouts=scfg.timeouts, max_inflight_per_engine=self.config.max_inflight_per_engine,
-            requests_per_s=self.config.requests_per_s, cooldown_s=scfg.retry.engine_cooldown_s)
+        self._owns_router = not isinstance(engines, Router)
+        self.router = engines if isinstance(engines, Router) else Router(
+            engines, timeouts=scfg.timeouts, retry=scfg.retry,
+            max_inflight_per_engine=self.config.max_inflight_per_engine, requests_per_s=self.config.requests_per_s)
         self.tokenizer = tokenizer
         self.env_factory = env_factory
         self._owns_recorder = recorder is not None and not isinstance(recorder, Recorder)
@@ -180,9 +181,12 @@ class SessionScheduler:
         return out
 
     async def aclose(self) -> None:
-        """Abort what still runs, wait for every record, close an owned recorder."""
+        """Abort what still runs, wait for every record, close an owned recorder, stop an owned router's
+        background probes."""
         self._abort_all(None)
         await self._wait_all(None)
+        if self._owns_router:
+            await self.router.aclose()
         if self.recorder is not None and self._owns_recorder:
             await self.recorder.aclose()
 
@@ -224,7 +228,7 @@ class SessionScheduler:
         env = None
         try:
             env = self.env_factory()
-            session = Session(spec, env=env, tokenizer=self.tokenizer, engines=self.pool,
+            session = Session(spec, env=env, tokenizer=self.tokenizer, engines=self.router,
                               config=self.config.session, parser=self.parser)
         except Exception as exc:
             rec = _failed_record(spec, ErrorInfo.from_exception("reset", exc), env)

@@ -1,4 +1,4 @@
-"""`Session`: one multi-turn episode of one environment against a pool of rollout engines.
+"""`Session`: one multi-turn episode of one environment against rollout engines, through a `Router`.
 
 The loop: TITO prompt ids -> `engine.generate` -> append the generation -> parse tool calls -> `env.astep`
 -> append the observation -> repeat. A session never raises: every way of ending (including being
@@ -15,7 +15,6 @@ from typing import Any, Protocol
 
 from miles.engine import EngineError, FinishReason, GenerateResult, RolloutEngine, SamplingParams
 from miles.sessions.config import SessionConfig
-from miles.sessions.pool import EnginePool, EngineSlot
 from miles.sessions.records import (
     AttemptRecord,
     ErrorInfo,
@@ -26,6 +25,7 @@ from miles.sessions.records import (
     observed_tool_results,
 )
 from miles.sessions.retry import backoff_delay_s, is_retryable
+from miles.sessions.router import Lease, NoHealthyEngineError, Router
 from miles.sessions.spec import SessionSpec
 from miles.trajectory import Trajectory, message_from_record, message_record
 from miles.types import Message, TerminationReason
@@ -67,23 +67,20 @@ class Session:
     """One episode. `run()` returns its `SessionRecord`; `request_abort()` followed by cancelling the task
     running it ends it as `aborted` (the in-flight request is aborted on its engine).
 
-    `tokenizer` is a `miles.tito.TITOTokenizer`; `engines` one engine, several, or an `EnginePool`;
+    `tokenizer` is a `miles.tito.TITOTokenizer`; `engines` one engine, several, or a `Router`;
     `parser` a `miles.tools` parser instance (default: `config.parser` by name; None in the config means
     the env's own `parse_action`).
     """
 
     def __init__(self, spec: SessionSpec, *, env: SessionEnv, tokenizer: Any,
-                 engines: EnginePool | RolloutEngine | Sequence[RolloutEngine],
+                 engines: Router | RolloutEngine | Sequence[RolloutEngine],
                  config: SessionConfig | None = None, parser: Any = None) -> None:
         self.spec = spec
         self.env = env
         self.tokenizer = tokenizer
         self.config = config or SessionConfig()
-        if isinstance(engines, EnginePool):
-            self.pool = engines
-        else:
-            self.pool = EnginePool(engines, timeouts=self.config.timeouts,
-                                   cooldown_s=self.config.retry.engine_cooldown_s)
+        self.router = engines if isinstance(engines, Router) else Router(
+            engines, timeouts=self.config.timeouts, retry=self.config.retry)
         if parser is None and self.config.parser is not None:
             from miles.tools import get_parser
 
@@ -95,14 +92,13 @@ class Session:
         if not sampling.stop_token_ids:
             sampling = dataclasses.replace(sampling, stop_token_ids=tuple(getattr(tokenizer, "stop_token_ids", ())))
         self.sampling: SamplingParams = sampling
-        first = self.pool.slots[0].engine
+        first = self.router.engines[0]
         self.context_length: int | None = (self.config.context_length or getattr(first, "context_length", None)
                                            or getattr(first, "max_context", None))
         self.record: SessionRecord | None = None
         self.conversation: Any = None
         self._abort_requested = False
         self._inflight: tuple[RolloutEngine, str] | None = None
-        self._cached_len: dict[str, int] = {}
         self._budget_end: float | None = None
         self._reward = 0.0
         self._final_info: dict[str, Any] = {}
@@ -243,76 +239,109 @@ class Session:
             raise _End(TerminationReason.ENV_ERROR, ErrorInfo.from_exception(where, exc)) from exc
 
     async def _generate(self, prompt: list[int], turn: TurnRecord) -> GenerateResult:
+        """The turn's generate call through the router. A failed attempt is retried (with backoff, on another
+        engine when there is one); a timed-out one is retried at once on another engine when the router
+        judged its engine suspect, and otherwise ends the session as `timeout`."""
         retry = self.config.retry
         sid = self.spec.session_id
         mnt = self.sampling.max_new_tokens
         attempt = 0
-        exclude: frozenset[str] = frozenset()
+        timed_out_on: set[int] = set()  # engines this turn timed out on: never again
+        failed_on: set[int] = set()  # engines it failed on: only when no other is usable
         while True:
-            t_q = time.monotonic()
-            slot: EngineSlot = await self.pool.acquire(exclude)
-            turn.queue_s += time.monotonic() - t_q
-            eid = slot.engine_id
             rid = f"{sid}-t{turn.index}-a{attempt}"
-            uncached = len(prompt) - self._cached_len.get(eid, 0)
+            t_q = time.monotonic()
             try:
-                limit = self._limit(slot.throughput.turn_deadline_s(max(uncached, 0), mnt), "generate")
-            except _End:
-                self.pool.release(slot)
-                raise
-            turn.deadline_s = limit
-            error: BaseException | None = None
-            expired = False
-            self._inflight = (slot.engine, rid)
-            t0 = time.monotonic()
-            try:
-                async with asyncio.timeout(limit) as cm:
-                    result = await slot.engine.generate(prompt, self.sampling, session_id=sid, rid=rid)
-            except TimeoutError as exc:
-                expired, error = cm.expired(), exc
-            except asyncio.CancelledError:
-                self.pool.release(slot)
-                raise
-            except Exception as exc:
-                error = exc
-            dt = time.monotonic() - t0
-            self.pool.release(slot)
-            self._inflight = None
-            if expired:
-                await self._abort(slot.engine, rid)
-                turn.engine_id, turn.rid, turn.generate_s = eid, rid, dt
-                raise _End(TerminationReason.TIMEOUT,
-                           ErrorInfo("generate", "TurnTimeout", f"{eid} gave no reply to {rid} within {limit:.3g}s "
-                                     f"(prompt {len(prompt)}, max_new_tokens {mnt})", eid))
-            if error is None and result.finish_reason == FinishReason.ABORT:
-                error = EngineError(f"{eid} aborted {rid} on its own", engine_id=eid, retryable=True)
-            if error is None:
-                cached = result.cached_tokens if result.cached_tokens else len(prompt) - max(uncached, 0)
-                slot.throughput.observe(max(0, len(prompt) - cached), len(result.output_ids),
-                                        result.latency_s or dt)
-                self._cached_len[eid] = len(prompt) + len(result.output_ids)
-                self.pool.mark_ok(slot)
-                turn.engine_id = result.engine_id or eid
-                turn.rid, turn.weight_version = rid, result.weight_version
-                turn.cached_tokens, turn.finish_reason = result.cached_tokens, result.finish_reason.value
-                turn.generate_s = dt
-                return result
-            info = ErrorInfo.from_exception("generate", error, eid)
-            turn.attempts.append(AttemptRecord(eid, rid, info, dt))
-            if not is_retryable(error):
-                raise _End(TerminationReason.ENGINE_ERROR, info)
-            self.pool.mark_failed(slot)
-            self._cached_len.pop(eid, None)
+                lease = await self.router.acquire(sid, prompt_tokens=len(prompt), max_new_tokens=mnt,
+                                                  exclude=timed_out_on, avoid=failed_on, retry=attempt > 0)
+            except NoHealthyEngineError as exc:
+                turn.queue_s += time.monotonic() - t_q
+                if timed_out_on:
+                    last = turn.attempts[-1].error.message
+                    raise _End(TerminationReason.TIMEOUT,
+                               ErrorInfo("generate", type(exc).__name__, f"{last}; {exc}")) from exc
+                info = ErrorInfo.from_exception("generate", exc)
+                turn.attempts.append(AttemptRecord("", "", info, 0.0))
+            else:
+                turn.queue_s += time.monotonic() - t_q
+                outcome = await self._attempt(lease, prompt, rid, turn)
+                if isinstance(outcome, GenerateResult):
+                    return outcome
+                info = outcome
+                if info.type == "TurnTimeout":
+                    timed_out_on.add(lease.index)
+                    attempt += 1
+                    continue
+                failed_on.add(lease.index)
             if attempt >= retry.max_retries:
                 raise _End(TerminationReason.ENGINE_ERROR,
                            ErrorInfo("generate", info.type, f"gave up after {attempt + 1} attempts; last: "
-                                     f"{info.message}", eid))
+                                     f"{info.message}", info.engine_id))
             delay = backoff_delay_s(attempt, retry)
             if self._budget_end is not None:
                 delay = min(delay, max(0.0, self._budget_end - time.monotonic()))
             await asyncio.sleep(delay)
             attempt += 1
-            exclude = frozenset({eid})
+
+    async def _attempt(self, lease: Lease, prompt: list[int], rid: str, turn: TurnRecord) -> GenerateResult | ErrorInfo:
+        """One attempt on `lease`'s engine: its result, or the retryable failure it recorded. Raises `_End`
+        when the turn cannot be retried."""
+        eid, mnt = lease.engine_id, self.sampling.max_new_tokens
+        try:
+            cap = self._limit(self.config.timeouts.turn_cap_s, "generate")
+        except _End:
+            self.router.release(lease)
+            raise
+        error: BaseException | None = None
+        expired = False
+        self._inflight = (lease.engine, rid)
+        t0 = time.monotonic()
+        try:
+            async with asyncio.timeout(None) as cm:
+                lease.watch(cm, cap)
+                result = await lease.engine.generate(prompt, self.sampling, session_id=self.spec.session_id,
+                                                     rid=rid)
+        except TimeoutError as exc:
+            expired, error = cm.expired(), exc
+        except asyncio.CancelledError:
+            self.router.release(lease)
+            raise
+        except Exception as exc:
+            error = exc
+        dt = time.monotonic() - t0
+        self._inflight = None
+        turn.deadline_s = lease.deadline_s
+        if expired:
+            await self._abort(lease.engine, rid)
+            turn.engine_id, turn.rid, turn.generate_s = eid, rid, dt
+            if self._budget_end is not None and time.monotonic() >= self._budget_end:
+                self.router.release(lease)
+                raise _End(TerminationReason.TIMEOUT, ErrorInfo("generate", "SessionBudgetExceeded",
+                           f"session budget of {self.config.timeouts.session_budget_s}s used up", eid))
+            suspect = await self.router.timed_out(lease)
+            info = ErrorInfo("generate", "TurnTimeout", f"{eid} gave no reply to {rid} within "
+                             f"{lease.deadline_s:.3g}s (prompt {len(prompt)}, max_new_tokens {mnt})", eid)
+            if not suspect or len(turn.attempts) >= self.config.retry.max_retries:
+                raise _End(TerminationReason.TIMEOUT, info)
+            turn.attempts.append(AttemptRecord(eid, rid, info, dt))
+            return info
+        aborted = error is None and result.finish_reason == FinishReason.ABORT
+        if aborted:
+            error = EngineError(f"{eid} aborted {rid} on its own", engine_id=eid, retryable=True)
+        if error is None:
+            self.router.succeeded(lease, result, dt)
+            turn.engine_id = result.engine_id or eid
+            turn.rid, turn.weight_version = rid, result.weight_version
+            turn.cached_tokens, turn.finish_reason = result.cached_tokens, result.finish_reason.value
+            turn.generate_s = dt
+            return result
+        info = ErrorInfo.from_exception("generate", error, eid)
+        turn.attempts.append(AttemptRecord(eid, rid, info, dt))
+        retryable = is_retryable(error)
+        self.router.failed(lease, error, suspect=retryable and not aborted)
+        if not retryable:
+            raise _End(TerminationReason.ENGINE_ERROR, info)
+        return info
 
     async def _abort(self, engine: RolloutEngine, rid: str) -> None:
         try:

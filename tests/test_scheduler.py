@@ -204,7 +204,7 @@ async def test_turn_deadlines_follow_measured_engine_speed() -> None:
     groups = await sched.run(["t1", "t2", "t3"])
     deadlines = [t.deadline_s for g in groups for r in g.records for t in r.turns]
     assert deadlines[0] > 1.0  # the prior: 50 tokens/s decode for 64 tokens
-    est = sched.pool.slots[0].throughput.estimate()
+    est = sched.router.estimate(0)
     assert est.observations == 12
     assert min(deadlines) < 0.5  # once measured, the instant-ish engine gets tight deadlines
 

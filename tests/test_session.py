@@ -22,9 +22,9 @@ from test_session_support import (
 from miles.engine import SamplingParams
 from miles.envs import Task
 from miles.sessions import (
-    EnginePool,
     InstantEngine,
     RetryConfig,
+    Router,
     Session,
     SessionConfig,
     SessionRecord,
@@ -221,12 +221,12 @@ async def test_model_errors_are_not_retried() -> None:
 async def test_failover_to_another_engine() -> None:
     dead = FlakyEngine(InstantEngine(solve_script()), fail_calls=set(range(100)), engine_id="dead")
     alive = FlakyEngine(InstantEngine(solve_script()), fail_calls=set(), engine_id="alive")
-    pool = EnginePool([dead, alive], timeouts=TimeoutConfig(), cooldown_s=60)
+    pool = Router([dead, alive], timeouts=TimeoutConfig())
     recs = [await run(pool) for _ in range(3)]
     assert all(r.termination == TerminationReason.DONE for r in recs)
     assert all(t.engine_id == "alive" for r in recs for t in r.turns)
     assert sum(len(t.attempts) for r in recs for t in r.turns) >= 1
-    assert dead.calls == 1  # after one failure the shared pool keeps the dead engine out
+    assert dead.calls == 1  # after one failure the shared router keeps the (suspect) dead engine out
 
 
 async def test_cancelled_session_ends_as_aborted_and_aborts_its_request() -> None:

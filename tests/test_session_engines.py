@@ -15,6 +15,7 @@ from miles.engine import SamplingParams
 from miles.engines import EmbeddedEngine, SGLangClient, serve_in_thread
 from miles.engines.testing import ServerProcess
 from miles.sessions import (
+    EngineState,
     RetryConfig,
     SchedulerConfig,
     SessionConfig,
@@ -92,8 +93,8 @@ async def test_engine_killed_mid_turn_fails_over_or_ends_as_engine_error(servers
                       max_new_tokens=32, max_turns=2)
 
     async def kill_when_busy() -> None:
-        slots = [with_spare.pool.slots[0], alone.pool.slots[0]]
-        while not all(s.inflight for s in slots):
+        routers = [with_spare.router, alone.router]
+        while not all(r.stats().engines[0].inflight for r in routers):
             await asyncio.sleep(0.002)
         await asyncio.sleep(0.02)
         await asyncio.to_thread(servers["proc"].kill)
@@ -107,12 +108,14 @@ async def test_engine_killed_mid_turn_fails_over_or_ends_as_engine_error(servers
     failed_turns = [t for r in spare_records for t in r.turns if t.attempts]
     assert failed_turns and all(a.engine_id == "victim" for t in failed_turns for a in t.attempts)
     assert all(t.engine_id == "survivor" for t in failed_turns)
-    # Without one: the sessions caught on the dead engine end as engine_error once retries run out.
+    assert with_spare.router.states()[0] is EngineState.SUSPECT and with_spare.router.stats().engines[0].suspect_marks
+    # Without one: the sessions caught on the dead engine end as engine_error once retries run out, naming why.
     ends = {r.termination for r in alone_records}
     assert TerminationReason.ENGINE_ERROR in ends and ends <= OK_ENDS | {TerminationReason.ENGINE_ERROR}
     for r in alone_records:
         if r.termination == TerminationReason.ENGINE_ERROR:
             assert r.reward == 0.0 and "gave up after 3 attempts" in r.error.message
+            assert r.error.type == "NoHealthyEngineError" and "victim-alone" in r.error.message
     for r in spare_records + alone_records:
         assert_consistent(r)
     for c in (victim, victim_alone, survivor):

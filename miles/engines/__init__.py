@@ -1,10 +1,10 @@
 """Rollout engines: the embedded transformers engine (default), its SGLang-native HTTP server, the SGLang
-HTTP client, and routers (the real sglang-router and an in-process one)."""
+HTTP client, and the real sglang-router. Sessions route over several engines with `miles.sessions.Router`."""
 
 from miles.engines.client import SGLangClient
 from miles.engines.embedded import EmbeddedEngine
 from miles.engines.errors import InvalidRequestError
-from miles.engines.inprocess_router import InProcessRouter
+from miles.engines.load import EngineLoad
 from miles.engines.server import create_app, run_server, serve, serve_in_thread
 from miles.engines.sglang_router import SGLangRouter
 from miles.engines.weight_broadcast import (
@@ -15,7 +15,7 @@ from miles.engines.weight_broadcast import (
 )
 
 __all__ = [
-    "EmbeddedEngine", "InProcessRouter", "InvalidRequestError", "SGLangClient", "SGLangRouter",
+    "EmbeddedEngine", "EngineLoad", "InvalidRequestError", "SGLangClient", "SGLangRouter",
     "WeightBroadcaster", "WeightReceiver", "broadcast_weights", "create_app", "init_weight_update_group",
     "run_server", "serve", "serve_in_thread",
 ]

@@ -10,6 +10,7 @@ import httpx
 
 from miles.engine import EngineError, GenerateResult, RolloutEngine, SamplingParams
 from miles.engines.errors import InvalidRequestError
+from miles.engines.load import LOADS_PATH, EngineLoad, parse_loads
 from miles.engines.wire import (
     ROUTING_KEY_HEADER,
     SESSION_HEADER,
@@ -141,6 +142,10 @@ class SGLangClient(RolloutEngine):
 
     async def get_server_info(self) -> dict[str, Any]:
         return await self._json("GET", "/get_server_info")
+
+    async def load(self) -> EngineLoad:
+        """The server's queue, from SGLang's `GET /v1/loads`."""
+        return parse_loads(await self._json("GET", LOADS_PATH, timeout=10.0))
 
     async def flush_cache(self) -> None:
         await self._request("POST", "/flush_cache")

@@ -41,6 +41,7 @@ import torch
 from miles.engine import EngineError, FinishReason, GenerateResult, RolloutEngine, SamplingParams
 from miles.engines.errors import InvalidRequestError
 from miles.engines.kv import BatchKV, RowKV, SessionStore, common_prefix_len, crop
+from miles.engines.load import EngineLoad
 from miles.engines.sampling import RowSampling, sample_rows
 
 logger = logging.getLogger(__name__)
@@ -210,6 +211,12 @@ class EmbeddedEngine(RolloutEngine):
     @property
     def num_active(self) -> int:
         return len(self._active) + len(self._pending)
+
+    async def load(self) -> EngineLoad:
+        """Requests decoding here, and requests not decoding yet (waiting or in their prefill)."""
+        with self._cond:
+            running = len(self._active)
+            return EngineLoad(running=running, waiting=max(0, len(self._rids) - running))
 
     @property
     def num_in_flight(self) -> int:

@@ -1,0 +1,102 @@
+"""Engines for the routing tests (no tests here): a black-hole HTTP server and a slowed embedded engine."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from test_session_support import tito
+
+from miles.engines import EmbeddedEngine, serve_in_thread
+from miles.engines.server import ServerHandle
+from miles.tiny import make_tiny_model
+
+
+class StubServer:
+    """A real HTTP server on loopback that answers `GET` paths from `answers` (JSON bodies; None for an
+    empty 200) and `POST /abort_request` at once, and accepts `POST /generate` but never answers it.
+
+    With `answers={"/health": None, "/health_generate": None}` it is a black hole that health probes cannot
+    tell from a healthy engine: only turn timeouts reveal it. `generate_calls` counts the requests it swallowed.
+    """
+
+    def __init__(self, answers: dict[str, Any]) -> None:
+        release = threading.Event()
+        self.generate_calls = 0
+        stub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def _answer(self, status: int, body: Any = None) -> None:
+                data = b"" if body is None else json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+                path = self.path.split("?")[0]
+                if path in answers:
+                    self._answer(200, answers[path])
+                else:
+                    self._answer(404, {"error": {"message": f"no {path}", "type": "not_found"}})
+
+            def do_POST(self) -> None:  # noqa: N802
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if self.path == "/generate":
+                    stub.generate_calls += 1
+                    release.wait()  # accepted, never answered (until the server stops)
+                    self.close_connection = True
+                    return
+                self._answer(200, None)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self._release = release
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, name="stub-server", daemon=True)
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def stop(self) -> None:
+        self._release.set()
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def black_hole() -> StubServer:
+    return StubServer({"/health": None, "/health_generate": None})
+
+
+def slowed(engine_model: Any, *, prefill_s_per_token: float, decode_s_per_step: float) -> Any:
+    """Make every forward call of `engine_model` cost real time: `prefill_s_per_token` per prompt token of a
+    prefill, `decode_s_per_step` per batched decode step whatever its batch size (a GPU-like engine)."""
+
+    def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        length = int(ids.shape[1])
+        time.sleep(prefill_s_per_token * length if length > 1 else decode_s_per_step)
+
+    engine_model.register_forward_pre_hook(hook, with_kwargs=True)
+    return engine_model
+
+
+def embedded_server(engine_id: str, *, max_positions: int = 2048, **slow: float) -> tuple[EmbeddedEngine,
+                                                                                         ServerHandle]:
+    """A real embedded engine (the 0.1M tiny model, optionally `slowed(**slow)`) behind its HTTP server."""
+    model = make_tiny_model("0.1m", vocab_size=len(tito().tokenizer), max_position_embeddings=max_positions)
+    if slow:
+        slowed(model, **slow)
+    engine = EmbeddedEngine(model, engine_id=engine_id)
+    return engine, serve_in_thread(engine)
