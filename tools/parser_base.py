@@ -10,8 +10,8 @@ from typing import Any
 
 from miles.types import STRICT_JSON, Message, ToolCall, loads_strict
 
-__all__ = ["STRICT_JSON", "ParsedOutput", "ToolCallParser", "arguments_json", "call_from_payload", "garbage_call", "loads_strict",
-           "member_text"]
+__all__ = ["STRICT_JSON", "ParsedOutput", "ToolCallParser", "arguments_json", "call_from_payload", "garbage_call",
+           "loads_strict", "member_text"]
 
 _NAME_IN_GARBAGE = re.compile(r'"name"\s*:\s*"([^"\\]{1,64})"')
 _JSON_SPACE = " \t\n\r"
