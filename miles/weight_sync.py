@@ -318,13 +318,14 @@ async def connect_broadcaster(cfg: SyncConfig, clients: Sequence[Any]) -> Any:
     return broadcaster
 
 
-async def build_weight_sync(cfg: SyncConfig, engines: Sequence[RolloutEngine], *, staging_dir: str | Path,
+async def build_weight_sync(cfg: SyncConfig, engines: Sequence[RolloutEngine], *,
+                            staging_dir: str | Path | None = None,
                             drain_engines: Sequence[RolloutEngine] | None = None) -> WeightSync:
     """The `WeightSync` a config asks for, checked and (for broadcast) connected at setup.
 
     `engines` are the per-worker engines that hold weights (one client per SGLang server, never a router);
-    `drain_engines` those the scheduler sends requests to, when they differ (a router). Raises `ConfigError`
-    for a method that cannot work with these engines.
+    `drain_engines` those the scheduler sends requests to, when they differ (a router); `staging_dir` is where
+    the disk method writes. Raises `ConfigError` for a method that cannot work with these engines.
     """
     method = resolve_sync_method(cfg.method, engines)
     broadcaster = await connect_broadcaster(cfg, engines) if method == "broadcast" else None

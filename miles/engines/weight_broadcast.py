@@ -396,8 +396,9 @@ async def broadcast_weights(broadcaster: WeightBroadcaster, clients: Sequence[An
                             state_dict: Mapping[str, torch.Tensor], *, version: int | None = None) -> int:
     """Push `state_dict` to every engine of the group, bucket by bucket; returns the number of buckets.
 
-    Engines load each bucket as it lands; the last one carries the cache flush and `version`. A collective that
-    did not complete leaves the group unusable: `broadcaster.broken` says why and later calls raise at once.
+    Engines load each bucket as it lands; the last one carries the cache flush and `version`. Two buckets are in
+    memory at a time (the next one is flattened while the current one travels). A collective that did not
+    complete leaves the group unusable: `broadcaster.broken` says why and later calls raise at once.
     """
     if broadcaster.broken:
         raise WeightGroupError(f"the weight-update group is unusable after an earlier failure "
@@ -406,11 +407,18 @@ async def broadcast_weights(broadcaster: WeightBroadcaster, clients: Sequence[An
     if not buckets:
         raise ValueError("the state dict is empty: nothing to broadcast")
     device = broadcaster.device
+
+    def flatten(i: int) -> asyncio.Future[torch.Tensor]:  # the next bucket flattens while this one travels
+        return asyncio.ensure_future(asyncio.to_thread(flatten_bucket, buckets[i], state_dict, device))
+
+    pending = flatten(0)
     try:
         await asyncio.gather(*(c.begin_weight_update() for c in clients))
         for i, bucket in enumerate(buckets):
             last = i == len(buckets) - 1
-            flat = flatten_bucket(bucket, state_dict, device)
+            flat = await pending
+            if not last:
+                pending = flatten(i + 1)
             calls = [c.update_weights_from_distributed(
                 list(bucket.names), bucket.dtypes, [list(s) for s in bucket.shapes],
                 group_name=broadcaster.group_name, load_format=FLATTENED_BUCKET, flush_cache=last,
@@ -420,5 +428,5 @@ async def broadcast_weights(broadcaster: WeightBroadcaster, clients: Sequence[An
         broadcaster.broken = str(exc)
         raise
     finally:
-        await asyncio.gather(*(c.end_weight_update() for c in clients), return_exceptions=True)
+        await asyncio.gather(pending, *(c.end_weight_update() for c in clients), return_exceptions=True)
     return len(buckets)
