@@ -32,10 +32,11 @@ class TimeoutConfig:
     - `overhead`, `prefill_s_per_token`, `decode_s_per_token`: E's measured (EMA least-squares) costs, the
       priors until `min_observations` calls were measured on E.
     - `uncached`: the prompt tokens E does not hold in its cache for this session.
-    - `prefill_wait`: the prefill still queued at E when the turn is sent: the prefill of the requests
-      this router sent there that E has not worked off yet (each adds `uncached * prefill_s_per_token` to E's
-      prefill backlog, which drains in real time), or what E reports waiting (`EngineLoad.waiting_tokens`),
-      whichever is larger.
+    - `prefill_wait`: the prefill still queued at E when the turn is sent (engines prefill in arrival
+      order): `prefill_s_per_token` times the uncached tokens of the calls this router sent to E that are not
+      known to be past their prefill (no call sent at or after them has returned), less the time since the
+      oldest of them was sent; or, when larger, what E reports waiting (`EngineLoad.waiting_tokens`, else its
+      waiting requests times this turn's `uncached`) times `prefill_s_per_token`.
     - `requests_ahead`: the requests in flight at E, from this router or, when larger, as E reports them
       (`running + waiting`).
     - `batch_slowdown`: how much each other request in the batch slows one decode step: 0 for ideal
@@ -82,9 +83,11 @@ class RetryConfig:
     A failed attempt is retried after `min(max_delay_s, base_delay_s * 2**attempt)` seconds, times a random
     factor in `[1 - jitter, 1 + jitter]`, at most `max_retries` times per turn.
 
-    An engine becomes *suspect* (no new work) after a connection-level failure, after a turn timeout when it
-    finished nothing since that turn was sent, after `suspect_after_timeouts` consecutive turn timeouts, or
-    when a health probe (its `health()`, bounded by `probe_timeout_s`) fails after a timeout or while idle.
+    An engine becomes *suspect* (no new work) after a connection-level failure; after a turn timeout when it
+    finished nothing since that turn was sent while another call there is also past its expected time;
+    after `suspect_after_timeouts` consecutive turn timeouts; or when a health probe (its `health()`, bounded
+    by `probe_timeout_s`) fails after a timeout or while it is idle. A turn that timed out on a suspect engine
+    is retried at once on another engine (within `max_retries`).
     A suspect engine is probed every `health_interval_s` (or at once when no engine is left) and comes back
     on probation (one request at a time) until a generate call on it succeeds.
     """

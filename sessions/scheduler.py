@@ -92,7 +92,8 @@ class _GroupState:
 
 
 class SessionScheduler:
-    """Runs sessions of `env_factory()` envs (one fresh env per session) on `engines`.
+    """Runs sessions of `env_factory()` envs (one fresh env per session) on `engines`: one engine, several
+    (routed by a `Router` built from the config), or a `Router` shared with other schedulers.
 
     `recipe` (a `miles.envs.EnvRecipe`) says how those envs are built; it is recorded into every
     `SessionRecord` so that `miles replay --check` can rebuild them. Without `env_factory`, the envs are

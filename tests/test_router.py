@@ -107,7 +107,7 @@ def test_routing_never_picks_a_suspect_engine_and_keeps_affinity(views: list[Eng
     assert views[i].state is not EngineState.SUSPECT
     if room:
         assert i in room  # never a full or suspect engine while a healthy one has room
-    if cache in usable and views[cache].has_room:
+    if cache in usable and (views[cache].has_room or not room):
         assert i == cache  # affinity holds when the cache engine is usable and not overloaded
     if i != cache and room:
         assert views[i].inflight == min(views[k].inflight for k in room)  # least outstanding
@@ -132,12 +132,22 @@ async def run_all(sched: SessionScheduler, tasks: list[Any]) -> list[SessionReco
     return records
 
 
+class JitterEnv(AddEnv):
+    """Each step takes 0-50 ms (drawn from the session's seeded RNG), so sessions come back for their next
+    turn in shifting orders: a router that ignored affinity would scatter them."""
+
+    async def react(self, action: Any) -> list:
+        await asyncio.sleep(0.05 * float(self.np_random.random()))
+        return await super().react(action)
+
+
 async def test_later_turns_stay_on_the_engine_holding_their_cache(tmp_path) -> None:
     servers = [embedded_server(f"embedded-{i}") for i in range(2)]
     clients = [SGLangClient(handle.url, engine_id=engine.engine_id) for engine, handle in servers]
     try:
         # a generous floor: this test is about where turns go, not about deadlines on a shared 2-core machine
-        sched = scheduler(clients, tmp_path, sessions=32, max_turns=4, timeouts=TimeoutConfig(turn_floor_s=60))
+        sched = scheduler(clients, tmp_path, sessions=32, max_turns=4, timeouts=TimeoutConfig(turn_floor_s=60),
+                          env=JitterEnv)
         records = await run_all(sched, [f"t{i}" for i in range(8)])
         assert len(records) == 32 and all(r.termination in OK_ENDS for r in records), [r.error for r in records]
         later = [(prev, turn) for r in records for prev, turn in zip(r.turns, r.turns[1:], strict=False)]
@@ -258,17 +268,19 @@ async def test_sglang_v1_loads_wire_format_and_client() -> None:
         parse_loads({"loads": [{"num_running_reqs": -1}]})
 
 
-async def test_embedded_engine_reports_its_queue() -> None:
+async def test_embedded_engine_reports_its_queue_in_process_and_over_http() -> None:
     engine, handle = embedded_server("queued", prefill_s_per_token=0.0005, decode_s_per_step=0.001)
-    handle.stop()
+    client = SGLangClient(handle.url)
     try:
-        assert await engine.load() == EngineLoad(0, 0)
+        assert await engine.load() == await client.load() == EngineLoad(0, 0)
         calls = [asyncio.create_task(engine.generate([1] * 400, SamplingParams(max_new_tokens=2))) for _ in range(3)]
         async with asyncio.timeout(30):
-            while (seen := await engine.load()).requests < 3:  # each prefill takes 0.2 s: all 3 are seen
+            while (seen := await client.load()).requests < 3:  # each prefill takes 0.2 s: all 3 are seen
                 await asyncio.sleep(0.01)
         assert seen.waiting >= 2 and seen.waiting_tokens is None
         await asyncio.gather(*calls)
-        assert await engine.load() == EngineLoad(0, 0)
+        assert await engine.load() == await client.load() == EngineLoad(0, 0)
     finally:
+        await client.close()
+        handle.stop()
         await engine.close()

@@ -4,7 +4,7 @@ Endpoints: `POST /generate`, `POST /abort_request`, `GET /health`, `GET /health_
 `GET /get_model_info` and `/model_info`, `GET /get_server_info` and `/server_info`, `POST|GET /flush_cache`,
 the weight-update endpoints of `weight_routes` (`/update_weights_from_disk`, `/init_weights_update_group`,
 `/begin_weight_update`, `/update_weights_from_distributed`, `/end_weight_update`, `/destroy_weights_update_group`),
-`POST /update_weight_version`, `GET|POST /get_weights_by_name`.
+`POST /update_weight_version`, `GET|POST /get_weights_by_name`, `GET /v1/loads` (SGLang's load report).
 Bad requests answer 400 with `{"error": {"message", "type"}}`; engine failures answer 503.
 """
 
@@ -27,6 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from miles.engine import EngineError
 from miles.engines.embedded import EmbeddedEngine
 from miles.engines.errors import InvalidRequestError
+from miles.engines.load import LOADS_PATH, loads_body
 from miles.engines.metrics import engine_registry, render_metrics
 from miles.engines.weight_routes import add_weight_routes
 from miles.engines.wire import (
@@ -214,6 +215,11 @@ def create_app(engine: EmbeddedEngine) -> fastapi.FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(render_metrics(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get(LOADS_PATH)
+    async def loads() -> JSONResponse:
+        """SGLang's load report (one rank): requests decoding and waiting here."""
+        return JSONResponse(loads_body(await engine.load()))
 
     return app
 
