@@ -103,6 +103,10 @@ def test_every_session_is_recorded_with_its_weight_version(uninterrupted):
     assert flat[0] >= 1  # the SFT warm start was synced before the first rollout
     evals = read_sessions(out / "eval_sessions.jsonl").records
     assert len(evals) == 2 * 2  # start and final, 2 held-out tasks each
+    assert len({r.session_id for r in evals}) == len(evals)  # each evaluation has its own ids
+    # every record holds everything its env was built with, the loop's split included
+    assert {r.recipe.to_record()["kwargs"].get("split") for r in result.records} == {"train"}
+    assert {r.recipe.to_record()["kwargs"].get("split") for r in evals} == {"held_out"}
 
 
 def test_resume_continues_at_the_next_step_with_the_same_data(uninterrupted, tmp_path):

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from miles.engine import RolloutEngine
-from miles.envs import Env, EnvRecipe, Task
+from miles.envs import EnvRecipe, Task
 from miles.sessions.config import SchedulerConfig
 from miles.sessions.recorder import Recorder
 from miles.sessions.records import SessionRecord
@@ -41,11 +41,12 @@ def summarize(mode: str, records: Sequence[SessionRecord]) -> EvalResult:
 
 
 async def evaluate(engine: RolloutEngine | Sequence[RolloutEngine], *, tokenizer: Any,
-                   env_factory: Callable[[], Env], tasks: Sequence[Task], scheduler: SchedulerConfig,
+                   recipe: EnvRecipe, tasks: Sequence[Task], scheduler: SchedulerConfig,
                    greedy: bool = True, recorder: Recorder | None = None,
-                   max_new_tokens: int | None = None, recipe: EnvRecipe | None = None) -> EvalResult:
-    """Run one session per task (group size 1) and summarize. Greedy sets temperature 0. `recipe` (how
-    `env_factory` builds its envs) is recorded with every session, so `miles replay --check` can rebuild them."""
+                   max_new_tokens: int | None = None, run_id: str = "eval") -> EvalResult:
+    """Run one session per task (group size 1) and summarize. Greedy sets temperature 0. The envs are built
+    from `recipe`, which is recorded with every session (`miles replay --check` rebuilds them from it);
+    `run_id` prefixes the session ids, so give each evaluation of a run its own."""
     session = scheduler.session
     sampling = session.sampling
     if greedy:
@@ -54,8 +55,8 @@ async def evaluate(engine: RolloutEngine | Sequence[RolloutEngine], *, tokenizer
         sampling = dataclasses.replace(sampling, max_new_tokens=max_new_tokens)
     config = dataclasses.replace(scheduler, group_size=1, oversample_groups=0, group_mode="backfill",
                                  progress=False, session=dataclasses.replace(session, sampling=sampling))
-    sched = SessionScheduler(engine, tokenizer=tokenizer, env_factory=env_factory, config=config,
-                             recorder=recorder, run_id="eval", recipe=recipe)
+    sched = SessionScheduler(engine, tokenizer=tokenizer, config=config, recorder=recorder, run_id=run_id,
+                             recipe=recipe)
     try:
         groups = await sched.run([{"task": t} for t in tasks])
     finally:

@@ -16,7 +16,7 @@ import torch
 import yaml
 
 from miles.config import ConfigError, to_dict
-from miles.envs import Env, Task, TaskSourceError
+from miles.envs import Task, TaskSourceError
 from miles.sessions.recorder import Recorder
 from miles.sessions.records import SessionRecord
 from miles.sessions.scheduler import SessionScheduler
@@ -118,18 +118,10 @@ class TrainLoop:
         self.summary = RunSummary(output_dir=str(self.out), steps_done=0)
 
     # ---- setup ---------------------------------------------------------------------------------------
-    def _env_factory(self, split: str) -> Callable[[], Env]:
-        recipe = self.recipe
-
-        def factory() -> Env:
-            return recipe.make(split=split)
-
-        return factory
-
     def _tasks(self, split: str, n: int, *, distinct: bool = False) -> list[Task]:
         """The first `n` tasks of a split; with `distinct`, the first `n` different prompts (generated task
         spaces repeat problems), or all of them when the split has fewer."""
-        env = self._env_factory(split)()
+        env = self.recipe.with_kwargs(split=split).make()
         try:
             if not distinct:
                 tasks = env.tasks.take(n)
@@ -156,8 +148,8 @@ class TrainLoop:
         self.recipe.make(split=cfg.env.train_split).close()  # imports the user's modules; fails early, in one line
         self.tito = build_tito(cfg.model)
         self.model = build_policy(cfg.model, self.tito.tokenizer)
-        self.train_env = self._env_factory(cfg.env.train_split)
-        self.eval_env = self._env_factory(cfg.env.eval_split)
+        self.train_recipe = self.recipe.with_kwargs(split=cfg.env.train_split)
+        self.eval_recipe = self.recipe.with_kwargs(split=cfg.env.eval_split)
         self.train_tasks = self._tasks(cfg.env.train_split, cfg.env.num_train_tasks)
         self.eval_tasks = self._tasks(cfg.env.eval_split, cfg.eval.num_tasks, distinct=True)
         self.cursor = TaskCursor(len(self.train_tasks), cfg.seed)
@@ -177,9 +169,8 @@ class TrainLoop:
             raise
         self.recorder = Recorder(self.out / "sessions.jsonl")
         self.eval_recorder = Recorder(self.out / "eval_sessions.jsonl")
-        self.scheduler = SessionScheduler(self.engines, tokenizer=self.tito, env_factory=self.train_env,
-                                          config=self.scheduler_cfg, recorder=self.recorder, run_id="train",
-                                          recipe=self.recipe)
+        self.scheduler = SessionScheduler(self.engines, tokenizer=self.tito, config=self.scheduler_cfg,
+                                          recorder=self.recorder, run_id="train", recipe=self.train_recipe)
 
     # ---- stages --------------------------------------------------------------------------------------
     async def _sync(self, version: int | None = None) -> None:
@@ -192,10 +183,10 @@ class TrainLoop:
         modes = ([True] if cfg.eval.greedy else []) + ([False] if cfg.eval.sampled else [])
         results = {}
         for greedy in modes:
-            res = await evaluate(self.engines, tokenizer=self.tito, env_factory=self.eval_env,
+            res = await evaluate(self.engines, tokenizer=self.tito, recipe=self.eval_recipe,
+                                 run_id=f"eval-{stage}-{'greedy' if greedy else 'sampled'}",
                                  tasks=self.eval_tasks, scheduler=self.scheduler_cfg, greedy=greedy,
-                                 recorder=self.eval_recorder, max_new_tokens=cfg.eval.max_new_tokens,
-                                 recipe=self.recipe)
+                                 recorder=self.eval_recorder, max_new_tokens=cfg.eval.max_new_tokens)
             results[res.mode] = res
             self.metrics.write("eval", self.trainer.step, stage=stage, **res.to_dict())
             self.echo(f"[eval {stage}] {res.mode}: success {res.success_rate:.1%}  "
@@ -212,7 +203,7 @@ class TrainLoop:
     async def _sft(self) -> None:
         cfg, sft = self.cfg, self.cfg.sft
         t0 = time.perf_counter()
-        demos = await oracle_demos(self.train_env, self.train_tasks[: sft.num_demos], self.tito)
+        demos = await oracle_demos(self.train_recipe.make, self.train_tasks[: sft.num_demos], self.tito)
         rng = random.Random(cfg.seed)
         steps = 0
         sft_trainer = self._sft_trainer()
@@ -231,7 +222,8 @@ class TrainLoop:
                     break
                 if val_tasks and steps >= sft.min_steps and steps % sft.check_every == 0:
                     await self._sync()
-                    val = await evaluate(self.engines, tokenizer=self.tito, env_factory=self.train_env,
+                    val = await evaluate(self.engines, tokenizer=self.tito, recipe=self.train_recipe,
+                                         run_id=f"sft-val-{steps}",
                                          tasks=val_tasks, scheduler=self.scheduler_cfg, greedy=True)
                     self.metrics.write("sft_val", steps, success_rate=val.success_rate)
                     self.echo(f"[sft] step {steps}: loss {m['loss']:.3f}, validation success "
@@ -305,6 +297,7 @@ class TrainLoop:
                 self.metrics.drop_after(saved_at)
                 for recorder in (self.recorder, self.eval_recorder):  # redone sessions stay in the file once
                     recorder.drop_after(saved_at)
+                self.scheduler.run_id = f"train-r{start_step}"  # session ids stay unique across resumes
                 self.echo(f"[resume] from {ckpt.path.name}: step {start_step}")
             elif cfg.sft.enabled:
                 await self._sft()
