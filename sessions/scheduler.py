@@ -16,6 +16,7 @@ from typing import Any
 from miles.engine import RolloutEngine
 from miles.envs.recipe import EnvRecipe
 from miles.sessions.config import SchedulerConfig
+from miles.sessions.metrics import SessionObserver
 from miles.sessions.progress import ProgressDisplay, RunStats
 from miles.sessions.recorder import Recorder
 from miles.sessions.records import ErrorInfo, SessionRecord
@@ -106,18 +107,21 @@ class SessionScheduler:
                 ...
 
     Every session that started is recorded to `recorder` (a `Recorder` or a path to a
-    `sessions.jsonl`) when it ends, aborted ones included; `stats` counts them.
+    `sessions.jsonl`) when it ends, aborted ones included; `stats` counts them. `observer` (e.g. a
+    `SessionMetrics`) is told about every session right after it is recorded.
     """
 
     def __init__(self, engines: RolloutEngine | Sequence[RolloutEngine] | Router, *, tokenizer: Any,
                  env_factory: Callable[[], SessionEnv] | None = None, config: SchedulerConfig | None = None,
                  recorder: Recorder | str | os.PathLike[str] | None = None, parser: Any = None,
-                 run_id: str | None = None, recipe: EnvRecipe | None = None) -> None:
+                 run_id: str | None = None, recipe: EnvRecipe | None = None,
+                 observer: SessionObserver | None = None) -> None:
         if env_factory is None:
             if recipe is None:
                 raise ValueError("SessionScheduler needs env_factory= or recipe=")
             env_factory = recipe.make
         self.recipe = recipe
+        self.observer = observer
         self.config = config or SchedulerConfig()
         self.config.validate()
         scfg = self.config.session
@@ -249,6 +253,11 @@ class SessionScheduler:
             except Exception as exc:
                 self.stats.record_failures += 1
                 log.error("recording session %s failed: %s", spec.session_id, exc)
+        if self.observer is not None:
+            try:
+                self.observer.observe(rec)
+            except Exception as exc:  # metrics must never cost a session
+                log.error("observing session %s failed: %r", spec.session_id, exc)
         state.slots[spec.sample_index] = rec
         state.left -= 1
         if state.left == 0:

@@ -136,24 +136,26 @@ async def test_weight_updates_from_disk_and_by_broadcast(tmp_path):
         await engine.close()
 
 
-def _metric(text: str, name: str) -> float:
-    line = next(x for x in text.splitlines() if x.startswith(name + "{"))
+def _metric(text: str, name: str, engine_id: str) -> float:
+    line = next(x for x in text.splitlines() if x.startswith(name + "{") and f'engine="{engine_id}"' in x)
     return float(line.rsplit(" ", 1)[1])
 
 
 async def test_prometheus_metrics_count_the_served_tokens(served, client):
     engine, handle = served
+    eid = engine.engine_id
     async with httpx.AsyncClient() as http:
         before = (await http.get(handle.url + "/metrics")).text
         out = await client.generate([5, 6, 7], SamplingParams(temperature=0.0, max_new_tokens=5))
         after = await http.get(handle.url + "/metrics")
     assert after.headers["content-type"].startswith("text/plain")
     text = after.text
-    assert _metric(text, "miles_decode_tokens_total") - _metric(before, "miles_decode_tokens_total") >= \
-        len(out.output_ids) - 1  # the first token comes from prefill
-    assert _metric(text, "miles_prefill_tokens_total") > _metric(before, "miles_prefill_tokens_total")
-    assert _metric(text, "miles_weight_version") == engine.weight_version
-    assert _metric(text, "miles_num_running_requests") == 0
+    assert _metric(text, "miles_engine_decode_tokens_total", eid) - \
+        _metric(before, "miles_engine_decode_tokens_total", eid) >= len(out.output_ids) - 1  # 1st from prefill
+    assert _metric(text, "miles_engine_prefill_tokens_total", eid) > \
+        _metric(before, "miles_engine_prefill_tokens_total", eid)
+    assert _metric(text, "miles_engine_weight_version", eid) == engine.weight_version
+    assert _metric(text, "miles_engine_running_requests", eid) == 0
 
 
 def test_model_specs_the_launcher_accepts(tmp_path):

@@ -13,13 +13,21 @@ from .advantages import group_stats
 
 
 class MetricAccumulator:
-    """Sums ``(sum, count)`` pairs over micro-batches and reports ``sum / count`` per name."""
+    """Sums ``(sum, count)`` pairs over micro-batches and reports ``sum / count`` per name.
+
+    A name ending in ``_max`` holds ``(max, 1)`` pairs instead: it keeps the largest value seen.
+    """
 
     def __init__(self) -> None:
         self._sums: dict[str, float] = defaultdict(float)
         self._counts: dict[str, float] = defaultdict(float)
 
     def add(self, name: str, total: float, count: float = 1.0) -> None:
+        if name.endswith("_max"):
+            seen = self._counts[name] > 0
+            self._sums[name] = max(self._sums[name], float(total)) if seen else float(total)
+            self._counts[name] = 1.0
+            return
         self._sums[name] += float(total)
         self._counts[name] += float(count)
 
@@ -55,16 +63,21 @@ def logprob_mismatch_sums(train_logprobs: torch.Tensor, rollout_logprobs: torch.
     - ``mismatch_abs``: mean ``|logp_train - logp_rollout|``;
     - ``mismatch_kl``: KL(rollout || train) by the non-negative k3 estimator on rollout samples,
       ``e^d - d - 1`` with ``d = logp_train - logp_rollout``;
-    - ``mismatch_k1``: the plain estimator ``logp_rollout - logp_train``.
+    - ``mismatch_k1``: the plain estimator ``logp_rollout - logp_train``;
+    - ``mismatch_kl_max``: the largest per-token k3 term (a ``(max, 1)`` pair, see `MetricAccumulator`).
     """
     mask = loss_mask.to(torch.float64)
     d = (train_logprobs.detach().to(torch.float64) - rollout_logprobs.to(torch.float64)) * mask
     n = float(mask.sum())
-    return {
+    k3 = (torch.exp(d) - d - 1) * mask
+    out = {
         "mismatch_abs": (float(d.abs().sum()), n),
-        "mismatch_kl": (float(((torch.exp(d) - d - 1) * mask).sum()), n),
+        "mismatch_kl": (float(k3.sum()), n),
         "mismatch_k1": (float((-d).sum()), n),
     }
+    if n:
+        out["mismatch_kl_max"] = (float(k3.max()), 1.0)
+    return out
 
 
 def logprob_mismatch(train_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,

@@ -42,6 +42,7 @@ from miles.engine import EngineError, FinishReason, GenerateResult, RolloutEngin
 from miles.engines.errors import InvalidRequestError
 from miles.engines.kv import BatchKV, RowKV, SessionStore, common_prefix_len, crop
 from miles.engines.load import EngineLoad
+from miles.engines.metrics import EngineHistograms
 from miles.engines.sampling import RowSampling, sample_rows
 
 logger = logging.getLogger(__name__)
@@ -113,6 +114,7 @@ class EmbeddedEngine(RolloutEngine):
         self._generator = torch.Generator(device=self.device)
         self._generator.manual_seed(int.from_bytes(os.urandom(4), "little"))
         self.stats = {"steps": 0, "prefill_tokens": 0, "cached_tokens": 0, "decode_tokens": 0}
+        self.histograms = EngineHistograms()
         self._thread = threading.Thread(target=self._run, name=f"{engine_id}-decode", daemon=True)
         self._thread.start()
 
@@ -214,9 +216,15 @@ class EmbeddedEngine(RolloutEngine):
 
     async def load(self) -> EngineLoad:
         """Requests decoding here, and requests not decoding yet (waiting or in their prefill)."""
-        with self._cond:
-            running = len(self._active)
-            return EngineLoad(running=running, waiting=max(0, len(self._rids) - running))
+        return self.load_now()
+
+    def load_now(self) -> EngineLoad:
+        """`load()` for callers without an event loop (metrics read at scrape time)."""
+        with self._cond:  # a finished request may linger in `_active` for a moment: count unresolved rids
+            rids = set(self._rids)
+            active = [r for r in self._active if r.rid in rids]
+            running = sum(not r.finished for r in active)
+            return EngineLoad(running=running, waiting=len(rids) - len(active))
 
     @property
     def num_in_flight(self) -> int:
@@ -339,6 +347,7 @@ class EmbeddedEngine(RolloutEngine):
         pos = torch.arange(m, len(ids), device=self.device)[None]
         out = self.model(input_ids=x, position_ids=pos, use_cache=True, **{self._cache_kw: cache})
         tokens, logprobs = sample_rows(out.logits[:, -1], [req.row], self._generator)
+        self.histograms.first_token.observe(time.perf_counter() - req.start)
         req.output_ids.append(tokens[0])
         req.output_logprobs.append(logprobs[0])
         kv = [(layer.keys, layer.values) for layer in cache.layers]
@@ -358,6 +367,7 @@ class EmbeddedEngine(RolloutEngine):
         batch.advanced([(layer.keys, layer.values) for layer in cache.layers])
         tokens, logprobs = sample_rows(out.logits[:, -1], [r.row for r in self._active], self._generator)
         self.stats["steps"] += 1
+        self.histograms.batch_size.observe(len(tokens))
         self.stats["decode_tokens"] += len(tokens)
         done = []
         for i, (req, tok, lp) in enumerate(zip(self._active, tokens, logprobs, strict=True)):

@@ -1,0 +1,92 @@
+"""Session metrics: every session-level family is derived from the finished `SessionRecord`, in one call.
+
+`SessionScheduler(observer=SessionMetrics(labels))` calls `observe(record)` once per session, right after
+recording it. `observe_router(stats)` adds the router's per-engine view (placements, suspect marks, state).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from miles.observability import Metrics, RunLabels, process_metrics
+from miles.sessions.records import SessionRecord
+from miles.sessions.router import EngineState, RouterStats
+
+
+class SessionObserver(Protocol):
+    """Something told about every finished session (after it was recorded)."""
+
+    def observe(self, record: SessionRecord) -> None: ...
+
+
+UNKNOWN_TOOL = "unknown"
+NO_ENGINE = "none"
+
+
+class SessionMetrics:
+    """Feeds the `miles_session_*`, `miles_turn_*` and `miles_tool_*` families from finished records.
+
+    `labels.env` is used when a record carries no env id. Tool-name labels are limited to the tools in the
+    record's schema (anything else counts as `unknown`), so a model that invents names cannot grow the series.
+    Time to first token is not here: the engines do not stream, so it is measured where an engine produces
+    it (`miles_engine_time_to_first_token_seconds`).
+    """
+
+    def __init__(self, labels: RunLabels, *, metrics: Metrics | None = None) -> None:
+        self.labels = labels
+        self.metrics = metrics or process_metrics()
+
+    def observe(self, record: SessionRecord) -> None:
+        m = self.metrics
+        base = (self.labels.run, record.env_id or self.labels.env, self.labels.model, self.labels.adapter)
+        m.child("miles_sessions_total", *base, record.termination.value).inc()
+        m.child("miles_session_duration_seconds", *base).observe(record.duration_s)
+        m.child("miles_session_turns", *base).observe(len(record.turns))
+        m.child("miles_session_generated_tokens", *base).observe(
+            sum(t.output_end - t.output_start for t in record.turns))
+        m.child("miles_session_reward", *base).observe(record.reward)
+        for component, value in record.reward_components.items():
+            m.child("miles_session_reward_component", *base, component).observe(value)
+        known_tools = {(t.get("function") or {}).get("name") for t in record.tools}
+        for turn in record.turns:
+            self._turn(base, turn, known_tools)
+
+    def _turn(self, base: tuple[str, ...], turn: Any, known_tools: set[Any]) -> None:
+        m = self.metrics
+        for attempt in turn.attempts:
+            m.child("miles_turn_retries_total", *base, attempt.engine_id or NO_ENGINE, attempt.error.type).inc()
+        if turn.queue_s:
+            m.child("miles_turn_queue_seconds", *base, turn.engine_id or NO_ENGINE).observe(turn.queue_s)
+        if turn.finish_reason:  # the generate call succeeded
+            engine = (*base, turn.engine_id or NO_ENGINE)
+            m.child("miles_turns_total", *engine, turn.finish_reason).inc()
+            m.child("miles_turn_generate_seconds", *engine).observe(turn.generate_s)
+            m.child("miles_turn_output_tokens", *engine).observe(turn.output_end - turn.output_start)
+            m.child("miles_turn_prompt_tokens_total", *engine).inc(turn.prompt_tokens)
+            m.child("miles_turn_cached_tokens_total", *engine).inc(turn.cached_tokens)
+        if turn.assistant:
+            m.child("miles_turn_env_seconds", *base).observe(turn.env_s)
+        for call in turn.tool_calls:
+            name = (call.get("function") or {}).get("name")
+            m.child("miles_tool_calls_total", *base, name if name in known_tools else UNKNOWN_TOOL).inc()
+        for kind, count in turn.tool_errors.items():
+            m.child("miles_tool_errors_total", *base, kind).inc(count)
+        for result in turn.tool_results:
+            duration = result.get("duration_s")
+            if isinstance(duration, int | float) and not isinstance(duration, bool):
+                name = result.get("name")
+                m.child("miles_tool_duration_seconds", *base, name if name in known_tools else UNKNOWN_TOOL
+                        ).observe(duration)
+
+    def observe_router(self, stats: RouterStats) -> None:
+        """One stats window of the scheduler's router (`router.stats(reset=True)`, once per step): turns by
+        placement, suspect marks, and each engine's current state."""
+        m, run, model = self.metrics, self.labels.run, self.labels.model
+        for e in stats.engines:
+            labels = (run, model, e.engine_id)
+            for placement, count in (("new", e.new_sessions), ("stayed", e.stayed), ("switched", e.switched)):
+                if count:
+                    m.child("miles_router_turns_total", *labels, placement).inc(count)
+            m.child("miles_router_suspect_marks_total", *labels).inc(e.suspect_marks)
+            for state in EngineState:
+                m.child("miles_router_engine_state", *labels, state.value).set(float(e.state is state))
