@@ -154,11 +154,11 @@ def _message(m: _MessageIn, i: int) -> Message:
     if m.role not in ROLES:
         raise bad_request(f"{where}.role {m.role!r} is not one of {list(ROLES)}", f"{where}.role")
     if m.tool_calls and m.role != "assistant":
-        raise bad_request(f"{where}: only assistant messages may have tool_calls", f"{where}.tool_calls")
+        raise bad_request(f"{where}.tool_calls: only assistant messages may have tool calls", f"{where}.tool_calls")
     if m.role == "tool" and not m.tool_call_id:
-        raise bad_request(f"{where}: a tool message needs tool_call_id", f"{where}.tool_call_id")
+        raise bad_request(f"{where}.tool_call_id: a tool message needs tool_call_id", f"{where}.tool_call_id")
     if m.role != "tool" and m.tool_call_id is not None:
-        raise bad_request(f"{where}: only tool messages have a tool_call_id", f"{where}.tool_call_id")
+        raise bad_request(f"{where}.tool_call_id: only tool messages have one", f"{where}.tool_call_id")
     for name in ("refusal", "annotations", "audio", "function_call"):
         if getattr(m, name):
             raise bad_request(f"{where}.{name} is not supported", f"{where}.{name}")
