@@ -22,22 +22,19 @@ import contextlib
 import json
 import logging
 import os
-import shlex
-import shutil
 import signal
-import string
 import tempfile
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from miles.config import ConfigError
 from miles.engine import RolloutEngine
 from miles.envs.recipe import EnvRecipe
+from miles.sessions.openai_config import AgentConfig, SamplingOverride
 from miles.sessions.openai_endpoint import OpenAIEndpoint
 from miles.sessions.openai_routes import EndpointServer, create_openai_app
-from miles.sessions.openai_session import OpenAISession, OpenAISessionConfig, SamplingOverride, Score
+from miles.sessions.openai_session import OpenAISession, Score
 from miles.sessions.recorder import Recorder
 from miles.sessions.records import ErrorInfo, SessionRecord, jsonable
 from miles.sessions.router import Router
@@ -45,76 +42,7 @@ from miles.sessions.scheduler import Group
 from miles.sessions.spec import SessionSpec, TaskSpec
 from miles.types import Message, TerminationReason
 
-#: The placeholders `command` may use.
-PLACEHOLDERS = ("base_url", "api_key", "session_id", "task_id", "task_file")
-
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class AgentConfig:
-    """`rollout.agent`: train an agent that speaks the OpenAI API, run as `command` once per session.
-
-    - `command`: the agent's command line (split like a shell would, not run through one; empty: no external
-      agent, the loop's own sessions run), with
-      `{base_url}`, `{api_key}`, `{session_id}`, `{task_id}`, `{task_file}` placeholders, e.g.
-      `python examples/openai_agent.py --base-url {base_url}`.
-    - `env`: more environment variables for it. `timeout_s`: its time limit per session.
-    - `max_concurrent`: agents running at once. `reward`: see the module docstring.
-    - `sampling`: sampling the server imposes whatever the agent asks (e.g. `temperature: 1.0` for on-policy
-      RL; `max_tokens` caps the agent's).
-    - `session`: how each endpoint session behaves (`history_mismatch: error | fork`, parser, limits).
-    - `host`, `port`: where the endpoint listens (port 0: a free one). `log_dir`: the agents' output, one file
-      per session (default: a temporary folder); `keep_logs` keeps the logs of sessions that ended well.
-    """
-
-    command: str = ""
-    env: dict[str, str] = field(default_factory=dict)
-    timeout_s: float = 300.0
-    max_concurrent: int = 16
-    reward: Literal["auto", "env", "client"] = "auto"
-    sampling: SamplingOverride = field(default_factory=SamplingOverride)
-    session: OpenAISessionConfig = field(default_factory=OpenAISessionConfig)
-    host: str = "127.0.0.1"
-    port: int = 0
-    log_dir: str | None = None
-    keep_logs: bool = False
-
-    def __post_init__(self) -> None:
-        if not self.enabled:
-            return
-        argv = self.argv(**{p: p for p in PLACEHOLDERS})
-        program = argv[0]
-        if shutil.which(program) is None and not Path(program).is_file():
-            raise ConfigError("command", f"{program!r} is not a program on PATH or a file; give the agent's command "
-                                         "line, e.g. 'python my_agent.py'")
-        if self.timeout_s <= 0:
-            raise ConfigError("timeout_s", "must be > 0")
-        if self.max_concurrent < 1:
-            raise ConfigError("max_concurrent", "must be >= 1")
-
-    @property
-    def enabled(self) -> bool:
-        """Whether an external agent runs the sessions (a command is set)."""
-        return bool(self.command.strip())
-
-    def argv(self, **values: str) -> list[str]:
-        """The command line with its placeholders filled in."""
-        try:
-            parts = shlex.split(self.command)
-        except ValueError as exc:
-            raise ConfigError("command", f"cannot split {self.command!r}: {exc}") from None
-        if not parts:
-            raise ConfigError("command", "give the agent's command line, e.g. 'python my_agent.py {base_url}'")
-        out = []
-        for part in parts:
-            names = {name for _, name, _, _ in string.Formatter().parse(part) if name is not None}
-            unknown = sorted(names - set(PLACEHOLDERS))
-            if unknown:
-                raise ConfigError("command", f"unknown placeholder {{{unknown[0]}}}; known: "
-                                             f"{', '.join('{' + p + '}' for p in PLACEHOLDERS)}")
-            out.append(part.format(**values))
-        return out
 
 
 def task_payload(spec: SessionSpec, messages: Sequence[Message], tools: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -158,11 +86,16 @@ class AgentRunner:
     record per branch, all with the sample's reward.
     """
 
-    def __init__(self, service: AgentRollout, *, env_factory: Callable[[], Any], recipe: EnvRecipe | None = None,
-                 group_size: int = 1, seed: int = 0, recorder: Recorder | None = None, run_id: str = "agent",
+    def __init__(self, service: AgentRollout, *, recipe: EnvRecipe | None = None,
+                 env_factory: Callable[[], Any] | None = None, group_size: int = 1, seed: int = 0,
+                 recorder: Recorder | None = None, run_id: str = "agent",
                  override: SamplingOverride | None = None) -> None:
         if group_size < 1:
             raise ValueError("group_size must be >= 1")
+        if env_factory is None:
+            if recipe is None:
+                raise ValueError("AgentRunner needs recipe= or env_factory=")
+            env_factory = recipe.make
         self.service = service
         self.env_factory = env_factory
         self.recipe = recipe
@@ -174,6 +107,11 @@ class AgentRunner:
         self._count = 0
         self._groups = 0
         self._tasks: set[asyncio.Task[Any]] = set()
+
+    @property
+    def router(self) -> Router:
+        """The endpoint's router (per-engine stats, as `SessionScheduler.router`)."""
+        return self.service.endpoint.router
 
     async def run(self, tasks: Iterable[Any], *, num_groups: int | None = None) -> list[Group]:
         """One group of `group_size` sessions per task (the first `num_groups` tasks when given), in the order
@@ -286,8 +224,6 @@ class AgentRollout:
         loop. `context_length` bounds sessions when the engines do not report it."""
         session = config.session
         if context_length is not None and session.context_length is None:
-            from dataclasses import replace
-
             session = replace(session, context_length=context_length)
         endpoint = OpenAIEndpoint(engines, tokenizer=tokenizer, config=session, open_sessions=False,
                                   max_inflight_per_engine=max(64, config.max_concurrent))
@@ -304,22 +240,22 @@ class AgentRollout:
         """What the agents get as `{base_url}`: the OpenAI API root."""
         return f"{self.server.url}/v1"
 
-    def runner(self, *, env_factory: Callable[[], Any], recipe: EnvRecipe | None = None, group_size: int = 1,
-               seed: int = 0, recorder: Recorder | None = None, run_id: str = "agent",
+    def runner(self, *, recipe: EnvRecipe | None = None, env_factory: Callable[[], Any] | None = None,
+               group_size: int = 1, seed: int = 0, recorder: Recorder | None = None, run_id: str = "agent",
                override: SamplingOverride | None = None) -> AgentRunner:
-        """A runner of sessions of `env_factory()` envs (see `AgentRunner`)."""
-        return AgentRunner(self, env_factory=env_factory, recipe=recipe, group_size=group_size, seed=seed,
+        """A runner of sessions of `recipe`'s envs (or `env_factory()`'s; see `AgentRunner`)."""
+        return AgentRunner(self, recipe=recipe, env_factory=env_factory, group_size=group_size, seed=seed,
                            recorder=recorder, run_id=run_id, override=override)
 
-    async def evaluate(self, tasks: Sequence[Any], *, env_factory: Callable[[], Any], recipe: EnvRecipe | None = None,
-                       recorder: Recorder | None = None, greedy: bool = True, max_tokens: int | None = None,
-                       run_id: str = "eval") -> list[SessionRecord]:
+    async def evaluate(self, tasks: Sequence[Any], *, recipe: EnvRecipe | None = None,
+                       env_factory: Callable[[], Any] | None = None, recorder: Recorder | None = None,
+                       greedy: bool = True, max_tokens: int | None = None, run_id: str = "eval") -> list[SessionRecord]:
         """One session per task (greedy: temperature 0 whatever the agent asks); returns each session's last
         record (the one that carries its final messages), in task order of completion."""
         base = self.config.sampling
         override = SamplingOverride(temperature=0.0 if greedy else base.temperature, top_p=base.top_p,
                                     max_tokens=max_tokens if max_tokens is not None else base.max_tokens)
-        runner = self.runner(env_factory=env_factory, recipe=recipe, recorder=recorder, run_id=run_id,
+        runner = self.runner(recipe=recipe, env_factory=env_factory, recorder=recorder, run_id=run_id,
                              override=override)
         try:
             groups = await runner.run(tasks)

@@ -21,8 +21,9 @@ from typing import Any
 
 from miles.engine import EngineError, FinishReason, GenerateResult, RolloutEngine
 from miles.envs.recipe import EnvRecipe
+from miles.sessions.openai_config import OpenAISessionConfig, SamplingOverride
 from miles.sessions.openai_schema import ChatRequest, ClientReward, Completion, EndpointError, Usage
-from miles.sessions.openai_session import OpenAISession, OpenAISessionConfig, Plan, SamplingOverride, Score
+from miles.sessions.openai_session import OpenAISession, Plan, Score
 from miles.sessions.recorder import Recorder
 from miles.sessions.records import ErrorInfo, SessionRecord
 from miles.sessions.retry import backoff_delay_s, is_retryable
@@ -187,8 +188,7 @@ class OpenAIEndpoint:
             expired = False
             t0 = time.monotonic()
             try:
-                async with asyncio.timeout(None) as cm:
-                    lease.watch(cm, self.config.timeouts.turn_cap_s)
+                async with lease.timeout(self.config.timeouts.turn_cap_s) as cm:
                     result = await lease.engine.generate(plan.prompt, plan.params, session_id=sid, rid=rid)
             except TimeoutError as exc:
                 expired, error = cm.expired(), exc

@@ -29,12 +29,9 @@ import uvicorn
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from miles.config import ConfigError
+from miles.sessions.openai_config import MAX_REQUEST_BYTES, OpenAIEndpointConfig
 from miles.sessions.openai_endpoint import OpenAIEndpoint
 from miles.sessions.openai_schema import EndpointError, parse_chat_request, parse_reward
-from miles.sessions.openai_session import OpenAISessionConfig
-
-#: The largest request body the endpoint reads (413 above it).
-MAX_REQUEST_BYTES = 8 << 20
 
 
 def _error(exc: EndpointError) -> JSONResponse:
@@ -202,28 +199,6 @@ class EndpointServer:
 
 
 # ---- `python -m miles.engines --openai`: the embedded engine's server with the endpoint mounted ---------------
-@dataclass(frozen=True)
-class OpenAIEndpointConfig:
-    """The `--openai KEY=VALUE` settings of `python -m miles.engines` (and so of `miles rollout`).
-
-    `tokenizer` (a `miles.tito.load_tokenizer` name or folder; default: the served model's), `chat_template`
-    (an override such as "compact"), `record` (a `sessions.jsonl` for every closed session), `model_name`
-    (what `/v1/models` lists; default: the served model), `max_request_bytes`, and `session` (how each session
-    behaves, e.g. `session.history_mismatch=fork`).
-    """
-
-    tokenizer: str | None = None
-    chat_template: str | None = None
-    record: str | None = None
-    model_name: str | None = None
-    max_request_bytes: int = MAX_REQUEST_BYTES
-    session: OpenAISessionConfig = field(default_factory=OpenAISessionConfig)
-
-    def __post_init__(self) -> None:
-        if self.max_request_bytes < 1024:
-            raise ConfigError("max_request_bytes", "must be >= 1024")
-
-
 def openai_config(overrides: list[str]) -> OpenAIEndpointConfig:
     """The endpoint config from `KEY=VALUE` overrides (dotted keys, YAML values); `ConfigError` names a bad key."""
     from miles.config import load_config

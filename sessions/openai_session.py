@@ -18,10 +18,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from miles.config import ConfigError
 from miles.engine import FinishReason, GenerateResult, SamplingParams
 from miles.envs.recipe import EnvRecipe
-from miles.sessions.config import RetryConfig, TimeoutConfig
+from miles.sessions.openai_config import OpenAISessionConfig, SamplingOverride
 from miles.sessions.openai_schema import (
     ChatRequest,
     ClientReward,
@@ -37,56 +36,6 @@ from miles.types import Message, TerminationReason
 
 _ERROR_ENDS = (TerminationReason.ENV_ERROR, TerminationReason.ENGINE_ERROR, TerminationReason.TIMEOUT,
                TerminationReason.ABORTED)
-
-
-@dataclass(frozen=True)
-class OpenAISessionConfig:
-    """How each endpoint session behaves.
-
-    - `history_mismatch`: a request whose messages do not extend the session's history is refused with a 409
-      naming the first differing message ("error"), or starts a new branch re-rendered from its messages
-      ("fork"; every branch is recorded and trained, and forks are counted).
-    - `parser`: the `miles.tools` tool-call parser of the model's output ("hermes", "qwen3", "llama3_json").
-    - `max_tokens`: a request's token budget when it gives none. `max_turns`: chat requests per session
-      (None: unbounded). `context_length`: the model's context (None: the engine's, when it reports one).
-    - `idle_timeout_s`: a session without requests for this long is closed as `timeout`.
-    - `timeouts`, `retry`: the generate calls' deadlines and retries (as for internal sessions).
-    """
-
-    history_mismatch: Literal["error", "fork"] = "error"
-    parser: str = "hermes"
-    max_tokens: int = 256
-    max_turns: int | None = None
-    context_length: int | None = None
-    idle_timeout_s: float = 1800.0
-    timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
-    retry: RetryConfig = field(default_factory=RetryConfig)
-
-    def __post_init__(self) -> None:
-        from miles.tools import UnknownParserError, get_parser
-
-        try:
-            get_parser(self.parser)
-        except UnknownParserError as exc:
-            raise ConfigError("parser", str(exc)) from None
-        if self.max_tokens < 1:
-            raise ConfigError("max_tokens", "must be >= 1")
-        if self.max_turns is not None and self.max_turns < 1:
-            raise ConfigError("max_turns", "must be >= 1 or null")
-        if self.context_length is not None and self.context_length < 2:
-            raise ConfigError("context_length", "must be >= 2 or null")
-        if self.idle_timeout_s <= 0:
-            raise ConfigError("idle_timeout_s", "must be > 0")
-
-
-@dataclass(frozen=True)
-class SamplingOverride:
-    """Sampling the server imposes on a session whatever the client asks: `temperature` and `top_p` replace
-    the client's values, `max_tokens` caps them (None leaves the client's)."""
-
-    temperature: float | None = None
-    top_p: float | None = None
-    max_tokens: int | None = None
 
 
 @dataclass(frozen=True)

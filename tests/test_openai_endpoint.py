@@ -30,9 +30,9 @@ from test_openai_support import (
 
 from miles.engine import EngineError
 from miles.sessions.instant import InstantEngine
+from miles.sessions.openai_config import OpenAISessionConfig
 from miles.sessions.openai_endpoint import OpenAIEndpoint
 from miles.sessions.openai_routes import EndpointServer, create_openai_app
-from miles.sessions.openai_session import OpenAISessionConfig
 from miles.sessions.recorder import read_sessions
 from miles.sessions.replay import check_tito
 from miles.sessions.replay_cli import main as replay_main
