@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from miles.engine import FinishReason
 from miles.observability import Metrics, RunLabels, process_metrics
 from miles.sessions.records import SessionRecord
 from miles.sessions.router import EngineState, RouterStats
+from miles.types import TerminationReason, ToolErrorType
 
 
 class SessionObserver(Protocol):
@@ -21,6 +23,7 @@ class SessionObserver(Protocol):
 
 UNKNOWN_TOOL = "unknown"
 NO_ENGINE = "none"
+TIMEOUT_ERRORS = frozenset({"TurnTimeout"})  # `ErrorInfo.type` of an attempt that missed its deadline
 
 
 class SessionMetrics:
@@ -30,15 +33,29 @@ class SessionMetrics:
     record's schema (anything else counts as `unknown`), so a model that invents names cannot grow the series.
     Time to first token is not here: the engines do not stream, so it is measured where an engine produces
     it (`miles_engine_time_to_first_token_seconds`).
+
+    Counters whose label values are known in advance (terminations, tool error kinds, finish reasons and
+    retry reasons of an engine) start at 0 the first time their env or engine is seen, so that `rate()`
+    sees their first increase and panels show 0 rather than nothing.
     """
 
     def __init__(self, labels: RunLabels, *, metrics: Metrics | None = None) -> None:
         self.labels = labels
         self.metrics = metrics or process_metrics()
+        self._seen: set[tuple[str, ...]] = set()
+
+    def _first_sight(self, key: tuple[str, ...], zeros: tuple[tuple[str, tuple[str, ...]], ...]) -> None:
+        if key not in self._seen:
+            self._seen.add(key)
+            for name, values in zeros:
+                for v in values:
+                    self.metrics.child(name, *key, v).inc(0)
 
     def observe(self, record: SessionRecord) -> None:
         m = self.metrics
         base = (self.labels.run, record.env_id or self.labels.env, self.labels.model, self.labels.adapter)
+        self._first_sight(base, (("miles_sessions_total", tuple(t.value for t in TerminationReason)),
+                                 ("miles_tool_errors_total", tuple(k.value for k in ToolErrorType))))
         m.child("miles_sessions_total", *base, record.termination.value).inc()
         m.child("miles_session_duration_seconds", *base).observe(record.duration_s)
         m.child("miles_session_turns", *base).observe(len(record.turns))
@@ -54,11 +71,14 @@ class SessionMetrics:
     def _turn(self, base: tuple[str, ...], turn: Any, known_tools: set[Any]) -> None:
         m = self.metrics
         for attempt in turn.attempts:
-            m.child("miles_turn_retries_total", *base, attempt.engine_id or NO_ENGINE, attempt.error.type).inc()
-        if turn.queue_s:
-            m.child("miles_turn_queue_seconds", *base, turn.engine_id or NO_ENGINE).observe(turn.queue_s)
+            engine = (*base, attempt.engine_id or NO_ENGINE)
+            self._first_sight_engine(engine)
+            reason = "timeout" if attempt.error.type in TIMEOUT_ERRORS else "error"
+            m.child("miles_turn_retries_total", *engine, reason).inc()
+        m.child("miles_turn_queue_seconds", *base, turn.engine_id or NO_ENGINE).observe(turn.queue_s)
         if turn.finish_reason:  # the generate call succeeded
             engine = (*base, turn.engine_id or NO_ENGINE)
+            self._first_sight_engine(engine)
             m.child("miles_turns_total", *engine, turn.finish_reason).inc()
             m.child("miles_turn_generate_seconds", *engine).observe(turn.generate_s)
             m.child("miles_turn_output_tokens", *engine).observe(turn.output_end - turn.output_start)
@@ -77,6 +97,10 @@ class SessionMetrics:
                 name = result.get("name")
                 m.child("miles_tool_duration_seconds", *base, name if name in known_tools else UNKNOWN_TOOL
                         ).observe(duration)
+
+    def _first_sight_engine(self, engine: tuple[str, ...]) -> None:
+        self._first_sight(engine, (("miles_turn_retries_total", ("timeout", "error")),
+                                   ("miles_turns_total", tuple(f.value for f in FinishReason))))
 
     def observe_router(self, stats: RouterStats) -> None:
         """One stats window of the scheduler's router (`router.stats(reset=True)`, once per step): turns by

@@ -120,7 +120,10 @@ async def test_finished_sessions_feed_latency_reward_length_turn_and_tool_famili
     assert val(m, "miles_turn_prompt_tokens_total", **turn) == sum(t.prompt_tokens for r in records for t in r.turns)
     assert val(m, "miles_turn_env_seconds_count", **ENV) == 2 * n
     assert val(m, "miles_tool_calls_total", **ENV, tool="add") == n
-    assert val(m, "miles_tool_errors_total", **ENV, kind="timeout") == 0
+    # counters with known label values start at 0, so rate() sees their first increase
+    assert sample_value(m, "miles_tool_errors_total", {**ENV, "kind": "timeout"}) == 0.0
+    assert sample_value(m, "miles_sessions_total", {**ENV, "termination": "engine_error"}) == 0.0
+    assert sample_value(m, "miles_turn_retries_total", {**turn, "reason": "timeout"}) == 0.0
 
 
 async def test_failed_attempts_count_as_retries_by_engine_and_error():
@@ -128,7 +131,7 @@ async def test_failed_attempts_count_as_retries_by_engine_and_error():
     flaky = FlakyEngine(InstantEngine(respond=responder), fail_calls={0, 3})
     records = await run_sessions(flaky, m, groups=1)
     assert all(r.termination is TerminationReason.DONE for r in records)
-    assert val(m, "miles_turn_retries_total", **ENV, engine="flaky", error="EngineError") == 2
+    assert val(m, "miles_turn_retries_total", **ENV, engine="flaky", reason="error") == 2
     assert val(m, "miles_turns_total", **ENV, engine="flaky", finish_reason="stop") == 4
 
 
@@ -179,7 +182,7 @@ def test_tool_durations_from_env_reported_results():
     assert val(m, "miles_tool_duration_seconds_sum", **ENV, tool="add") == pytest.approx(0.02)
     assert val(m, "miles_tool_duration_seconds_sum", **ENV, tool="unknown") == pytest.approx(7.0)
     assert val(m, "miles_turn_queue_seconds_sum", **ENV, engine="e0") == pytest.approx(0.25)
-    assert val(m, "miles_turn_retries_total", **ENV, engine="e1", error="TurnTimeout") == 1
+    assert val(m, "miles_turn_retries_total", **ENV, engine="e1", reason="timeout") == 1
 
 
 def test_router_stats_windows_feed_placements_suspects_and_state():

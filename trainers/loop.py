@@ -17,6 +17,8 @@ import yaml
 
 from miles.config import ConfigError, to_dict
 from miles.envs import Task, TaskSourceError
+from miles.observability import run_labels, start_observability
+from miles.sessions.metrics import SessionMetrics
 from miles.sessions.recorder import Recorder
 from miles.sessions.records import SessionRecord
 from miles.sessions.scheduler import SessionScheduler
@@ -164,19 +166,25 @@ class TrainLoop:
             self.trainer: Trainer = build_trainer(cfg, self.model)
             self.sync = await build_weight_sync(cfg.sync, self.engine_set.workers, staging_dir=self.out / "weights",
                                                 drain_engines=self.engine_set.rollout)
+            self.observability = start_observability(
+                cfg.observability, run_labels(cfg.observability, self.out, cfg.env.id, cfg.model.name),
+                engines=self.engines, num_params=sum(p.numel() for p in self.model.parameters()), echo=self.echo)
         except BaseException:
             await self.engine_set.close()
             raise
         self.recorder = Recorder(self.out / "sessions.jsonl")
         self.eval_recorder = Recorder(self.out / "eval_sessions.jsonl")
+        self.session_metrics = SessionMetrics(self.observability.labels)
         self.scheduler = SessionScheduler(self.engines, tokenizer=self.tito, config=self.scheduler_cfg,
-                                          recorder=self.recorder, run_id="train", recipe=self.train_recipe)
+                                          recorder=self.recorder, run_id="train", recipe=self.train_recipe,
+                                          observer=self.session_metrics)
 
     # ---- stages --------------------------------------------------------------------------------------
     async def _sync(self, version: int | None = None) -> None:
         report = await self.sync.push(self.trainer.hf_state_dict(), version=version)
         self.metrics.write("sync", self.trainer.step, version=report.version, method=report.method,
                            seconds=report.seconds, drain_seconds=report.drain_seconds, mb=report.num_bytes / 1e6)
+        self.observability.run.observe_sync(report)
 
     async def _evaluate(self, stage: str) -> dict[str, EvalResult]:
         cfg = self.cfg
@@ -273,6 +281,8 @@ class TrainLoop:
             self.trainer.step += 1
         row["step_s"] = time.perf_counter() - t0
         self.metrics.write("train", step, **row)
+        self.observability.run.observe_step(row)
+        self.session_metrics.observe_router(self.scheduler.router.stats(reset=True))
         return row
 
     def _checkpoint(self) -> None:
@@ -331,6 +341,7 @@ class TrainLoop:
             await self.sync.close()
             await self.engine_set.close()
             self.metrics.close()
+            self.observability.close()
         self.summary.seconds["total"] = time.perf_counter() - t_start
         (self.out / "summary.json").write_text(json.dumps(self.summary.to_dict(), indent=1))
         from miles.trainers.plot import plot_run

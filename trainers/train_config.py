@@ -8,6 +8,7 @@ from typing import Any, Literal
 from miles.config import ConfigError, load_config
 from miles.engine import SamplingParams
 from miles.envs import EnvRecipe
+from miles.observability import ObservabilityConfig
 from miles.sessions.config import SchedulerConfig, SessionConfig
 from miles.trainers.trainer_config import (
     AlgorithmConfig,
@@ -208,6 +209,7 @@ class TrainConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
+    observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
 
     def __post_init__(self) -> None:
         if self.steps < 0:

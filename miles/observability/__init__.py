@@ -17,6 +17,7 @@ from miles.observability.run import (
     RunMetrics,
     cuda_peak_flops,
     device_peak_flops,
+    run_labels,
     start_observability,
 )
 from miles.observability.server import MetricsServer, serve_metrics
@@ -24,5 +25,6 @@ from miles.observability.server import MetricsServer, serve_metrics
 __all__ = [
     "FAMILIES", "Family", "GpuCollector", "GpuMemory", "Metrics", "MetricsServer", "Observability",
     "ObservabilityConfig", "RunLabels", "RunMetrics", "cuda_peak_flops", "device_peak_flops", "family",
-    "gpu_memory", "largest_free_block", "process_metrics", "sample_value", "serve_metrics", "start_observability",
+    "gpu_memory", "largest_free_block", "process_metrics", "run_labels", "sample_value", "serve_metrics",
+    "start_observability",
 ]

@@ -92,8 +92,9 @@ FAMILIES: tuple[Family, ...] = (
     Family("miles_turns_total", "counter", "Model turns, by the engine's finish reason.",
            (*S, "engine", "finish_reason"), "session"),
     Family("miles_turn_retries_total", "counter",
-           "Generate attempts that failed (timed out, errored, aborted) and were retried or ended the turn.",
-           (*S, "engine", "error"), "session"),
+           "Generate attempts that failed and were retried or ended the turn, by reason: timeout (the turn's "
+           "deadline passed) or error (the engine failed, aborted the request, or none was healthy).",
+           (*S, "engine", "reason"), "session"),
     Family("miles_tool_calls_total", "counter", "Tool calls the model made, by tool.", (*S, "tool"), "session"),
     Family("miles_tool_errors_total", "counter", "Tool calls that failed, by error kind.", (*S, "kind"), "session"),
     _h("miles_tool_duration_seconds", "Run time of one tool call (where the env reports it).", (*S, "tool"),

@@ -8,8 +8,10 @@ the scheduler's observer, with the same labels.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from miles.observability.config import ObservabilityConfig
@@ -146,6 +148,14 @@ class RunMetrics:
         hist = self._child("miles_sample_staleness")
         for s in staleness:
             hist.observe(s)
+
+
+def run_labels(config: ObservabilityConfig, output_dir: str | os.PathLike[str], env: str, model: str,
+               adapter: str = "base") -> RunLabels:
+    """A run's labels: `run` is `config.run_name` or the output folder's name; a model given as a folder is
+    labelled by the folder's name."""
+    return RunLabels(run=config.run_name or Path(output_dir).resolve().name, env=env, model=Path(model).name,
+                     adapter=adapter)
 
 
 @dataclass
