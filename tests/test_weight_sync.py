@@ -12,11 +12,12 @@ import torch
 
 from miles.config import ConfigError
 from miles.engine import EngineError, FinishReason, SamplingParams
+from miles.engines import weight_broadcast
 from miles.engines.client import SGLangClient
 from miles.engines.embedded import EmbeddedEngine
 from miles.engines.server import serve_in_thread
 from miles.engines.testing import small_qwen2
-from miles.engines.weight_broadcast import plan_buckets
+from miles.engines.weight_broadcast import WeightGroupError, plan_buckets
 from miles.trainers.torch_backend import TorchTrainer, TorchTrainerConfig
 from miles.trainers.train_config import load_train_config
 from miles.weight_sync import (
@@ -273,6 +274,19 @@ async def test_pause_loads_while_a_generate_is_in_flight(trainer):
             assert result.weight_version == 1
     finally:
         await engine.close()
+
+
+async def test_an_engine_leaving_mid_sync_marks_the_group_unusable(served, tmp_path, monkeypatch):
+    engine, client = served
+    monkeypatch.setattr(weight_broadcast, "COLLECTIVE_GRACE_S", 0.5)
+    sync = await build_weight_sync(SyncConfig(method="broadcast", timeout_s=60), [client], staging_dir=tmp_path)
+    async with httpx.AsyncClient(base_url=client.base_url) as http:  # the server drops its side of the group
+        assert (await http.post("/destroy_weights_update_group", json={})).json()["success"]
+    with pytest.raises(WeightGroupError):  # the engine refuses before the broadcast (and its side closed)
+        await sync.push(mixed_dtype_state(1))
+    assert sync.broadcaster.broken and engine.weight_version == 0
+    with pytest.raises(WeightGroupError, match="unusable"):
+        await sync.push(mixed_dtype_state(1))  # at once, not after another timeout
 
 
 async def test_misconfigured_syncs_raise_named_errors(tmp_path):

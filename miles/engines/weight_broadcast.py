@@ -44,6 +44,7 @@ from miles.engines.errors import InvalidRequestError
 DEFAULT_GROUP = "weight_update_group"
 DEFAULT_BUCKET_BYTES = 512 * 1024**2
 FLATTENED_BUCKET = "flattened_bucket"  # SGLang's `load_format` for one flat uint8 tensor per request
+COLLECTIVE_GRACE_S = 10.0  # how long a broadcast may still finish after an engine's request failed
 
 T = TypeVar("T")
 
@@ -348,11 +349,12 @@ def in_daemon_thread(fn: Callable[[], T]) -> asyncio.Future[T]:
     return future
 
 
-async def _together(blocking: Callable[[], Any], calls: Sequence[Awaitable[Any]], *, grace_s: float = 10.0) -> None:
+async def _together(blocking: Callable[[], Any], calls: Sequence[Awaitable[Any]]) -> None:
     """Run a blocking collective and the HTTP calls that make the engines take part in it.
 
-    The first failure raises at once. When the collective has not completed `grace_s` after an HTTP failure,
-    `WeightGroupError` says the group is out of step (the collective is abandoned in its daemon thread).
+    The first failure raises at once. When the collective failed, or has not completed `COLLECTIVE_GRACE_S`
+    after an HTTP failure, `WeightGroupError` says the group is out of step (the collective is abandoned in its
+    daemon thread).
     """
     collective = in_daemon_thread(blocking)
     tasks = [asyncio.ensure_future(c) for c in calls]
@@ -367,11 +369,13 @@ async def _together(blocking: Callable[[], Any], calls: Sequence[Awaitable[Any]]
         for t in tasks:
             t.cancel()
         failure = exc
+    if collective.done() and not collective.cancelled() and collective.exception() is failure:
+        raise WeightGroupError(f"the weight-update group's collective failed: {failure}") from failure
     try:
-        await asyncio.wait_for(asyncio.shield(collective), grace_s)
+        await asyncio.wait_for(asyncio.shield(collective), COLLECTIVE_GRACE_S)
     except Exception as exc:  # noqa: BLE001
-        raise WeightGroupError(f"the group's collective did not complete ({type(exc).__name__}: {exc}) after: "
-                               f"{failure}") from failure
+        raise WeightGroupError(f"the weight-update group's collective did not complete ({type(exc).__name__}: "
+                               f"{exc}) after an engine failed: {failure}") from failure
     raise failure
 
 
