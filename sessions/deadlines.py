@@ -124,7 +124,7 @@ class ThroughputEstimator:
 
 
 class TurnDeadline:
-    """The deadline of one call on one engine; it grows as requests arrive behind it (`add_arrival`).
+    """The deadline of one call on one engine; it grows as requests arrive behind it (`add_arrivals`).
 
     The formula is documented on `TimeoutConfig`.
     """
@@ -138,10 +138,11 @@ class TurnDeadline:
                            + max(0, uncached_prompt_tokens) * estimate.prefill_s_per_token
                            + self._decode_s * (1.0 + cfg.batch_slowdown * max(0, requests_ahead)))
 
-    def add_arrival(self, uncached_prompt_tokens: int) -> None:
-        """A request with `uncached_prompt_tokens` to prefill was sent to the engine behind this one."""
+    def add_arrivals(self, uncached_prompt_tokens: int, count: int = 1) -> None:
+        """`count` requests with `uncached_prompt_tokens` to prefill in all were sent to the engine behind
+        this one."""
         self.expected_s += (max(0, uncached_prompt_tokens) * self._estimate.prefill_s_per_token
-                            + self._cfg.batch_slowdown * self._decode_s)
+                            + count * self._cfg.batch_slowdown * self._decode_s)
 
     @property
     def seconds(self) -> float:

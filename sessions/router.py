@@ -28,8 +28,8 @@ import contextlib
 import logging
 import math
 import time
-from collections import OrderedDict
-from collections.abc import Collection, Sequence
+from collections import OrderedDict, deque
+from collections.abc import AsyncIterator, Collection, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -189,7 +189,11 @@ class _Engine:
         self.state = EngineState.HEALTHY
         self.suspect_reason = ""
         self.inflight = 0  # leases handed out or being waited for
-        self.sent: set[Lease] = set()
+        self.sent: set[Lease] = set()  # leases whose call is in flight
+        self.queue: deque[Lease] = deque()  # sent calls in send order, head first; finished ones are skipped
+        self.queued_tokens = 0  # uncached tokens of the sent calls not known to be past their prefill
+        self.arrived_tokens = 0  # uncached tokens of every call ever sent here (deadlines grow with them)
+        self.arrivals = 0
         self.consecutive_timeouts = 0
         self.last_success_at = -math.inf
         self.reports_load = isinstance(engine, ReportsLoad)
@@ -202,6 +206,20 @@ class _Engine:
     def view(self) -> EngineView:
         return EngineView(self.state, self.inflight, self.limit)
 
+    def prefill_wait_s(self, now: float, per_token: float) -> float:
+        """The prefill still queued here, worked on since the oldest queued call was sent."""
+        while self.queue and not self.queue[0].in_queue:
+            self.queue.popleft()
+        if not self.queue:
+            return 0.0
+        return max(0.0, self.queued_tokens * per_token - (now - self.queue[0].sent_at))
+
+    def prefilled(self, lease: Lease) -> None:
+        """`lease` is out of the prefill queue (it returned, or a call sent no earlier did, or it ended)."""
+        if lease.in_queue:
+            lease.in_queue = False
+            self.queued_tokens -= lease.uncached_tokens
+
 
 class Lease:
     """One generate call's engine and deadline. Hand it back to the router exactly once."""
@@ -210,6 +228,7 @@ class Lease:
                  uncached_tokens: int, max_new_tokens: int, placement: Placement, retry: bool,
                  deadline: TurnDeadline) -> None:
         self.index = index
+        self._at = engine
         self.engine: RolloutEngine = engine.engine
         self.engine_id = engine.engine_id
         self.session_id = session_id
@@ -219,36 +238,60 @@ class Lease:
         self.placement = placement
         self.retry = retry
         self.sent_at = time.monotonic()
-        self.prefilled = False  # known to be past its prefill: a call sent no earlier has returned
+        self.in_queue = True  # not known to be past its prefill yet
         self._deadline = deadline
+        self._seen = (engine.arrived_tokens, engine.arrivals)
         self._timeout: asyncio.Timeout | None = None
+        self._check: asyncio.TimerHandle | None = None
         self._started = 0.0
         self._cap = math.inf
         self.done = False
 
+    def _sync(self) -> None:
+        """Grow the deadline by the calls sent to the engine behind this one (while it is in flight)."""
+        if self.done:
+            return
+        tokens, count = self._at.arrived_tokens, self._at.arrivals
+        if count != self._seen[1]:
+            self._deadline.add_arrivals(tokens - self._seen[0], count - self._seen[1])
+            self._seen = (tokens, count)
+
     @property
     def deadline_s(self) -> float:
-        """The call's current deadline in seconds from its start (capped by `watch`'s `cap_s`)."""
+        """The call's current deadline in seconds from its start (capped by `timeout`'s `cap_s`)."""
+        self._sync()
         return min(self._deadline.seconds, self._cap)
 
     def overdue(self, now: float) -> bool:
         """Past its expected completion time (the deadline without slack)."""
+        self._sync()
         return now - self.sent_at > self._deadline.expected_s
 
-    def watch(self, timeout: asyncio.Timeout, cap_s: float = math.inf) -> None:
-        """Let this lease set (and later extend) `timeout`, an `asyncio.timeout(None)` around the call;
-        the deadline never exceeds `cap_s` from now."""
-        self._timeout, self._cap = timeout, cap_s
-        self._started = asyncio.get_running_loop().time()
-        self._apply()
+    @contextlib.asynccontextmanager
+    async def timeout(self, cap_s: float = math.inf) -> AsyncIterator[asyncio.Timeout]:
+        """An `asyncio.timeout` for the call that expires at its deadline, which grows while calls arrive
+        behind it and never exceeds `cap_s` from now. Check `.expired()` on it after a `TimeoutError`."""
+        loop = asyncio.get_running_loop()
+        async with asyncio.timeout(None) as cm:
+            self._timeout, self._cap, self._started = cm, cap_s, loop.time()
+            self._arm()
+            try:
+                yield cm
+            finally:
+                if self._check is not None:
+                    self._check.cancel()
+                self._timeout = None
 
-    def _arrival(self, uncached_tokens: int) -> None:
-        self._deadline.add_arrival(uncached_tokens)
-        self._apply()
-
-    def _apply(self) -> None:
-        if self._timeout is not None and not self._timeout.expired():
-            self._timeout.reschedule(self._started + self.deadline_s)
+    def _arm(self) -> None:
+        # one timer per call: when it fires, the deadline may have grown meanwhile; then wait on
+        if self._timeout is None:
+            return
+        loop = asyncio.get_running_loop()
+        when = self._started + self.deadline_s
+        if loop.time() >= when:
+            self._timeout.reschedule(loop.time())
+        else:
+            self._check = loop.call_at(when, self._arm)
 
 
 class Router:
@@ -374,21 +417,20 @@ class Router:
         now = time.monotonic()
         uncached = max(0, prompt_tokens - cached)
         per_token = e.throughput.estimate().prefill_s_per_token
-        # engines prefill in arrival order, working on the queue since its oldest call was sent
-        queued = [o for o in e.sent if not o.prefilled]
-        wait = max(0.0, sum(o.uncached_tokens for o in queued) * per_token
-                   - (now - min(o.sent_at for o in queued))) if queued else 0.0
+        wait = e.prefill_wait_s(now, per_token)  # engines prefill in arrival order
         ahead = len(e.sent)
         if e.load is not None and now - e.load_at <= 2 * self.retry.health_interval_s:
             tokens = e.load.waiting_tokens if e.load.waiting_tokens is not None else e.load.waiting * uncached
             wait = max(wait, tokens * per_token)
             ahead = max(ahead, e.load.requests)
         deadline = e.throughput.deadline(uncached, max_new_tokens, prefill_wait_s=wait, requests_ahead=ahead)
+        e.arrived_tokens += uncached
+        e.arrivals += 1
         lease = Lease(i, e, session_id=session_id, prompt_tokens=prompt_tokens, uncached_tokens=uncached,
                       max_new_tokens=max_new_tokens, placement=placement, retry=retry, deadline=deadline)
-        for other in e.sent:
-            other._arrival(uncached)
         e.sent.add(lease)
+        e.queue.append(lease)
+        e.queued_tokens += uncached
         if e.counters.first_sent_at is None:
             e.counters.first_sent_at = lease.sent_at
         if retry:
@@ -415,9 +457,8 @@ class Router:
             c.switched += 1
         e.consecutive_timeouts = 0
         e.last_success_at = time.monotonic()
-        for other in e.sent:  # what was sent before this call has been prefilled
-            if other.sent_at <= lease.sent_at:
-                other.prefilled = True
+        while e.queue and e.queue[0].sent_at <= lease.sent_at:  # what was sent before it has been prefilled
+            e.prefilled(e.queue.popleft())
         if e.state is not EngineState.HEALTHY:
             log.warning("engine %s is healthy again (a generate call succeeded)", e.engine_id)
             e.state = EngineState.HEALTHY
@@ -473,9 +514,11 @@ class Router:
     def _finish(self, lease: Lease) -> _Engine | None:
         if lease.done:
             return None
+        lease._sync()
         lease.done = True
         e = self._engines[lease.index]
         e.sent.discard(lease)
+        e.prefilled(lease)
         e.inflight -= 1
         e.semaphore.release()
         self._notify()

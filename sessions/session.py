@@ -297,8 +297,7 @@ class Session:
         self._inflight = (lease.engine, rid)
         t0 = time.monotonic()
         try:
-            async with asyncio.timeout(None) as cm:
-                lease.watch(cm, cap)
+            async with lease.timeout(cap) as cm:
                 result = await lease.engine.generate(prompt, self.sampling, session_id=self.spec.session_id,
                                                      rid=rid)
         except TimeoutError as exc:

@@ -172,7 +172,7 @@ def test_turn_deadline_includes_the_queue_and_grows_with_arrivals_behind() -> No
     assert idle.expected_s == pytest.approx(0.5 + 1.0 + 10.0) and idle.seconds == pytest.approx(23.0)
     loaded = est.deadline(1000, 100, prefill_wait_s=3.0, requests_ahead=4)
     assert loaded.expected_s == pytest.approx(0.5 + 3.0 + 1.0 + 10.0 * (1 + 0.1 * 4))
-    loaded.add_arrival(500)  # prefilled before this call's next decode step, and one more row in the batch
+    loaded.add_arrivals(500)  # prefilled before this call's next decode step, and one more row in the batch
     assert loaded.expected_s == pytest.approx(0.5 + 3.0 + 1.0 + 10.0 * 1.4 + 0.5 + 0.1 * 10.0)
     assert est.turn_deadline_s(1000, 100) == idle.seconds
     capped = ThroughputEstimator(TimeoutConfig(turn_cap_s=30.0)).deadline(10, 10, prefill_wait_s=1e6)
