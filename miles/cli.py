@@ -34,6 +34,12 @@ def _cmd_tito(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _cmd_top(args: argparse.Namespace) -> int:
+    from miles.observability.top import run_top
+
+    return run_top(args.url, once=args.once, interval=args.interval)
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     from miles.trainers.run import run_from_cli
 
@@ -92,6 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
     c = tito_sub.add_parser("check", help="check a tokenizer's chat template for append-only rendering")
     c.add_argument("--tokenizer", required=True, help="'tiny', 'qwen3', 'llama3' or a tokenizer folder")
 
+    p = sub.add_parser("top", help="a live terminal view of a /metrics endpoint (miles train, miles rollout)")
+    p.add_argument("url", help="host:port or URL of the endpoint, e.g. 127.0.0.1:9400")
+    p.add_argument("--once", action="store_true", help="print one frame and exit")
+    p.add_argument("--interval", type=float, default=2.0, help="seconds between scrapes (default 2)")
+
     for name, help_text in (("train", "run an agent-RL experiment from a YAML config"),
                             ("sft", "supervised warm-start on an environment's oracle demonstrations")):
         p = sub.add_parser(name, help=help_text)
@@ -117,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "replay":
         return _cmd_replay(argparse.Namespace(), argv[1:])
     args = build_parser().parse_args(argv)
-    handlers = {"envs": _cmd_envs, "rollout": _cmd_rollout, "tito": _cmd_tito, "train": _cmd_train,
+    handlers = {"envs": _cmd_envs, "rollout": _cmd_rollout, "tito": _cmd_tito, "top": _cmd_top, "train": _cmd_train,
                 "sft": _cmd_sft}
     from miles.config import ConfigError
 

@@ -78,6 +78,9 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                  "miles_engine_time_to_first_token_seconds", ENGINE, "s"),
         _heatmap("Reward distribution", "How session rewards spread over time: a policy that learns moves mass "
                  "to the top buckets.", "miles_session_reward", RUN, "none"),
+        PanelSpec("Reward and success", "Mean session reward and success share of each step's rollouts.",
+                  (Query(_gauge("miles_rollout_reward_mean", RUN), "mean reward"),
+                   Query(_gauge("miles_rollout_success_ratio", RUN), "success")), "short"),
         PanelSpec("Sessions by termination", "Sessions ended per second, by reason: done and max_turns are the "
                   "policy's doing; timeout, engine_error, env_error, context_full and aborted are not.",
                   (Query(_rate("miles_sessions_total", RUN, "termination"), "{{termination}}"),), "ops",

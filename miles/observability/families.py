@@ -72,7 +72,8 @@ FAMILIES: tuple[Family, ...] = (
     _h("miles_session_duration_seconds", "Wall time of a session, reset to end.", S, "session", LATENCY_BUCKETS),
     _h("miles_session_turns", "Model turns per session.", S, "session", TURN_BUCKETS),
     _h("miles_session_generated_tokens", "Tokens the model generated in a session.", S, "session", TOKEN_BUCKETS),
-    _h("miles_session_reward", "Session reward (the env's weighted reward).", S, "session", REWARD_BUCKETS),
+    _h("miles_session_reward", "Session reward (the env's weighted reward). Buckets reach below 0, so the client "
+       "exports no _sum (it could decrease); the mean is miles_rollout_reward_mean.", S, "session", REWARD_BUCKETS),
     _h("miles_session_reward_component", "Each reward component of a session.", (*S, "component"), "session",
        REWARD_BUCKETS),
     Family("miles_sessions_total", "counter", "Sessions ended, by termination reason.", (*S, "termination"),
@@ -139,6 +140,9 @@ FAMILIES: tuple[Family, ...] = (
     Family("miles_mfu_ratio", "gauge",
            "Model FLOPs utilization of the last train phase: 6 * parameters * tokens / seconds / device peak "
            "(only where the peak is known).", S, "step"),
+    Family("miles_rollout_reward_mean", "gauge", "Mean session reward of the last step's rollouts.", S, "step"),
+    Family("miles_rollout_success_ratio", "gauge", "Share of the last step's sessions the env judged a success.",
+           S, "step"),
     Family("miles_rollout_zero_std_group_ratio", "gauge",
            "Share of the last step's groups whose rewards were all equal (no GRPO signal).", S, "step"),
     # ---- the trainer's metrics -----------------------------------------------------------------------

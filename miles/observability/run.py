@@ -90,7 +90,8 @@ class RunMetrics:
 
     def observe_step(self, row: Mapping[str, Any]) -> None:
         """One RL step's metrics row (as `TrainLoop._rl_step` writes it, trainer metrics included): phase
-        times, idle ratios, tokens/s, MFU, the zero-spread group share, then `observe_train(row)`.
+        times, idle ratios, tokens/s, MFU, mean reward and success, the zero-spread group share, then
+        `observe_train(row)`.
 
         Idle ratios: the row's `trainer_idle_ratio` / `rollout_idle_ratio` when it has them (the async loop);
         otherwise those of a synchronous step, where the trainer waits during the rollout and the engines
@@ -118,6 +119,10 @@ class RunMetrics:
                 self._child("miles_mfu_ratio").set(self.flops_per_token * tokens / train_s / self.peak_flops)
         if rollout_s > 0 and "generated_tokens" in v:
             self._child("miles_rollout_tokens_per_second").set(v["generated_tokens"] / rollout_s)
+        for key, name in (("rollout_reward_mean", "miles_rollout_reward_mean"),
+                          ("rollout_success_rate", "miles_rollout_success_ratio")):
+            if key in v:
+                self._child(name).set(v[key])
         if "rollout_zero_std_group_frac" in v:
             self._child("miles_rollout_zero_std_group_ratio").set(v["rollout_zero_std_group_frac"])
         if v.get("stale_groups_dropped"):
