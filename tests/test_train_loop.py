@@ -87,6 +87,10 @@ def test_every_session_is_recorded_with_its_weight_version(uninterrupted):
     rows = train_rows(out)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert all(r["sessions"] == PER_STEP for r in rows)
+    # the routing stats of each step: every turn counted, later turns found their session's cache
+    turns = [sum(len(r.turns) for r in result.records[i:i + PER_STEP]) for i in range(0, 4 * PER_STEP, PER_STEP)]
+    assert [r["router_turns"] for r in rows] == turns
+    assert all(0 < r["router_cached_token_ratio"] <= 1 for r in rows if r["router_stayed"] > 0)
     step_versions = []
     for i in range(0, len(result.records), PER_STEP):
         versions = {v for r in result.records[i:i + PER_STEP] for v in r.weight_versions}

@@ -280,9 +280,11 @@ class TrainLoop:
         else:
             self.trainer.step += 1
         row["step_s"] = time.perf_counter() - t0
+        routing = self.scheduler.router.stats(reset=True)
+        row.update(routing.to_metrics())
         self.metrics.write("train", step, **row)
         self.observability.run.observe_step(row)
-        self.session_metrics.observe_router(self.scheduler.router.stats(reset=True))
+        self.session_metrics.observe_router(routing)
         return row
 
     def _checkpoint(self) -> None:
