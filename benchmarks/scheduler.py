@@ -2,7 +2,9 @@
 
 The baseline drives the same sessions (same env, TITO conversation, parser, engine) with a bare
 `asyncio.gather` loop: no deadlines, retries, engine pool, groups or recording. The full run uses
-`SessionScheduler` with everything on, recording every session to a sessions.jsonl (fsync per batch).
+`SessionScheduler` with everything on, recording every session to a sessions.jsonl (fsync per batch); the
+"+ metrics" run is the same with `SessionMetrics` observing every finished session (Prometheus histograms
+and counters, as `miles train` does), so the last ratio is the cost of recording metrics.
 
     python benchmarks/scheduler.py [--sessions 1000] [--repeats 3]
 """
@@ -16,9 +18,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from prometheus_client import CollectorRegistry
+
 from miles.engine import SamplingParams
 from miles.envs import TaskSource, ToolEnv, reward
+from miles.observability import Metrics, RunLabels
 from miles.sessions import InstantEngine, SchedulerConfig, SessionConfig, SessionScheduler, read_sessions
+from miles.sessions.metrics import SessionMetrics
 from miles.tiny import load_tiny_tokenizer
 from miles.tito import TITOTokenizer
 from miles.tools import get_parser, tool
@@ -89,10 +95,13 @@ async def bare(n: int, tito: TITOTokenizer, engine: InstantEngine) -> list[float
     return await asyncio.gather(*(one(i) for i in range(n)))
 
 
-async def full(n: int, tito: TITOTokenizer, engine: InstantEngine, path: Path) -> list[float]:
+async def full(n: int, tito: TITOTokenizer, engine: InstantEngine, path: Path, *, metrics: bool = False
+               ) -> list[float]:
     cfg = SchedulerConfig(session=SessionConfig(sampling=SAMPLING), group_size=4, max_concurrent_sessions=n,
                           max_inflight_per_engine=n, progress=False)
-    sched = SessionScheduler(engine, tokenizer=tito, env_factory=BenchEnv, config=cfg, recorder=path)
+    observer = SessionMetrics(RunLabels("bench", "Bench-v0", "instant"), metrics=Metrics(CollectorRegistry()))
+    sched = SessionScheduler(engine, tokenizer=tito, env_factory=BenchEnv, config=cfg, recorder=path,
+                             observer=observer if metrics else None)
     groups = await sched.run([f"t{i % 64}" for i in range(n // 4)])
     await sched.aclose()
     return [r.reward for g in groups for r in g.records]
@@ -106,28 +115,31 @@ def main() -> None:
     n = args.sessions - args.sessions % 4
     tito = TITOTokenizer(load_tiny_tokenizer())
     replies = script(tito)
-    best = {"bare": float("inf"), "full": float("inf")}
+    best = {"bare": float("inf"), "full": float("inf"), "metrics": float("inf")}
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.repeats):
-            for name in ("bare", "full"):  # alternate, so both see the same machine state
+            for name in ("bare", "full", "metrics"):  # alternate, so all see the same machine state
                 engine = InstantEngine(replies)
-                path = Path(tmp) / f"sessions-{rep}.jsonl"
+                path = Path(tmp) / f"sessions-{rep}-{name}.jsonl"
                 t0 = time.perf_counter()
-                rewards = asyncio.run(bare(n, tito, engine) if name == "bare" else full(n, tito, engine, path))
+                rewards = asyncio.run(bare(n, tito, engine) if name == "bare"
+                                      else full(n, tito, engine, path, metrics=name == "metrics"))
                 dt = time.perf_counter() - t0
                 assert len(rewards) == n and all(r == 1.0 for r in rewards), f"{name}: wrong rewards"
-                if name == "full":
+                if name != "bare":
                     assert len(read_sessions(path).records) == n
                 best[name] = min(best[name], dt)
     turns = n * TURNS
-    b, f = best["bare"], best["full"]
+    b, f, m = best["bare"], best["full"], best["metrics"]
     print(json.dumps({"sessions": n, "turns_per_session": TURNS, "repeats": args.repeats}))
-    print(f"{'':28s}{'bare gather':>14s}{'SessionScheduler':>18s}")
-    print(f"{'wall time (best), s':28s}{b:14.3f}{f:18.3f}")
-    print(f"{'sessions/s':28s}{n / b:14.1f}{n / f:18.1f}")
-    print(f"{'time per turn, us':28s}{b / turns * 1e6:14.1f}{f / turns * 1e6:18.1f}")
+    print(f"{'':28s}{'bare gather':>14s}{'SessionScheduler':>18s}{'+ metrics':>12s}")
+    print(f"{'wall time (best), s':28s}{b:14.3f}{f:18.3f}{m:12.3f}")
+    print(f"{'sessions/s':28s}{n / b:14.1f}{n / f:18.1f}{n / m:12.1f}")
+    print(f"{'time per turn, us':28s}{b / turns * 1e6:14.1f}{f / turns * 1e6:18.1f}{m / turns * 1e6:12.1f}")
     print(f"scheduler overhead per turn (full - bare): {(f - b) / turns * 1e6:.1f} us")
+    print(f"metrics overhead per session (+ metrics - full): {(m - f) / n * 1e6:.1f} us")
     print(f"ratio full / bare: {f / b:.3f}x (target <= 1.3x)")
+    print(f"ratio with metrics / without: {m / f:.3f}x (target <= 1.03x)")
 
 
 if __name__ == "__main__":
