@@ -1,0 +1,123 @@
+"""`miles train` against two HTTP engines, one of them wedged: it answers every control endpoint (health,
+model and server info, tokenize, weight loading: they are passed to the healthy server behind it) but never
+answers a `/generate`. No session is lost, none ends `timeout` because of it, the turns it swallowed are
+retried on the healthy engine, and it is marked suspect within 10 s of receiving a turn."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import httpx
+import pytest
+
+from miles.engines.testing import ServerProcess, small_qwen2
+from miles.sessions.recorder import read_sessions
+from miles.tiny import load_tiny_tokenizer
+from miles.trainers.metrics_log import read_metrics
+
+STEPS, TASKS, GROUP = 2, 2, 2
+
+
+class WedgedProxy:
+    """A loopback HTTP server in front of `upstream` that forwards every request except `POST /generate`,
+    which it accepts and never answers (until it stops)."""
+
+    def __init__(self, upstream: str) -> None:
+        release = threading.Event()
+        self.swallowed = 0
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def _forward(self, method: str) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if method == "POST" and self.path == "/generate":
+                    proxy.swallowed += 1
+                    release.wait()
+                    self.close_connection = True
+                    return
+                resp = httpx.request(method, upstream + self.path, content=body or None, timeout=120,
+                                     headers={"Content-Type": "application/json"} if body else None)
+                self.send_response(resp.status_code)
+                self.send_header("Content-Type", resp.headers.get("content-type", "application/json"))
+                self.send_header("Content-Length", str(len(resp.content)))
+                self.end_headers()
+                self.wfile.write(resp.content)
+
+            def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+                self._forward("GET")
+
+            def do_POST(self) -> None:  # noqa: N802
+                self._forward("POST")
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self._release = release
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def stop(self) -> None:
+        self._release.set()
+        self._server.shutdown()
+        self._server.server_close()
+
+
+@pytest.fixture()
+def healthy_and_wedged(tmp_path):
+    folder = tmp_path / "model"
+    tok = load_tiny_tokenizer()
+    small_qwen2(0, vocab_size=len(tok), eos_token_id=tok.eos_token_id).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    server = ServerProcess(folder)
+    wedged = WedgedProxy(server.url)
+    yield server.url, wedged
+    wedged.stop()
+    server.kill()
+
+
+@pytest.mark.slow
+def test_a_wedged_engine_loses_no_session_and_its_turns_run_elsewhere(healthy_and_wedged, tmp_path):
+    healthy, wedged = healthy_and_wedged
+    run = tmp_path / "run"
+    config = tmp_path / "c.yaml"
+    config.write_text(json.dumps({
+        "output_dir": str(run), "steps": STEPS,
+        "env": {"id": "Calculator-v0", "num_train_tasks": 16},
+        "model": {"name": "tiny", "size": "0.1m"},
+        "engine": {"kind": "sglang", "urls": [wedged.url, healthy]},
+        "sync": {"method": "disk"},  # both URLs load from disk; only generation is wedged
+        "rollout": {"tasks_per_step": TASKS, "scheduler": {"group_size": GROUP, "progress": False,
+                                                           "session": {"sampling": {"max_new_tokens": 16}}}},
+        "eval": {"num_tasks": 1}}))
+    proc = subprocess.run([sys.executable, "-m", "miles.cli", "train", "--config", str(config)],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert wedged.swallowed >= 1  # the wedged engine did get turns
+
+    records = read_sessions(run / "sessions.jsonl").records
+    assert len(records) == STEPS * TASKS * GROUP  # scheduled == recorded
+    assert not [r.session_id for r in records if r.termination.value in ("timeout", "engine_error")]
+    retried = [t for r in records for t in r.turns if t.attempts]
+    assert retried, "no turn was retried"
+    for turn in retried:
+        assert all(a.engine_id == wedged.url and a.error.type == "TurnTimeout" for a in turn.attempts)
+        assert turn.engine_id == healthy and turn.finish_reason in ("stop", "length")
+    # Marked suspect within 10 s of the first turn it swallowed: that turn's timeout is when it happened.
+    assert min(a.duration_s for t in retried for a in t.attempts) <= 10.0
+    rows = [r for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "train"]
+    assert sum(r["router_suspect_marks"] for r in rows) >= 1
+    assert sum(r["router_retries"] for r in rows) == sum(len(t.attempts) for t in retried)
