@@ -9,14 +9,15 @@ collector. Everything a process exports goes through it, so one `/metrics` endpo
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
 from miles.observability.families import FAMILIES, POLICY_LABELS, RUN_LABELS
 
+C = TypeVar("C")
 # Families produced by collectors at scrape time rather than by observations.
 _COLLECTED = ("engine", "gpu")
 
@@ -71,7 +72,7 @@ class Metrics:
             found = self._children[key] = self._families[name].labels(*values)
         return found
 
-    def collector(self, key: str, factory: Any) -> Any:
+    def collector(self, key: str, factory: Callable[[], C]) -> C:
         """The collector registered under `key`, registering `factory()` the first time."""
         with self._lock:
             found = self._collectors.get(key)
