@@ -31,6 +31,7 @@ from typing import Any
 
 from miles.engine import RolloutEngine
 from miles.envs.recipe import EnvRecipe
+from miles.sessions.metrics import SessionObserver
 from miles.sessions.openai_config import AgentConfig, SamplingOverride
 from miles.sessions.openai_endpoint import OpenAIEndpoint
 from miles.sessions.openai_routes import EndpointServer, create_openai_app
@@ -89,7 +90,7 @@ class AgentRunner:
     def __init__(self, service: AgentRollout, *, recipe: EnvRecipe | None = None,
                  env_factory: Callable[[], Any] | None = None, group_size: int = 1, seed: int = 0,
                  recorder: Recorder | None = None, run_id: str = "agent",
-                 override: SamplingOverride | None = None) -> None:
+                 override: SamplingOverride | None = None, observer: SessionObserver | None = None) -> None:
         if group_size < 1:
             raise ValueError("group_size must be >= 1")
         if env_factory is None:
@@ -102,6 +103,7 @@ class AgentRunner:
         self.group_size = group_size
         self.seed = seed
         self.recorder = recorder
+        self.observer = observer
         self.run_id = run_id
         self.override = override if override is not None else service.config.sampling
         self._count = 0
@@ -181,12 +183,17 @@ class AgentRunner:
         """Close the session and record it; shielded, so a stopped run still records its sessions."""
         async def finish() -> list[SessionRecord]:
             records = await self.service.endpoint.close(sid, termination=termination, error=error)
-            if self.recorder is not None:
-                for rec in records:
+            for rec in records:
+                if self.recorder is not None:
                     try:
                         await self.recorder.append(rec)
                     except Exception as exc:
                         log.error("recording session %s failed: %s", rec.session_id, exc)
+                if self.observer is not None:
+                    try:
+                        self.observer.observe(rec)
+                    except Exception as exc:  # metrics must never cost a session
+                        log.error("observing session %s failed: %r", rec.session_id, exc)
             return records
 
         return await asyncio.shield(finish())
@@ -242,10 +249,11 @@ class AgentRollout:
 
     def runner(self, *, recipe: EnvRecipe | None = None, env_factory: Callable[[], Any] | None = None,
                group_size: int = 1, seed: int = 0, recorder: Recorder | None = None, run_id: str = "agent",
-               override: SamplingOverride | None = None) -> AgentRunner:
-        """A runner of sessions of `recipe`'s envs (or `env_factory()`'s; see `AgentRunner`)."""
+               override: SamplingOverride | None = None, observer: SessionObserver | None = None) -> AgentRunner:
+        """A runner of sessions of `recipe`'s envs (or `env_factory()`'s; see `AgentRunner`); `observer` (e.g.
+        `SessionMetrics`) is told about every recorded session, as the scheduler's is."""
         return AgentRunner(self, recipe=recipe, env_factory=env_factory, group_size=group_size, seed=seed,
-                           recorder=recorder, run_id=run_id, override=override)
+                           recorder=recorder, run_id=run_id, override=override, observer=observer)
 
     async def evaluate(self, tasks: Sequence[Any], *, recipe: EnvRecipe | None = None,
                        env_factory: Callable[[], Any] | None = None, recorder: Recorder | None = None,

@@ -32,7 +32,9 @@ class OpenAISessionConfig:
     - `max_tokens`: a request's token budget when it gives none. `max_turns`: chat requests per session
       (None: unbounded). `context_length`: the model's context (None: the engine's, when it reports one).
     - `idle_timeout_s`: a session without requests for this long is closed as `timeout`.
-    - `timeouts`, `retry`: the generate calls' deadlines and retries (as for internal sessions).
+    - `timeouts`, `retry`: the generate calls' deadlines and retries, as for internal sessions, except that
+      a turn's deadline is at least a minute by default (a client waits for its reply; a turn cut short at
+      its deadline is a 504 that the client repeats, work lost).
     """
 
     history_mismatch: Literal["error", "fork"] = "error"
@@ -41,7 +43,7 @@ class OpenAISessionConfig:
     max_turns: int | None = None
     context_length: int | None = None
     idle_timeout_s: float = 1800.0
-    timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
+    timeouts: TimeoutConfig = field(default_factory=lambda: TimeoutConfig(turn_floor_s=60.0))
     retry: RetryConfig = field(default_factory=RetryConfig)
 
     def __post_init__(self) -> None:

@@ -24,7 +24,7 @@ from miles.sessions.records import SessionRecord
 from miles.sessions.scheduler import SessionScheduler
 from miles.trainers.demos import oracle_demos
 from miles.trainers.engine_setup import bounded_by_context, build_engine_set
-from miles.trainers.evaluate import EvalResult, evaluate
+from miles.trainers.evaluate import EvalResult, evaluate, summarize
 from miles.trainers.metrics_log import MetricsLog
 from miles.trainers.models import build_policy, build_tito
 from miles.trainers.train_config import TrainConfig
@@ -178,6 +178,16 @@ class TrainLoop:
         self.scheduler = SessionScheduler(self.engines, tokenizer=self.tito, config=self.scheduler_cfg,
                                           recorder=self.recorder, run_id="train", recipe=self.train_recipe,
                                           observer=self.session_metrics)
+        self.agents = None
+        if cfg.rollout.agent.enabled:  # the user's own agent runs the sessions, against the OpenAI endpoint
+            from miles.sessions.openai_agent import AgentRollout
+
+            self.agents = await AgentRollout.start(self.engines, tokenizer=self.tito, config=cfg.rollout.agent,
+                                                   context_length=self.scheduler_cfg.session.context_length,
+                                                   log_dir=cfg.rollout.agent.log_dir or self.out / "agent_logs")
+            self.scheduler = self.agents.runner(recipe=self.train_recipe, group_size=self.scheduler_cfg.group_size,
+                                                seed=self.scheduler_cfg.seed, recorder=self.recorder, run_id="train",
+                                                observer=self.session_metrics)
 
     # ---- stages --------------------------------------------------------------------------------------
     async def _sync(self, version: int | None = None) -> None:
@@ -191,10 +201,15 @@ class TrainLoop:
         modes = ([True] if cfg.eval.greedy else []) + ([False] if cfg.eval.sampled else [])
         results = {}
         for greedy in modes:
-            res = await evaluate(self.engines, tokenizer=self.tito, recipe=self.eval_recipe,
-                                 run_id=f"eval-{stage}-{'greedy' if greedy else 'sampled'}",
-                                 tasks=self.eval_tasks, scheduler=self.scheduler_cfg, greedy=greedy,
-                                 recorder=self.eval_recorder, max_new_tokens=cfg.eval.max_new_tokens)
+            run_id = f"eval-{stage}-{'greedy' if greedy else 'sampled'}"
+            if self.agents is not None:  # held-out success of the user's agent, through the endpoint
+                res = summarize("greedy" if greedy else "sampled", await self.agents.evaluate(
+                    self.eval_tasks, recipe=self.eval_recipe, recorder=self.eval_recorder, greedy=greedy,
+                    max_tokens=cfg.eval.max_new_tokens, run_id=run_id))
+            else:
+                res = await evaluate(self.engines, tokenizer=self.tito, recipe=self.eval_recipe, run_id=run_id,
+                                     tasks=self.eval_tasks, scheduler=self.scheduler_cfg, greedy=greedy,
+                                     recorder=self.eval_recorder, max_new_tokens=cfg.eval.max_new_tokens)
             results[res.mode] = res
             self.metrics.write("eval", self.trainer.step, stage=stage, **res.to_dict())
             self.echo(f"[eval {stage}] {res.mode}: success {res.success_rate:.1%}  "
@@ -338,6 +353,8 @@ class TrainLoop:
                 await self._evaluate("final")
         finally:
             await self.scheduler.aclose()
+            if self.agents is not None:
+                await self.agents.aclose()
             await self.recorder.aclose()
             await self.eval_recorder.aclose()
             await self.sync.close()

@@ -10,6 +10,7 @@ from miles.engine import SamplingParams
 from miles.envs import EnvRecipe
 from miles.observability import ObservabilityConfig
 from miles.sessions.config import SchedulerConfig, SessionConfig
+from miles.sessions.openai_config import AgentConfig
 from miles.trainers.trainer_config import (
     AlgorithmConfig,
     MegatronOptions,
@@ -102,12 +103,15 @@ class RolloutConfig:
     `on_timeout`: sessions that ended `timeout` (a slow engine or env, not the policy) are left out of training
     ("drop", the default) or trained on with reward 0 ("zero"); either way they are recorded and counted in the
     step's `timeout_sessions` metric.
+    `agent`: with `agent.command` set, the user's own agent runs every session (train and eval) against the
+    OpenAI-compatible endpoint instead of the env loop (`miles.sessions.openai_agent`).
     """
 
     tasks_per_step: int = 4
     drop_zero_std_groups: bool = False
     on_timeout: Literal["drop", "zero"] = "drop"
     scheduler: SchedulerConfig = field(default_factory=lambda: SchedulerConfig(group_size=8))
+    agent: AgentConfig = field(default_factory=AgentConfig)  # with agent.command: the user's agent, see below
 
     def __post_init__(self) -> None:
         if self.tasks_per_step < 1:
