@@ -251,6 +251,20 @@ class OpenAIEndpoint:
             await session.closed.wait()
             return session.result
         session.closing = True
+        try:
+            records = await self._finish(session, termination, error)
+        finally:  # whatever happened, nobody waits on this session for ever
+            self.sessions.pop(session_id, None)
+            self._scorers.pop(session_id, None)
+            self.closed[session_id] = session
+            while len(self.closed) > self.keep_closed:
+                self.closed.popitem(last=False)
+            self.stats.sessions_closed += 1
+            session.closed.set()
+        return records
+
+    async def _finish(self, session: OpenAISession, termination: TerminationReason,
+                      error: ErrorInfo | None) -> list[SessionRecord]:
         if session.inflight is not None:
             await self._abort(*session.inflight)
         async with session.lock:
@@ -263,6 +277,7 @@ class OpenAIEndpoint:
                 except Exception as exc:  # a reward hook that fails: the episode is an env error, still recorded
                     termination, error = TerminationReason.ENV_ERROR, ErrorInfo.from_exception("score", exc)
             records = session.records(termination, score, error, reward_source=source)
+        session.result = records
         for rec in records:
             for kind in ("special_tokens", "assistant_text", "non_assistant_text"):
                 n = int(rec.final_info.get("tito", {}).get(kind, 0))
@@ -273,14 +288,6 @@ class OpenAIEndpoint:
                 except Exception as exc:
                     self.stats.record_failures += 1
                     log.error("recording session %s failed: %s", rec.session_id, exc)
-        session.result = records
-        self.sessions.pop(session_id, None)
-        self._scorers.pop(session_id, None)
-        self.closed[session_id] = session
-        while len(self.closed) > self.keep_closed:
-            self.closed.popitem(last=False)
-        self.stats.sessions_closed += 1
-        session.closed.set()
         return records
 
     async def _score(self, session: OpenAISession) -> tuple[Score | None, str]:

@@ -179,9 +179,10 @@ class EndpointServer:
         self._server = _LoopServer(config)
         self._task = asyncio.get_running_loop().create_task(self._server.serve())
         while not self._server.started:
-            if self._task.done():
-                self._task.result()  # raises why it failed (e.g. the port is taken)
-                raise RuntimeError(f"the endpoint server on {self.host}:{self.port} stopped at start")
+            if self._task.done():  # uvicorn logged why (e.g. the port is taken) and exited
+                with contextlib.suppress(BaseException):
+                    self._task.result()
+                raise OSError(f"the OpenAI endpoint could not listen on {self.host}:{self.port}")
             await asyncio.sleep(0.01)
         self.port = self._server.servers[0].sockets[0].getsockname()[1]
         return self.url
