@@ -44,7 +44,11 @@ class FinishReason(str, Enum):
 
 @dataclass
 class GenerateResult:
-    """What one generate call produced. `output_logprobs[i]` is the logprob of `output_ids[i]`."""
+    """What one generate call produced. `output_logprobs[i]` is the logprob of `output_ids[i]`.
+
+    `weight_version` is the version the call finished under; `token_versions[i]`, when the engine reports it,
+    the version that produced `output_ids[i]` (a call can span a weight update that lands between decode steps).
+    """
 
     output_ids: list[int]
     output_logprobs: list[float]
@@ -55,11 +59,15 @@ class GenerateResult:
     latency_s: float = 0.0
     engine_id: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    token_versions: list[int] | None = None
 
     def __post_init__(self) -> None:
         if len(self.output_ids) != len(self.output_logprobs):
             raise ValueError(
                 f"output_ids ({len(self.output_ids)}) and output_logprobs ({len(self.output_logprobs)}) differ in length")
+        if self.token_versions is not None and len(self.token_versions) != len(self.output_ids):
+            raise ValueError(f"output_ids ({len(self.output_ids)}) and token_versions ({len(self.token_versions)}) "
+                             "differ in length")
 
 
 class EngineError(RuntimeError):

@@ -86,6 +86,13 @@ class Trajectory:
     def num_generated(self) -> int:
         return sum(self.loss_mask)
 
+    @property
+    def oldest_weight_version(self) -> int | None:
+        """The oldest weight version among the generated tokens (None when no span carries one): the trainer
+        version minus this is the sample's staleness."""
+        versions = [s.weight_version for s in self.spans if s.weight_version is not None and s.end > s.start]
+        return min(versions) if versions else None
+
     def check(self) -> None:
         """Raise `TrajectoryInvariantError` unless the per-token lists and spans are consistent."""
         n = len(self.token_ids)
@@ -158,7 +165,8 @@ class Trajectory:
 class TrajectoryBatch:
     """Trajectories packed end to end into flat tensors (padding-free), with offsets per sequence.
 
-    `advantages` has one entry per sequence; `group_ids` maps each sequence to its GRPO group.
+    `advantages` has one entry per sequence; `group_ids` maps each sequence to its GRPO group;
+    `oldest_versions` holds each sequence's oldest generating weight version (-1: unknown).
     """
 
     token_ids: torch.Tensor  # int64 [T]
@@ -168,6 +176,14 @@ class TrajectoryBatch:
     rewards: torch.Tensor  # float32 [B]
     group_ids: torch.Tensor  # int64 [B]
     meta: list[dict[str, Any]] = field(default_factory=list)
+    oldest_versions: torch.Tensor | None = None  # int64 [B]
+
+    def staleness(self, trainer_version: int) -> torch.Tensor:
+        """Per sequence: `trainer_version` minus its oldest generating version (0 where unknown)."""
+        if self.oldest_versions is None:
+            return torch.zeros(self.num_sequences, dtype=torch.int64)
+        known = self.oldest_versions >= 0
+        return torch.where(known, trainer_version - self.oldest_versions, torch.zeros_like(self.oldest_versions))
 
     @property
     def num_sequences(self) -> int:
@@ -190,6 +206,8 @@ class TrajectoryBatch:
             group_ids=torch.tensor([groups.setdefault(t.meta.group_id or f"_{i}", len(groups))
                                     for i, t in enumerate(trajectories)], dtype=torch.int64),
             meta=[asdict(t.meta) for t in trajectories],
+            oldest_versions=torch.tensor([-1 if t.oldest_weight_version is None else t.oldest_weight_version
+                                          for t in trajectories], dtype=torch.int64),
         )
 
     def sequence(self, i: int) -> slice:
@@ -198,7 +216,8 @@ class TrajectoryBatch:
     def save(self, path: str | Path) -> None:
         """Write the tensors as safetensors, with the metadata as a JSON header entry."""
         tensors = {k: getattr(self, k).contiguous() for k in
-                   ("token_ids", "loss_mask", "rollout_logprobs", "cu_seqlens", "rewards", "group_ids")}
+                   ("token_ids", "loss_mask", "rollout_logprobs", "cu_seqlens", "rewards", "group_ids",
+                    "oldest_versions") if getattr(self, k) is not None}
         save_file(tensors, str(path), metadata={"meta": json.dumps(self.meta)})
 
     @classmethod

@@ -325,6 +325,8 @@ class Router:
         self._rr = 0
         self._changed = asyncio.Event()
         self._monitor: asyncio.Task[None] | None = None
+        self._open = asyncio.Event()  # cleared while `held()` keeps new calls waiting
+        self._open.set()
 
     # ---- what callers read ---------------------------------------------------------------------------
     @property
@@ -357,6 +359,24 @@ class Router:
                 e.counters = _Counters()
         return RouterStats(tuple(out))
 
+    @property
+    def inflight(self) -> int:
+        """Calls that hold or wait for a slot on some engine."""
+        return sum(e.inflight for e in self._engines)
+
+    @contextlib.asynccontextmanager
+    async def held(self) -> AsyncIterator[None]:
+        """Keep new calls waiting, let every call in flight return, then run the block; new calls go on after
+        it. Under it a weight update lands between turns: the turns that were running finished on the old
+        weights, and no turn starts until the new ones are in."""
+        self._open.clear()
+        try:
+            while self.inflight:
+                await self._wait_change(0.1)
+            yield
+        finally:
+            self._open.set()
+
     # ---- leases --------------------------------------------------------------------------------------
     async def acquire(self, session_id: str | None, *, prompt_tokens: int, max_new_tokens: int,
                       exclude: Collection[int] = (), avoid: Collection[int] = (), retry: bool = False) -> Lease:
@@ -367,6 +387,7 @@ class Router:
         outside `exclude` can take the call, even after probing the suspect ones.
         """
         self._ensure_monitor()
+        await self._open.wait()
         exclude = frozenset(exclude)
         shunned = exclude | frozenset(avoid)
         probed = False

@@ -9,7 +9,7 @@ import os
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +27,7 @@ from miles.trajectory import Trajectory
 from miles.types import TerminationReason
 
 log = logging.getLogger(__name__)
+_END = object()
 
 
 @dataclass
@@ -146,17 +147,19 @@ class SessionScheduler:
         self._group_counter = itertools.count()
 
     # ---- public --------------------------------------------------------------------------------------
-    async def run_groups(self, tasks: Iterable[Any], *, num_groups: int | None = None) -> AsyncIterator[Group]:
+    async def run_groups(self, tasks: Iterable[Any], *, num_groups: int | None = None,
+                         admit: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator[Group]:
         """Yield groups as they complete. With `num_groups`, stop after that many, having scheduled
         `config.oversample_groups` extra ones and aborted whatever is still running; otherwise run one
-        group per task until `tasks` is exhausted."""
+        group per task until `tasks` is exhausted. `admit`, when given, is awaited before each next task is
+        taken from `tasks` and its group started (admission control, e.g. a staleness bound)."""
         if num_groups is not None and num_groups < 1:
             raise ValueError("num_groups must be >= 1 or None")
         limit = None if num_groups is None else num_groups + self.config.oversample_groups
         done: asyncio.Queue[Group | None] = asyncio.Queue()
         progress = ProgressDisplay(self.stats, enabled=self.config.progress)
         progress.start()
-        producer = asyncio.get_running_loop().create_task(self._produce(tasks, limit, done))
+        producer = asyncio.get_running_loop().create_task(self._produce(tasks, limit, done, admit))
         yielded = 0
         try:
             while num_groups is None or yielded < num_groups:
@@ -196,14 +199,21 @@ class SessionScheduler:
             await self.recorder.aclose()
 
     # ---- internals -----------------------------------------------------------------------------------
-    async def _produce(self, tasks: Iterable[Any], limit: int | None, done: asyncio.Queue[Group | None]) -> None:
+    async def _produce(self, tasks: Iterable[Any], limit: int | None, done: asyncio.Queue[Group | None],
+                       admit: Callable[[], Awaitable[None]] | None = None) -> None:
         n = self.config.group_size
         unit = self.config.group_mode == "unit"
         loop = asyncio.get_running_loop()
+        items = iter(tasks)
         try:
-            for count, item in enumerate(tasks):
-                if limit is not None and count >= limit:
+            count = 0
+            while limit is None or count < limit:
+                if admit is not None:
+                    await admit()
+                item = next(items, _END)
+                if item is _END:
                     break
+                count += 1
                 task = TaskSpec.of(item)
                 gi = next(self._group_counter)
                 state = _GroupState(Group(f"{self.run_id}-g{gi}", gi, task), n)

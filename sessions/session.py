@@ -172,7 +172,8 @@ class Session:
             try:
                 text = conv.append_generation(result.output_ids, result.output_logprobs,
                                               weight_version=result.weight_version,
-                                              finish_reason=result.finish_reason)
+                                              finish_reason=result.finish_reason,
+                                              token_versions=result.token_versions)
             except Exception as exc:  # output TITO cannot take (ids outside the vocabulary): a model error
                 raise _End(TerminationReason.ENGINE_ERROR,
                            ErrorInfo.from_exception("generate", exc, turn.engine_id)) from exc

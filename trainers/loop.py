@@ -15,13 +15,14 @@ import numpy as np
 import torch
 import yaml
 
-from miles.config import ConfigError, to_dict
-from miles.envs import Task, TaskSourceError
+from miles.config import to_dict
 from miles.observability import run_labels, start_observability
 from miles.sessions.metrics import SessionMetrics
 from miles.sessions.recorder import Recorder
 from miles.sessions.records import SessionRecord
 from miles.sessions.scheduler import SessionScheduler
+from miles.trainers.async_rollout import AsyncRollout
+from miles.trainers.data import TaskCursor, load_tasks
 from miles.trainers.demos import oracle_demos
 from miles.trainers.engine_setup import bounded_by_context, build_engine_set
 from miles.trainers.evaluate import EvalResult, evaluate, summarize
@@ -36,27 +37,6 @@ log = logging.getLogger(__name__)
 
 # Sessions that ended for infrastructure reasons say nothing about the policy; they are recorded, not trained on.
 UNTRAINABLE = (TerminationReason.ENGINE_ERROR, TerminationReason.ABORTED, TerminationReason.ENV_ERROR)
-
-
-@dataclass
-class TaskCursor:
-    """A deterministic, resumable walk over the training tasks: a seeded shuffle per epoch."""
-
-    num_tasks: int
-    seed: int
-    position: int = 0
-
-    def next(self, n: int) -> list[int]:
-        out = []
-        for _ in range(n):
-            epoch, offset = divmod(self.position, self.num_tasks)
-            order = np.random.default_rng([self.seed, epoch]).permutation(self.num_tasks)
-            out.append(int(order[offset]))
-            self.position += 1
-        return out
-
-    def to_dict(self) -> dict[str, int]:
-        return {"num_tasks": self.num_tasks, "seed": self.seed, "position": self.position}
 
 
 @dataclass
@@ -120,29 +100,6 @@ class TrainLoop:
         self.summary = RunSummary(output_dir=str(self.out), steps_done=0)
 
     # ---- setup ---------------------------------------------------------------------------------------
-    def _tasks(self, split: str, n: int, *, distinct: bool = False) -> list[Task]:
-        """The first `n` tasks of a split; with `distinct`, the first `n` different prompts (generated task
-        spaces repeat problems), or all of them when the split has fewer."""
-        env = self.recipe.with_kwargs(split=split).make()
-        try:
-            if not distinct:
-                tasks = env.tasks.take(n)
-            else:
-                seen: dict[str, Task] = {}
-                for i, task in enumerate(env.tasks):
-                    seen.setdefault(task.prompt, task)
-                    if len(seen) >= n or i >= 100 * n:
-                        break
-                tasks = list(seen.values())
-        except TaskSourceError as exc:
-            raise ConfigError("env", f"the {split!r} split of {self.cfg.env.id}: {exc}") from None
-        finally:
-            env.close()
-        if not tasks:
-            raise ConfigError("env", f"the {split!r} split of {self.cfg.env.id} has no tasks; give the env more "
-                              "tasks or another split (env.train_split / env.eval_split)")
-        return tasks
-
     async def _setup(self) -> None:
         cfg = self.cfg
         seed_everything(cfg.seed)
@@ -152,8 +109,8 @@ class TrainLoop:
         self.model = build_policy(cfg.model, self.tito.tokenizer)
         self.train_recipe = self.recipe.with_kwargs(split=cfg.env.train_split)
         self.eval_recipe = self.recipe.with_kwargs(split=cfg.env.eval_split)
-        self.train_tasks = self._tasks(cfg.env.train_split, cfg.env.num_train_tasks)
-        self.eval_tasks = self._tasks(cfg.env.eval_split, cfg.eval.num_tasks, distinct=True)
+        self.train_tasks = load_tasks(self.recipe, cfg.env.train_split, cfg.env.num_train_tasks)
+        self.eval_tasks = load_tasks(self.recipe, cfg.env.eval_split, cfg.eval.num_tasks, distinct=True)
         self.cursor = TaskCursor(len(self.train_tasks), cfg.seed)
         # Engines copy the policy before the trainer wraps it (FSDP, Megatron conversion).
         self.engine_set = await build_engine_set(cfg.engine, self.model, self.tito.tokenizer, cfg.model.tokenizer)
@@ -172,13 +129,19 @@ class TrainLoop:
         except BaseException:
             await self.engine_set.close()
             raise
-        self.recorder = Recorder(self.out / "sessions.jsonl")
         self.eval_recorder = Recorder(self.out / "eval_sessions.jsonl")
         self.session_metrics = SessionMetrics(self.observability.labels)
+        self.version = self.sync.version  # the weights the trainer's policy was last synced as
+        self.async_rollout: AsyncRollout | None = None
+        self.recorder: Recorder | None = None
+        self.scheduler: Any = None
+        self.agents = None
+        if cfg.asynchronous.enabled:  # the rollout process runs (and records) the training sessions
+            return
+        self.recorder = Recorder(self.out / "sessions.jsonl")
         self.scheduler = SessionScheduler(self.engines, tokenizer=self.tito, config=self.scheduler_cfg,
                                           recorder=self.recorder, run_id="train", recipe=self.train_recipe,
                                           observer=self.session_metrics)
-        self.agents = None
         if cfg.rollout.agent.enabled:  # the user's own agent runs the sessions, against the OpenAI endpoint
             from miles.sessions.openai_agent import AgentRollout
 
@@ -192,12 +155,15 @@ class TrainLoop:
     # ---- stages --------------------------------------------------------------------------------------
     async def _sync(self, version: int | None = None) -> None:
         report = await self.sync.push(self.trainer.hf_state_dict(), version=version)
+        self.version = report.version
         self.metrics.write("sync", self.trainer.step, version=report.version, method=report.method,
                            seconds=report.seconds, drain_seconds=report.drain_seconds, mb=report.num_bytes / 1e6)
         self.observability.run.observe_sync(report)
 
     async def _evaluate(self, stage: str) -> dict[str, EvalResult]:
         cfg = self.cfg
+        if self.sync.version < self.version:  # async: the trainer's own engines evaluate the newest weights
+            await self._sync(version=self.version)
         modes = ([True] if cfg.eval.greedy else []) + ([False] if cfg.eval.sampled else [])
         results = {}
         for greedy in modes:
@@ -231,7 +197,8 @@ class TrainLoop:
         steps = 0
         sft_trainer = self._sft_trainer()
         # Validation for the early stop: distinct training prompts, never the held-out split.
-        val_tasks = self._tasks(cfg.env.train_split, sft.check_tasks, distinct=True) if sft.target_success else []
+        val_tasks = (load_tasks(self.recipe, cfg.env.train_split, sft.check_tasks, distinct=True)
+                     if sft.target_success else [])
         for epoch in range(sft.epochs):
             order = list(range(len(demos)))
             rng.shuffle(order)
@@ -264,12 +231,30 @@ class TrainLoop:
         self.summary.seconds["sft"] = time.perf_counter() - t0
         self.echo(f"[sft] {len(demos)} oracle demos, {steps} steps in {self.summary.seconds['sft']:.1f} s")
 
+    async def _rollout(self) -> tuple[list[SessionRecord], dict[str, float]]:
+        """This step's sessions: run now (synchronous loop), or taken from the rollout process."""
+        if self.async_rollout is not None:
+            taken = await self.async_rollout.collect(self.version)
+            for record in taken.records:
+                self.session_metrics.observe(record)
+            return taken.records, taken.metrics
+        tasks = [{"task": self.train_tasks[i]} for i in self.cursor.next(self.cfg.rollout.tasks_per_step)]
+        groups = await self.scheduler.run(tasks, num_groups=self.cfg.rollout.tasks_per_step)
+        return [r for g in groups for r in g.records], {}
+
+    async def _update_engines(self) -> None:
+        """The trained weights to the engines: a sync (synchronous loop), or a publish to the rollout process
+        that returns while rollouts go on."""
+        if self.async_rollout is None:
+            await self._sync()
+            return
+        self.version += 1
+        await self.async_rollout.publish(self.version, self.trainer.hf_state_dict)
+
     async def _rl_step(self, step: int) -> dict[str, Any]:
         cfg = self.cfg
         t0 = time.perf_counter()
-        tasks = [{"task": self.train_tasks[i]} for i in self.cursor.next(cfg.rollout.tasks_per_step)]
-        groups = await self.scheduler.run(tasks, num_groups=cfg.rollout.tasks_per_step)
-        records = [r for g in groups for r in g.records]
+        records, extra = await self._rollout()
         t_rollout = time.perf_counter() - t0
         trajs = trainable(records, on_timeout=cfg.rollout.on_timeout)
         informative, num_groups, flat = split_by_reward_spread(trajs)
@@ -282,7 +267,7 @@ class TrainLoop:
             "sessions": len(records), "trained_sessions": len(trajs),
             "timeout_sessions": sum(r.termination == TerminationReason.TIMEOUT for r in records),
             "rollout_zero_std_group_frac": flat / num_groups if num_groups else 0.0,
-            "generated_tokens": sum(t.num_generated for t in trajs), "rollout_s": t_rollout,
+            "generated_tokens": sum(t.num_generated for t in trajs), "rollout_s": t_rollout, **extra,
         }
         if trajs:
             t1 = time.perf_counter()
@@ -290,21 +275,39 @@ class TrainLoop:
             row["train_s"] = time.perf_counter() - t1
             row.update({k: v for k, v in metrics.items() if k != "step"})
             t2 = time.perf_counter()
-            await self._sync()
+            await self._update_engines()
             row["sync_s"] = time.perf_counter() - t2
         else:
             self.trainer.step += 1
         row["step_s"] = time.perf_counter() - t0
-        routing = self.scheduler.router.stats(reset=True)
-        row.update(routing.to_metrics())
+        row["samples_per_s"] = len(trajs) / row["step_s"]
+        row["trained_tokens_per_s"] = float(sum(len(t) for t in trajs)) / row["step_s"]
+        if "trainer_wait_s" in extra:
+            row["trainer_idle_ratio"] = extra["trainer_wait_s"] / row["step_s"]
+        if self.scheduler is not None:
+            routing = self.scheduler.router.stats(reset=True)
+            row.update(routing.to_metrics())
+            self.session_metrics.observe_router(routing)
         self.metrics.write("train", step, **row)
         self.observability.run.observe_step(row)
-        self.session_metrics.observe_router(routing)
         return row
 
+    async def _start_rollout_process(self, start_step: int, consumed: tuple[int, ...],
+                                     resume_time: float | None) -> None:
+        """The asynchronous loop: start the rollout process at the data cursor with the current weights."""
+        self.async_rollout = AsyncRollout(self.cfg, http=self.engine_set.is_http,
+                                          push=lambda version: self._sync(version=version),
+                                          position=self.cursor.position, consumed=consumed)
+        await self.async_rollout.start(self.version, None if self.engine_set.is_http else self.trainer.hf_state_dict(),
+                                       run_id=f"train-r{start_step}" if start_step else "train",
+                                       resume_time=resume_time)
+
     def _checkpoint(self) -> None:
-        self.trainer.save_checkpoint(self.out / "checkpoints", data_cursor=self.cursor.to_dict(),
-                                     extra={"weight_version": self.sync.version, "time": time.time()},
+        cursor = self.cursor.to_dict()
+        if self.async_rollout is not None:
+            cursor.update(self.async_rollout.data_cursor())
+        self.trainer.save_checkpoint(self.out / "checkpoints", data_cursor=cursor,
+                                     extra={"weight_version": self.version, "time": time.time()},
                                      keep_last=self.cfg.checkpoint.keep)
 
     # ---- the run -------------------------------------------------------------------------------------
@@ -313,18 +316,23 @@ class TrainLoop:
         t_start = time.perf_counter()
         await self._setup()
         start_step = 0
+        consumed: tuple[int, ...] = ()
+        saved_at: float | None = None
         try:
             ckpt_root = self.out / "checkpoints"
             if self.resume and any(ckpt_root.glob("step_*")):
                 ckpt = self.trainer.load_checkpoint(ckpt_root)
                 self.cursor.position = int(ckpt.data_cursor.get("position", 0))
+                consumed = tuple(int(p) for p in ckpt.data_cursor.get("consumed", ()))
                 start_step = ckpt.step
                 await self._sync(version=ckpt.extra.get("weight_version"))
                 saved_at = float(ckpt.extra.get("time", float("inf")))
                 self.metrics.drop_after(saved_at)
                 for recorder in (self.recorder, self.eval_recorder):  # redone sessions stay in the file once
-                    recorder.drop_after(saved_at)
-                self.scheduler.run_id = f"train-r{start_step}"  # session ids stay unique across resumes
+                    if recorder is not None:  # (async: the rollout process moves its own aside)
+                        recorder.drop_after(saved_at)
+                if self.scheduler is not None:
+                    self.scheduler.run_id = f"train-r{start_step}"  # session ids stay unique across resumes
                 self.echo(f"[resume] from {ckpt.path.name}: step {start_step}")
             elif cfg.sft.enabled:
                 await self._sft()
@@ -332,6 +340,8 @@ class TrainLoop:
                 await self._sync()
             if start_step == 0:
                 await self._evaluate("start")
+            if cfg.asynchronous.enabled:
+                await self._start_rollout_process(start_step, consumed, saved_at)
             t_rl = time.perf_counter()
             step = start_step
             while step < cfg.steps:
@@ -348,14 +358,20 @@ class TrainLoop:
                     self._checkpoint()
             self.summary.steps_done = step
             self.summary.seconds["rl"] = time.perf_counter() - t_rl
+            if self.async_rollout is not None:  # running sessions are aborted and recorded; then checkpoint
+                await self.async_rollout.close()
             self._checkpoint()
             if step > start_step or "start" not in self.summary.evals:
                 await self._evaluate("final")
         finally:
-            await self.scheduler.aclose()
+            if self.async_rollout is not None:
+                await self.async_rollout.close()
+            if self.scheduler is not None:
+                await self.scheduler.aclose()
             if self.agents is not None:
                 await self.agents.aclose()
-            await self.recorder.aclose()
+            if self.recorder is not None:
+                await self.recorder.aclose()
             await self.eval_recorder.aclose()
             await self.sync.close()
             await self.engine_set.close()

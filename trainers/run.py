@@ -6,8 +6,10 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import sys
 
 from miles.trainers.loop import RunSummary, TrainLoop
+from miles.trainers.rollout_process import RolloutManagerError
 from miles.trainers.train_config import TrainConfig, load_train_config
 
 
@@ -63,6 +65,9 @@ def run_loop(cfg: TrainConfig, args: argparse.Namespace, *, resume: bool) -> int
     loop = TrainLoop(cfg, resume=resume)
     try:
         summary = asyncio.run(loop.run())
+    except RolloutManagerError as exc:  # the run stopped; its checkpoints are intact
+        print(f"miles {args.command}: {exc}", file=sys.stderr)
+        return 1
     finally:
         stop_workers(getattr(loop, "trainer", None))
     print(format_summary(summary, cfg))

@@ -192,6 +192,39 @@ def _check_backend_sections(cfg: TrainConfig) -> None:
 
 
 @dataclass
+class AsyncConfig:
+    """Fully asynchronous RL (the `async:` section): a rollout manager process streams finished groups while
+    the trainer trains on the groups already done.
+
+    - `enabled`: off (the default) runs the synchronous loop: roll out a step, train, sync, repeat.
+    - `max_staleness`: a sample's staleness is the trainer's weight version minus the oldest version among its
+      generated tokens. The manager admits a group only while the ones admitted fit the bound, and groups over
+      it when they reach the trainer are dropped (`stale: drop`) or run again (`stale: regenerate`).
+      `max_staleness: 0` is the synchronous loop with the rollout in its own process.
+    - `inflight`: how a weight update meets turns in flight: `continue` lets them finish on the old weights
+      (no turn starts until the new ones are in), `pause` swaps the weights between decode steps (a turn can
+      then span versions; each token's version is recorded).
+    - `rollout_threads`: torch threads of the rollout process (its engines); the trainer keeps the rest.
+    - `manager_timeout_s`: how long the trainer waits for the next group before it gives up.
+    """
+
+    enabled: bool = False
+    max_staleness: int = 4
+    stale: Literal["drop", "regenerate"] = "drop"
+    inflight: Literal["continue", "pause"] = "continue"
+    rollout_threads: int | None = None
+    manager_timeout_s: float = 3600.0
+
+    def __post_init__(self) -> None:
+        if self.max_staleness < 0:
+            raise ConfigError("max_staleness", f"must be >= 0, got {self.max_staleness}")
+        if self.rollout_threads is not None and self.rollout_threads < 1:
+            raise ConfigError("rollout_threads", f"must be >= 1 (or null), got {self.rollout_threads}")
+        if not self.manager_timeout_s > 0:
+            raise ConfigError("manager_timeout_s", f"must be > 0, got {self.manager_timeout_s}")
+
+
+@dataclass
 class TrainConfig:
     """One agent-RL experiment."""
 
@@ -214,10 +247,17 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    asynchronous: AsyncConfig = field(default_factory=AsyncConfig, metadata={"key": "async"})
 
     def __post_init__(self) -> None:
         if self.steps < 0:
             raise ConfigError("steps", "must be >= 0")
+        if self.asynchronous.enabled and self.rollout.agent.enabled:
+            raise ConfigError("async.enabled", "the asynchronous loop runs the env's sessions itself; it does not "
+                              "drive an external agent (rollout.agent) yet")
+        if self.asynchronous.enabled and self.rollout.scheduler.oversample_groups:
+            raise ConfigError("async.enabled", "the asynchronous loop keeps every group it starts; set "
+                              "rollout.scheduler.oversample_groups: 0")
         try:
             self.rollout.scheduler.validate()
         except ValueError as exc:

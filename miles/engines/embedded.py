@@ -62,6 +62,7 @@ class _Request:
     start: float = field(default_factory=time.perf_counter)
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    token_versions: list[int] = field(default_factory=list)
     cached_tokens: int = 0
     weight_version_start: int = 0
     finished: bool = False  # set by the decode thread; the future settles later on the caller's loop
@@ -350,6 +351,7 @@ class EmbeddedEngine(RolloutEngine):
         self.histograms.first_token.observe(time.perf_counter() - req.start)
         req.output_ids.append(tokens[0])
         req.output_logprobs.append(logprobs[0])
+        req.token_versions.append(self._version)
         kv = [(layer.keys, layer.values) for layer in cache.layers]
         return kv, len(ids)
 
@@ -373,6 +375,7 @@ class EmbeddedEngine(RolloutEngine):
         for i, (req, tok, lp) in enumerate(zip(self._active, tokens, logprobs, strict=True)):
             req.output_ids.append(tok)
             req.output_logprobs.append(lp)
+            req.token_versions.append(self._version)
             if self._check_finished(req):
                 done.append(i)
         if done:
@@ -405,7 +408,8 @@ class EmbeddedEngine(RolloutEngine):
             output_ids=list(req.output_ids), output_logprobs=list(req.output_logprobs), finish_reason=reason,
             weight_version=self._version, prompt_tokens=len(req.input_ids), cached_tokens=req.cached_tokens,
             latency_s=time.perf_counter() - req.start, engine_id=self.engine_id,
-            extra={"rid": req.rid, "weight_version_start": req.weight_version_start})
+            extra={"rid": req.rid, "weight_version_start": req.weight_version_start},
+            token_versions=list(req.token_versions))
         self._resolve(req, result)
 
     def _resolve(self, req: _Request, outcome: GenerateResult | BaseException) -> None:

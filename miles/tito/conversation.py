@@ -68,10 +68,14 @@ class Conversation:
             raise ConversationStateError("the conversation is finished")
 
     def append_generation(self, output_ids: Sequence[int], logprobs: Sequence[float] | None, *,
-                          weight_version: int, finish_reason: FinishReason) -> str:
+                          weight_version: int, finish_reason: FinishReason,
+                          token_versions: Sequence[int] | None = None) -> str:
         """Append engine output verbatim (loss mask 1, its logprobs) and return its text without the stop token.
 
         A generation that did not end in a stop token may be continued by another `append_generation`.
+        `token_versions` (one per output id, when the engine reports them) splits the output into one span per
+        weight version, so a turn that spanned a weight update records which tokens each version made; without
+        it the whole output is `weight_version`'s.
         """
         self._require_open()
         if self.last_turn_closed:
@@ -84,7 +88,17 @@ class Conversation:
         lps = [0.0] * len(ids) if logprobs is None else [float(x) for x in logprobs]
         if len(lps) != len(ids):
             raise InvalidTokenError(f"{len(ids)} output ids but {len(lps)} logprobs")
-        self._traj.append(ids, role=ASSISTANT, generated=True, logprobs=lps, weight_version=weight_version)
+        versions = [weight_version] * len(ids) if token_versions is None else [int(v) for v in token_versions]
+        if len(versions) != len(ids):
+            raise InvalidTokenError(f"{len(ids)} output ids but {len(versions)} token versions")
+        start = 0
+        for end in range(1, len(ids) + 1):  # one span per run of equal versions
+            if end == len(ids) or versions[end] != versions[start]:
+                self._traj.append(ids[start:end], role=ASSISTANT, generated=True, logprobs=lps[start:end],
+                                  weight_version=versions[start])
+                start = end
+        if not ids:
+            self._traj.append([], role=ASSISTANT, generated=True, logprobs=[], weight_version=weight_version)
         self._generating = True
         self._closed = bool(ids) and self.tito.is_stop(ids[-1])
         self.finish_reasons.append(FinishReason(finish_reason))

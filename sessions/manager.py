@@ -1,0 +1,123 @@
+"""`RolloutManager`: the scheduler as a stream of finished groups under a staleness bound.
+
+The asynchronous loop runs it in its own process (see `miles.trainers.async_rollout`): sessions keep running
+while the trainer trains, and weight updates land while they do. Three pieces:
+
+- **Admission.** With `groups_per_version` groups trained per weight version and a bound of `max_staleness`
+  versions, group number `g` (in start order, counting from the first weight version the engines held)
+  may start only once the engines hold version `first_version + g // groups_per_version - max_staleness`
+  or newer: a group is then trained at most `max_staleness` versions after it started, when the trainer
+  takes groups in start order. With `max_staleness: 0` the next version's groups start only after it
+  landed: the synchronous loop. Groups that come back to be run again (`requeue`) are admitted again.
+- **Tasks.** `TaskFeed` hands out the training tasks in cursor order, each with its cursor position, skipping
+  the positions an earlier run already trained on; requeued positions come first.
+- **Weight updates.** `update_weights(apply, inflight)`: with `continue`, new turns wait while the turns in
+  flight finish on the old weights, then `apply` runs (`Router.held`); with `pause`, `apply` runs at once and
+  the engines swap between decode steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from typing import Any, Literal
+
+from miles.sessions.scheduler import Group, SessionScheduler
+
+
+class TaskFeed:
+    """Training tasks in cursor order as `{"task": task}` items, remembering each one's cursor position.
+
+    `next_position()` yields positions `start, start + 1, ...` (skipping `skip`); `task_at(position)` maps a
+    position to its task. `positions[i]` is the position of the i-th item handed out (its group's index
+    within the feed), so a finished group can be traced back to its task's position.
+    """
+
+    def __init__(self, task_at: Callable[[int], Any], *, start: int = 0, skip: Iterable[int] = ()) -> None:
+        self._task_at = task_at
+        self._next = start
+        self._skip = set(skip)
+        self._again: deque[int] = deque()
+        self.positions: list[int] = []
+
+    def requeue(self, position: int) -> None:
+        """Hand out `position` again, before any new one."""
+        self._again.append(position)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        if self._again:
+            position = self._again.popleft()
+        else:
+            while self._next in self._skip:
+                self._next += 1
+            position = self._next
+            self._next += 1
+        self.positions.append(position)
+        return {"task": self._task_at(position)}
+
+
+class RolloutManager:
+    """Runs `scheduler`'s groups from `feed` for ever (until `stop`), admitting them under the staleness bound,
+    and yields each group as it finishes with its task's cursor position."""
+
+    def __init__(self, scheduler: SessionScheduler, feed: TaskFeed, *, groups_per_version: int, max_staleness: int,
+                 first_version: int) -> None:
+        if groups_per_version < 1 or max_staleness < 0:
+            raise ValueError("groups_per_version must be >= 1 and max_staleness >= 0")
+        self.scheduler = scheduler
+        self.feed = feed
+        self.groups_per_version = groups_per_version
+        self.max_staleness = max_staleness
+        self.first_version = first_version
+        self.version = first_version
+        self.admitted = 0  # groups started (requeued ones count again)
+        self._credit = 0  # requeued groups: admitted on top of the bound
+        self._changed = asyncio.Event()
+
+    @property
+    def allowed(self) -> int:
+        """How many groups may have started by now."""
+        return (self.version - self.first_version + self.max_staleness + 1) * self.groups_per_version + self._credit
+
+    def set_version(self, version: int) -> None:
+        """The engines now hold weights `version`: admit the groups that this allows."""
+        self.version = max(self.version, int(version))
+        self._wake()
+
+    def requeue(self, position: int) -> None:
+        """Run the task at `position` again (its group was too stale); it is admitted on top of the bound."""
+        self.feed.requeue(position)
+        self._credit += 1
+        self._wake()
+
+    async def admit(self) -> None:
+        """Wait until one more group may start, then count it."""
+        while self.admitted >= self.allowed:
+            await self._changed.wait()
+        self.admitted += 1
+
+    async def stream(self) -> AsyncIterator[tuple[Group, int]]:
+        """Finished groups with their tasks' cursor positions, in the order they finish. The scheduler must be
+        fresh: its groups are numbered from 0 in the order the feed hands out their tasks."""
+        gen = self.scheduler.run_groups(self.feed, admit=self.admit)
+        try:
+            async for group in gen:
+                yield group, self.feed.positions[group.index]
+        finally:
+            await gen.aclose()
+
+    async def update_weights(self, apply: Callable[[], Awaitable[Any]], inflight: Literal["continue", "pause"]
+                             ) -> Any:
+        """Run `apply` (which loads new weights into the engines) under the in-flight policy."""
+        if inflight == "pause":
+            return await apply()
+        async with self.scheduler.router.held():
+            return await apply()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()

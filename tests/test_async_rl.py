@@ -1,0 +1,244 @@
+"""Fully asynchronous RL: token-level weight versions, the staleness bound (admission in the rollout manager,
+the filter in the trainer), `max_staleness: 0` reproducing the synchronous loop on the main job's config, and a
+killed rollout process followed by `--resume`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_session_support import AddEnv, tito
+
+from miles.engine import SamplingParams
+from miles.engines.embedded import EmbeddedEngine
+from miles.engines.testing import small_qwen2
+from miles.sessions.config import SchedulerConfig, SessionConfig
+from miles.sessions.instant import InstantEngine
+from miles.sessions.manager import RolloutManager, TaskFeed
+from miles.sessions.recorder import read_sessions
+from miles.sessions.records import SessionRecord
+from miles.sessions.scheduler import SessionScheduler
+from miles.trainers.async_rollout import AsyncRollout, group_staleness
+from miles.trainers.metrics_log import read_metrics
+from miles.trainers.rollout_process import Finished
+from miles.trainers.train_config import load_train_config
+from miles.trajectory import Trajectory, TrajectoryBatch, TurnSpan
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ---- token-level versions ------------------------------------------------------------------------------
+async def test_a_weight_update_between_decode_steps_is_recorded_token_by_token():
+    engine = EmbeddedEngine(small_qwen2(0), max_batch_size=4)
+    try:
+        params = SamplingParams(temperature=1.0, max_new_tokens=400, seed=1)
+        running = asyncio.create_task(engine.generate([1, 2, 3], params))
+        while not engine.stats["decode_tokens"]:
+            await asyncio.sleep(0.001)
+        await engine.update_weights(state_dict=dict(small_qwen2(1).state_dict()), version=5)
+        result = await running
+    finally:
+        await engine.close()
+    versions = result.token_versions
+    assert versions is not None and len(versions) == len(result.output_ids) == 400
+    assert versions[0] == 0 and versions[-1] == 5 and versions == sorted(versions)
+
+    conv = tito().start([{"role": "user", "content": "hi"}])
+    conv.append_generation(result.output_ids, result.output_logprobs, weight_version=result.weight_version,
+                           finish_reason=result.finish_reason, token_versions=versions)
+    spans = [s for s in conv.trajectory.spans if s.role == "assistant"]
+    assert [s.weight_version for s in spans] == [0, 5] and spans[0].end == spans[1].start
+    assert spans[0].end - spans[0].start == versions.count(0)
+    assert conv.trajectory.oldest_weight_version == 0
+
+
+def _traj(*versions: int | None) -> Trajectory:
+    ids = list(range(len(versions)))
+    return Trajectory(token_ids=ids, loss_mask=[1] * len(ids), rollout_logprobs=[-0.1] * len(ids),
+                      spans=[TurnSpan("assistant", i, i + 1, v) for i, v in enumerate(versions)])
+
+
+def test_the_batch_carries_each_samples_oldest_version_and_its_staleness():
+    batch = TrajectoryBatch.from_trajectories([_traj(3, 5), _traj(7), _traj(None)])
+    assert batch.oldest_versions.tolist() == [3, 7, -1]
+    assert batch.staleness(7).tolist() == [4, 0, 0]
+
+
+# ---- admission in the rollout manager ------------------------------------------------------------------
+async def test_the_manager_admits_groups_only_within_the_staleness_bound():
+    engine = InstantEngine(respond=lambda ids, sid, k: tito().tokenizer.encode("The answer is 3.") +
+                           [tito().stop_token_ids[0]])
+    sched = SessionScheduler(engine, tokenizer=tito(), env_factory=AddEnv, config=SchedulerConfig(
+        group_size=2, progress=False, session=SessionConfig(sampling=SamplingParams(max_new_tokens=8))))
+    tasks = AddEnv().tasks.take(8)
+    manager = RolloutManager(sched, TaskFeed(lambda p: tasks[p % 8]), groups_per_version=2, max_staleness=1,
+                             first_version=3)
+    got: list[int] = []
+
+    async def consume() -> None:
+        async for _, position in manager.stream():
+            got.append(position)
+
+    consumer = asyncio.create_task(consume())
+    try:
+        await asyncio.sleep(0.3)
+        assert sorted(got) == [0, 1, 2, 3]  # (version 3 - 3 + 1 + 1) * 2 groups
+        manager.set_version(4)
+        await asyncio.sleep(0.3)
+        assert sorted(got) == [0, 1, 2, 3, 4, 5]
+        manager.requeue(2)  # too stale at the trainer: run again, on top of the bound
+        await asyncio.sleep(0.3)
+        assert sorted(got) == [0, 1, 2, 2, 3, 4, 5]
+    finally:
+        consumer.cancel()
+        await asyncio.gather(consumer, return_exceptions=True)
+        await sched.aclose()
+
+
+# ---- the trainer's filter ------------------------------------------------------------------------------
+def _record(oldest: int | None) -> SessionRecord:
+    rec = SessionRecord(session_id="s", task={}, group_id="g")
+    rec.trajectory = _traj(oldest)
+    return rec
+
+
+class _FakeProcess:
+    def __init__(self, groups: list[Finished]) -> None:
+        self.groups = deque(groups)
+        self.requeued: list[int] = []
+        self.buffered = 0
+
+    async def next_group(self) -> Finished:
+        return self.groups.popleft()
+
+    def requeue(self, position: int) -> None:
+        self.requeued.append(position)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 12), min_size=1, max_size=3), min_size=12, max_size=12),
+       st.integers(0, 4), st.sampled_from(["drop", "regenerate"]))
+def test_no_group_over_the_bound_is_ever_trained_on(versions, bound, stale):
+    trainer_version = 12
+    cfg = load_train_config(None, ["rollout.tasks_per_step=2", f"async.max_staleness={bound}",
+                                   f"async.stale={stale}", "async.enabled=true"])
+    versions = [*versions, [trainer_version], [trainer_version]]  # the stream always has two fresh groups
+    groups = [Finished(records=[_record(v) for v in vs], position=i, engine_idle_s=0.0)
+              for i, vs in enumerate(versions)]
+    fresh = [g for g in groups if group_staleness(g.records, trainer_version) <= bound]
+    rollout = AsyncRollout(cfg, http=False, push=None)  # type: ignore[arg-type]
+    rollout.process = _FakeProcess(groups)  # type: ignore[assignment]
+    taken = asyncio.run(rollout.collect(trainer_version))
+    assert all(trainer_version - r.trajectory.oldest_weight_version <= bound for r in taken.records)
+    assert taken.records == [r for g in fresh[:2] for r in g.records]
+    skipped = [g.position for g in groups[:groups.index(fresh[1]) + 1] if g not in fresh]
+    assert taken.metrics["stale_groups_dropped"] == len(skipped)
+    assert taken.metrics["staleness_max"] <= bound
+    if stale == "regenerate":
+        assert rollout.process.requeued == skipped  # type: ignore[attr-defined]
+    else:
+        assert rollout.data_cursor()["position"] == (groups.index(fresh[1]) + 1)  # trained or dropped
+
+
+# ---- through `miles train` -----------------------------------------------------------------------------
+def _train(out: Path, *sets: str, resume: bool = False, config: str = "configs/calculator.yaml",
+           wait: bool = True) -> subprocess.CompletedProcess[str] | subprocess.Popen[str]:
+    args = [sys.executable, "-m", "miles.cli", "train", "--config", str(REPO / config), "--output-dir", str(out),
+            "--set", "max_seconds=null", "--set", "eval.num_tasks=4", *(x for s in sets for x in ("--set", s))]
+    if resume:
+        args.append("--resume")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if not wait:
+        return subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    return subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
+
+
+def _rows(out: Path) -> list[dict[str, Any]]:
+    return [r for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "train"]
+
+
+SMALL = ("steps=3", "rollout.tasks_per_step=4", "rollout.scheduler.group_size=4")
+
+
+@pytest.mark.slow
+def test_max_staleness_0_reproduces_the_synchronous_loop_on_the_main_job(tmp_path):
+    for mode in ("false", "true"):
+        proc = _train(tmp_path / mode, *SMALL, f"async.enabled={mode}", "async.max_staleness=0")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    sync, asyn = _rows(tmp_path / "false"), _rows(tmp_path / "true")
+    assert len(sync) == len(asyn) == 3
+    for a, b in zip(sync, asyn, strict=True):
+        for key in ("rollout_reward_mean", "rollout_success_rate", "trained_sessions", "generated_tokens"):
+            assert a[key] == b[key], (key, a[key], b[key])
+        # Same tokens, trained the same way; the rollout logprobs of two engine processes may differ in the last
+        # float bits (batch composition), which only the train-vs-rollout mismatch metrics see.
+        for key in ("loss", "grad_norm", "clip_frac", "entropy", "mismatch_kl"):
+            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), (key, a[key], b[key])
+        assert b["staleness_max"] == 0
+    assert any(r["loss"] != 0 for r in sync)  # the runs learned something to compare
+    trained = {r.session_id: r.trajectory.token_ids for r in read_sessions(tmp_path / "false" / "sessions.jsonl").records}
+    asynced = {r.session_id: r.trajectory.token_ids for r in read_sessions(tmp_path / "true" / "sessions.jsonl").records}
+    assert all(asynced[sid] == ids for sid, ids in trained.items())
+
+
+def _rollout_pid(trainer_pid: int) -> int | None:
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+                cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == trainer_pid and "spawn_main" in cmdline:
+                return int(entry.name)
+    return None
+
+
+@pytest.mark.slow
+def test_a_killed_rollout_process_is_a_named_error_and_resume_loses_no_step(tmp_path):
+    out = tmp_path / "run"
+    sets = ("steps=5", "rollout.tasks_per_step=2", "rollout.scheduler.group_size=4", "checkpoint.every=1",
+            "async.enabled=true", "async.max_staleness=2")
+    proc = _train(out, *sets, wait=False)
+    try:
+        deadline = time.monotonic() + 600
+        while not (out / "metrics.jsonl").exists() or len(_rows(out)) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+            time.sleep(0.2)
+        pid = _rollout_pid(proc.pid)
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1
+    # One line names the failure (multiprocessing's resource tracker may add a warning about the semaphore
+    # the killed process held, which it then cleans up).
+    assert [line for line in err.splitlines() if line.startswith("miles train:")] == [
+        "miles train: the rollout process exited with code -9; continue the run with --resume"]
+    assert "Traceback" not in err
+    done = len(_rows(out))
+    assert 2 <= done < 5
+
+    resumed = _train(out, *sets, resume=True)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    steps = [r["step"] for r in _rows(out)]
+    assert steps == [0, 1, 2, 3, 4]  # every step once: none lost, none repeated
+    records = read_sessions(out / "sessions.jsonl").records
+    assert len({r.session_id for r in records}) == len(records)
+    dropped = out / "sessions.jsonl.dropped"
+    kept = {r.session_id for r in records}
+    if dropped.exists():  # sessions redone after the resume: their first tries are kept aside, not lost
+        assert not kept & {json.loads(line)["session_id"] for line in dropped.read_text().splitlines()}

@@ -1,0 +1,139 @@
+"""The trainer's side of the asynchronous loop: each step takes finished groups from the rollout process, keeps
+those within the staleness bound, and afterwards hands the new weights back while rollouts go on.
+
+A group's staleness is the trainer's weight version minus the oldest version among its generated tokens (the
+largest over its samples). Groups over `async.max_staleness` are dropped, or run again with
+`async.stale: regenerate`. Because the rollout process admits groups under the same bound, few ever are.
+
+Which tasks were trained on is kept as cursor positions: everything below `position`, plus `consumed` above
+it (groups finish out of order). A checkpoint stores both, so a resumed run neither repeats nor skips a task.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from miles.sessions.records import SessionRecord
+from miles.trainers.rollout_process import RolloutProcess, RolloutStart
+from miles.trainers.train_config import TrainConfig
+
+
+@dataclass
+class StepRollout:
+    """One step's groups, flattened to records, and what taking them cost."""
+
+    records: list[SessionRecord]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def group_staleness(records: list[SessionRecord], trainer_version: int) -> int:
+    """The most stale sample of a group: trainer version minus its oldest generating version (0 if unknown)."""
+    oldest = [r.trajectory.oldest_weight_version for r in records]
+    known = [v for v in oldest if v is not None]
+    return max((trainer_version - v for v in known), default=0)
+
+
+class AsyncRollout:
+    """Drives a `RolloutProcess`: `start`, then per step `collect` and `publish`; `close` at the end.
+
+    `push(version)` is the trainer's own weight sync, used for HTTP engines (the rollout process's embedded
+    engines get the weights through the process queue instead).
+    """
+
+    def __init__(self, cfg: TrainConfig, *, http: bool, push: Callable[[int], Awaitable[None]],
+                 position: int = 0, consumed: tuple[int, ...] = ()) -> None:
+        self.cfg = cfg
+        self.acfg = cfg.asynchronous
+        self.http = http
+        self.push = push
+        self.position = position
+        self.consumed = set(consumed)
+        self.process: RolloutProcess | None = None
+        self._engine_idle_s = 0.0  # the rollout process's engine idle seconds, as last reported
+        self._idle_mark = 0.0  # ... at the end of the previous step
+        self._clock = time.monotonic()
+
+    async def start(self, version: int, state_dict: dict[str, torch.Tensor] | None, *, run_id: str,
+                    resume_time: float | None = None) -> None:
+        """Start the rollout process at the cursor and hand it weights `version` (the engines' first)."""
+        start = RolloutStart(position=self.position, skip=tuple(sorted(self.consumed)), first_version=version,
+                             run_id=run_id, resume_time=resume_time)
+        self.process = RolloutProcess(self.cfg, start)
+        await self.process.ready()
+        self.process.publish(version, None if self.http else state_dict)
+        await self.process.wait_acked(version)
+        self._clock = time.monotonic()
+
+    async def collect(self, trainer_version: int) -> StepRollout:
+        """`tasks_per_step` groups within the staleness bound, in the order they finished."""
+        assert self.process is not None
+        t0 = time.monotonic()
+        waited, dropped = 0.0, 0
+        kept: list[SessionRecord] = []
+        staleness: list[int] = []
+        groups = 0
+        while groups < self.cfg.rollout.tasks_per_step:
+            tw = time.monotonic()
+            group = await self.process.next_group()
+            waited += time.monotonic() - tw
+            stale = group_staleness(group.records, trainer_version)
+            if stale > self.acfg.max_staleness:
+                dropped += 1
+                if self.acfg.stale == "regenerate":
+                    self.process.requeue(group.position)
+                else:
+                    self._consume(group.position)
+                continue
+            self._consume(group.position)
+            kept.extend(group.records)
+            staleness.extend(trainer_version - (r.trajectory.oldest_weight_version or trainer_version)
+                             for r in group.records)
+            groups += 1
+            self._engine_idle_s = max(self._engine_idle_s, group.engine_idle_s)
+        now = time.monotonic()
+        wall, self._clock = now - self._clock, now
+        idle, self._idle_mark = self._engine_idle_s - self._idle_mark, self._engine_idle_s
+        idle_share = min(1.0, max(0.0, idle / wall)) if wall > 0 else 0.0
+        hist = Counter(staleness)
+        metrics: dict[str, float] = {
+            "trainer_wait_s": waited, "collect_s": now - t0, "rollout_idle_ratio": idle_share,
+            "staleness_mean": float(sum(staleness) / len(staleness)) if staleness else 0.0,
+            "staleness_max": float(max(staleness, default=0)), "stale_groups_dropped": float(dropped),
+            "buffer_groups": float(self.process.buffered),
+        }
+        metrics.update({f"staleness_hist_{k}": float(v) for k, v in sorted(hist.items())})
+        return StepRollout(kept, metrics)
+
+    async def publish(self, version: int, state_dict: Callable[[], dict[str, torch.Tensor]]) -> float:
+        """Hand weights `version` to the engines (under `async.inflight`); returns the seconds it took here."""
+        assert self.process is not None
+        t0 = time.monotonic()
+        if self.http:
+            if self.acfg.inflight == "continue":
+                await self.process.hold(version)
+            await self.push(version)
+            self.process.publish(version, None)
+        else:
+            await self.process.wait_acked(version - 1)  # the previous weights have landed: one copy in flight
+            self.process.publish(version, state_dict())
+        return time.monotonic() - t0
+
+    def data_cursor(self) -> dict[str, Any]:
+        """The cursor for a checkpoint: every position below `position`, and those in `consumed`, are trained."""
+        return {"position": self.position, "consumed": sorted(self.consumed)}
+
+    def _consume(self, position: int) -> None:
+        self.consumed.add(position)
+        while self.position in self.consumed:
+            self.consumed.discard(self.position)
+            self.position += 1
+
+    async def close(self) -> None:
+        if self.process is not None:
+            await self.process.close()

@@ -1,0 +1,349 @@
+"""The rollout process of the asynchronous loop: it runs a `RolloutManager` (the scheduler,
+its router, the engines and the recorder) and streams finished groups to the trainer.
+
+Transport: two `torch.multiprocessing` queues (spawn context). The trainer's messages go in `inbox`, the
+manager's come back in `outbox`. Weights for the process's embedded engines travel in the queue itself:
+CPU tensors through shared memory, CUDA tensors through CUDA IPC, and the trainer holds on to them until
+the manager says they are loaded. HTTP engines take their weights from the trainer's own weight sync; the
+manager only learns the new version (and, with `inflight: continue`, holds new turns while it lands).
+
+Neither side shares Python state or an event loop with the other; `RolloutProcess` is the trainer's handle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from miles.sessions.records import SessionRecord
+from miles.trainers.train_config import TrainConfig
+
+log = logging.getLogger(__name__)
+
+
+class RolloutManagerError(RuntimeError):
+    """The rollout process died, failed, or sent nothing for too long; the run can continue with `--resume`."""
+
+
+# ---- messages, trainer -> manager ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class Weights:
+    """The engines now get weights `version`: `state_dict` for the process's own (embedded) engines, or None
+    when the trainer already pushed them to HTTP engines (this then ends a `Hold`)."""
+
+    version: int
+    state_dict: dict[str, torch.Tensor] | None = None
+
+
+@dataclass(frozen=True)
+class Hold:
+    """Stop starting turns and let the ones in flight finish; answer `Ack(version)` once none is left."""
+
+    version: int
+
+
+@dataclass(frozen=True)
+class Requeue:
+    """Run the task at cursor `position` again (its group was over the staleness bound)."""
+
+    position: int
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Abort what runs, record it, and exit."""
+
+
+# ---- messages, manager -> trainer ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class Ready:
+    """The engines are up and the manager waits for the first weights."""
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A finished group: its sessions' records, its task's cursor position, and the seconds the engines have
+    been idle since the process started (cumulative)."""
+
+    records: list[SessionRecord]
+    position: int
+    engine_idle_s: float
+    buffered_at: float = field(default_factory=time.monotonic)
+
+
+@dataclass(frozen=True)
+class Ack:
+    """Weights `version` are loaded (or, after a `Hold`, nothing is in flight)."""
+
+    version: int
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The manager failed; `message` is one line."""
+
+    message: str
+
+
+@dataclass(frozen=True)
+class RolloutStart:
+    """Where the manager starts: the cursor `position`, positions already trained on (`skip`), the weight
+    version the engines will first hold, the run id of its sessions, and for a resumed run the checkpoint's
+    time (sessions started after it are moved aside first)."""
+
+    position: int = 0
+    skip: tuple[int, ...] = ()
+    first_version: int = 1
+    run_id: str = "train"
+    resume_time: float | None = None
+
+
+# ---- the rollout process ------------------------------------------------------------------------------
+def rollout_main(cfg: TrainConfig, start: RolloutStart, inbox: Any, outbox: Any) -> None:
+    """The rollout process's entry point (`torch.multiprocessing` spawn target)."""
+    torch.set_num_threads(cfg.asynchronous.rollout_threads or 1)
+    try:
+        asyncio.run(_serve(cfg, start, inbox, outbox))
+    except BaseException as exc:  # the trainer must hear about it, in one line
+        outbox.put(Failed(f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc) else ''}"))
+        raise SystemExit(1) from None
+
+
+async def _serve(cfg: TrainConfig, start: RolloutStart, inbox: Any, outbox: Any) -> None:
+    from miles.sessions.manager import RolloutManager, TaskFeed
+    from miles.sessions.recorder import Recorder
+    from miles.sessions.scheduler import SessionScheduler
+    from miles.trainers.data import TaskCursor, load_tasks
+    from miles.trainers.engine_setup import bounded_by_context, build_engine_set
+    from miles.trainers.models import build_policy, build_tito
+
+    recipe = cfg.env.recipe
+    recipe.import_modules()
+    tito = build_tito(cfg.model)
+    engines = await build_engine_set(cfg.engine, build_policy(cfg.model, tito.tokenizer), tito.tokenizer,
+                                     cfg.model.tokenizer)
+    tasks = load_tasks(recipe, cfg.env.train_split, cfg.env.num_train_tasks)
+    cursor = TaskCursor(len(tasks), cfg.seed)
+    recorder = Recorder(Path(cfg.output_dir) / "sessions.jsonl")
+    if start.resume_time is not None:
+        recorder.drop_after(start.resume_time)
+    scheduler = SessionScheduler(engines.rollout, tokenizer=tito, recorder=recorder, run_id=start.run_id,
+                                 config=bounded_by_context(cfg.rollout.scheduler, engines.context_length),
+                                 recipe=recipe.with_kwargs(split=cfg.env.train_split))
+    manager = RolloutManager(scheduler, TaskFeed(lambda p: tasks[cursor.index_at(p)], start=start.position,
+                                                 skip=start.skip),
+                             groups_per_version=cfg.rollout.tasks_per_step,
+                             max_staleness=cfg.asynchronous.max_staleness, first_version=start.first_version)
+    messages: asyncio.Queue[Any] = asyncio.Queue()
+    loop = asyncio.get_running_loop()
+    threading.Thread(target=_forward, args=(inbox, loop, messages), name="rollout-inbox", daemon=True).start()
+    first_weights = asyncio.Event()
+    idle = _IdleClock(scheduler)
+    outbox.put(Ready())
+
+    async def control() -> None:
+        held: contextlib.AbstractAsyncContextManager[None] | None = None
+        while True:
+            msg = await messages.get()
+            if isinstance(msg, Stop):
+                return
+            if isinstance(msg, Requeue):
+                manager.requeue(msg.position)
+            elif isinstance(msg, Hold):
+                held = scheduler.router.held()
+                await held.__aenter__()
+                outbox.put(Ack(msg.version))
+            elif isinstance(msg, Weights):
+                if msg.state_dict is not None:
+                    sd = msg.state_dict
+
+                    async def load(sd: dict[str, torch.Tensor] = sd, version: int = msg.version) -> None:
+                        await asyncio.gather(*(e.update_weights(state_dict=sd, version=version)
+                                               for e in engines.workers))
+
+                    if first_weights.is_set():
+                        await manager.update_weights(load, cfg.asynchronous.inflight)
+                    else:
+                        await load()
+                elif held is not None:
+                    await held.__aexit__(None, None, None)
+                    held = None
+                manager.set_version(msg.version)
+                first_weights.set()
+                outbox.put(Ack(msg.version))
+
+    async def stream() -> None:
+        await first_weights.wait()
+        async for group, position in manager.stream():
+            outbox.put(Finished(records=group.records, position=position, engine_idle_s=idle.total))
+
+    streaming = asyncio.create_task(stream())
+    idle.start()
+    try:
+        done, _ = await asyncio.wait({streaming, asyncio.create_task(control())},
+                                     return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            task.result()  # a failure in either raises here
+    finally:
+        streaming.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await streaming
+        idle.stop()
+        await scheduler.aclose()
+        await recorder.aclose()
+        await engines.close()
+
+
+def _forward(inbox: Any, loop: asyncio.AbstractEventLoop, messages: asyncio.Queue[Any]) -> None:
+    """Hand the trainer's messages to the event loop, one by one (a blocking queue read in its own thread)."""
+    while True:
+        msg = inbox.get()
+        loop.call_soon_threadsafe(messages.put_nowait, msg)
+        if isinstance(msg, Stop):
+            return
+
+
+class _IdleClock:
+    """Seconds during which no generate call was in flight on any engine (sampled every 20 ms)."""
+
+    def __init__(self, scheduler: Any, period_s: float = 0.02) -> None:
+        self.scheduler, self.period_s = scheduler, period_s
+        self.total = 0.0
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _run(self) -> None:
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(self.period_s)
+            now = time.monotonic()
+            if self.scheduler.router.inflight == 0:
+                self.total += now - last
+            last = now
+
+
+# ---- the trainer's handle -----------------------------------------------------------------------------
+class RolloutProcess:
+    """Starts the rollout process and talks to it: `next_group()`, `publish()`, `hold()`, `requeue()`, `close()`.
+
+    A dead or silent process raises `RolloutManagerError` from whichever call notices it.
+    """
+
+    def __init__(self, cfg: TrainConfig, start: RolloutStart) -> None:
+        import torch.multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.timeout_s = cfg.asynchronous.manager_timeout_s
+        self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
+        self.process = ctx.Process(target=rollout_main, args=(cfg, start, self.inbox, self.outbox),
+                                   name="miles-rollout", daemon=True)
+        env_threads = os.environ.get("OMP_NUM_THREADS")
+        os.environ["OMP_NUM_THREADS"] = str(cfg.asynchronous.rollout_threads or 1)
+        try:
+            self.process.start()
+        finally:
+            if env_threads is None:
+                os.environ.pop("OMP_NUM_THREADS", None)
+            else:
+                os.environ["OMP_NUM_THREADS"] = env_threads
+        self.groups: deque[Finished] = deque()
+        self.acked = 0
+        self._sent: dict[int, Any] = {}  # weights kept alive until the manager has loaded them
+        self._ready = False
+
+    @property
+    def buffered(self) -> int:
+        """Finished groups received and not yet taken."""
+        return len(self.groups) + self._queued()
+
+    def _queued(self) -> int:
+        try:
+            return self.outbox.qsize()
+        except NotImplementedError:  # macOS
+            return 0
+
+    async def _receive(self, deadline_s: float) -> None:
+        """Take one message from the manager (waiting up to `deadline_s`) and file it."""
+        end = time.monotonic() + deadline_s
+        while True:
+            try:
+                msg = await asyncio.to_thread(self.outbox.get, True, 0.5)
+                break
+            except queue.Empty:
+                if not self.process.is_alive():
+                    raise RolloutManagerError(f"the rollout process exited with code {self.process.exitcode}; "
+                                              "continue the run with --resume") from None
+                if time.monotonic() > end:
+                    raise RolloutManagerError(f"the rollout process sent nothing for {deadline_s:.0f} s "
+                                              "(async.manager_timeout_s)") from None
+        if isinstance(msg, Failed):
+            raise RolloutManagerError(f"the rollout process failed: {msg.message}")
+        if isinstance(msg, Finished):
+            self.groups.append(msg)
+        elif isinstance(msg, Ack):
+            self.acked = max(self.acked, msg.version)
+            for v in [v for v in self._sent if v <= msg.version]:
+                del self._sent[v]
+        elif isinstance(msg, Ready):
+            self._ready = True
+
+    async def ready(self) -> None:
+        """Wait until the manager's engines are up."""
+        while not self._ready:
+            await self._receive(self.timeout_s)
+
+    async def next_group(self) -> Finished:
+        """The next finished group, in the order the manager finished them."""
+        while not self.groups:
+            await self._receive(self.timeout_s)
+        return self.groups.popleft()
+
+    async def wait_acked(self, version: int) -> None:
+        """Wait until the manager has loaded weights `version` (or, after `hold`, has nothing in flight)."""
+        while self.acked < version:
+            await self._receive(self.timeout_s)
+
+    def publish(self, version: int, state_dict: dict[str, torch.Tensor] | None) -> None:
+        """Send weights `version` (see `Weights`); returns at once, `wait_acked` waits for them to land."""
+        if state_dict is not None:
+            self._sent[version] = state_dict
+        self.inbox.put(Weights(version, state_dict))
+
+    async def hold(self, version: int) -> None:
+        """Make the manager hold new turns and drain the ones in flight (before an HTTP weight push)."""
+        self.inbox.put(Hold(version))
+        await self.wait_acked(version)
+
+    def requeue(self, position: int) -> None:
+        """Ask the manager to run the task at `position` again."""
+        self.inbox.put(Requeue(position))
+
+    async def close(self, timeout_s: float = 60.0) -> None:
+        """Stop the manager (its running sessions are aborted and recorded) and wait for it to exit."""
+        if self.process.is_alive():
+            self.inbox.put(Stop())
+            await asyncio.to_thread(self.process.join, timeout_s)
+        if self.process.is_alive():
+            self.process.terminate()
+            await asyncio.to_thread(self.process.join, 10.0)
+        self._sent.clear()
+        for q in (self.inbox, self.outbox):
+            q.cancel_join_thread()
+            q.close()
