@@ -24,7 +24,7 @@ import logging
 import os
 import signal
 import tempfile
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -115,9 +115,9 @@ class AgentRunner:
         """The endpoint's router (per-engine stats, as `SessionScheduler.router`)."""
         return self.service.endpoint.router
 
-    async def run(self, tasks: Iterable[Any], *, num_groups: int | None = None) -> list[Group]:
-        """One group of `group_size` sessions per task (the first `num_groups` tasks when given), in the order
-        the groups complete."""
+    async def run_groups(self, tasks: Iterable[Any], *, num_groups: int | None = None) -> AsyncIterator[Group]:
+        """One group of `group_size` sessions per task (the first `num_groups` tasks when given), yielded as
+        each completes. Closing the iterator early stops the sessions still running (recorded as aborted)."""
         loop = asyncio.get_running_loop()
         groups: list[asyncio.Task[Group]] = []
         for count, item in enumerate(tasks):
@@ -127,10 +127,21 @@ class AgentRunner:
             groups.append(task)
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
-        out = []
-        for done in asyncio.as_completed(groups):
-            out.append(await done)
-        return out
+        try:
+            for done in asyncio.as_completed(groups):
+                yield await done
+        finally:
+            for task in groups:
+                task.cancel()
+            await asyncio.gather(*groups, return_exceptions=True)
+
+    async def run(self, tasks: Iterable[Any], *, num_groups: int | None = None) -> list[Group]:
+        """`run_groups` collected into a list, in the order the groups complete."""
+        gen = self.run_groups(tasks, num_groups=num_groups)
+        try:
+            return [group async for group in gen]
+        finally:
+            await gen.aclose()
 
     async def _group(self, task: TaskSpec) -> Group:
         index = self._groups
