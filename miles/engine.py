@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import abc
-from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
 from typing import Any
 
@@ -26,6 +27,14 @@ class SamplingParams:
         d = asdict(self)
         d["stop_token_ids"] = list(self.stop_token_ids)
         return d
+
+    def updated(self, overrides: Mapping[str, Any]) -> SamplingParams:
+        """These params with `overrides` (e.g. a task's own `max_new_tokens`); unknown names raise ValueError."""
+        unknown = sorted(set(overrides) - {f.name for f in fields(self)})
+        if unknown:
+            raise ValueError(f"unknown sampling parameters {unknown}; known: {sorted(f.name for f in fields(self))}")
+        data = {**self.to_dict(), **dict(overrides)}
+        return SamplingParams.from_dict(data)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SamplingParams:

@@ -117,7 +117,9 @@ class SessionConfig:
 
     `context_length` is the model's context; when None, the engine's `context_length` (or `max_context`) is used
     when it has one, and the context is otherwise unbounded. `max_turns` overrides the env's when set.
-    `parser` names a `miles.tools` tool-call parser.
+    `parser` names a `miles.tools` tool-call parser. A task whose `data` holds `sampling` (a mapping of
+    `SamplingParams` fields, e.g. `{"max_new_tokens": 512}` for a long task) overrides `sampling` for its
+    sessions; an unknown field ends them `env_error`, named.
     """
 
     sampling: SamplingParams = field(default_factory=SamplingParams)

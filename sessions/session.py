@@ -87,6 +87,10 @@ class Session:
             parser = get_parser(self.config.parser)
         self.parser = parser
         sampling = self.config.sampling
+        task = spec.task.options.get("task")
+        overrides = (getattr(task, "data", None) or {}).get("sampling") if task is not None else None
+        if overrides:  # the task's own budget or temperature (a long task gets more tokens per turn)
+            sampling = sampling.updated(overrides)
         if spec.seed is not None and sampling.seed is None:
             sampling = dataclasses.replace(sampling, seed=spec.seed)
         if not sampling.stop_token_ids:

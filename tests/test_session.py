@@ -242,3 +242,25 @@ async def test_cancelled_session_ends_as_aborted_and_aborts_its_request() -> Non
     assert engine.aborted == ["s-x-t0-a0"]
     assert rec.task["options"]["task"]["id"] == "t0"
     assert_consistent(rec)
+
+
+async def test_a_tasks_own_sampling_overrides_the_sessions() -> None:
+    seen: list[int] = []
+
+    class Recording(InstantEngine):
+        async def generate(self, input_ids, sampling_params, **kw):  # type: ignore[override]
+            seen.append(sampling_params.max_new_tokens)
+            return await super().generate(input_ids, sampling_params, **kw)
+
+    long_task = Task(id="t9", prompt="What is 1 + 2?", answer="3", data={"sampling": {"max_new_tokens": 7}})
+    rec = await run(Recording(solve_script(1)), task={"task": long_task})
+    assert seen == [7, 7] and rec.sampling_params["max_new_tokens"] == 7
+
+    bad = Task(id="t8", prompt="What is 1 + 2?", answer="3", data={"sampling": {"max_new_tokenz": 7}})
+    from miles.sessions import SessionScheduler
+
+    sched = SessionScheduler(InstantEngine(solve_script(1)), tokenizer=tito(), env_factory=AddEnv)
+    (group,) = await sched.run([{"task": bad}])
+    await sched.aclose()
+    assert group.records[0].termination is TerminationReason.ENV_ERROR
+    assert "max_new_tokenz" in group.records[0].error.message

@@ -1,0 +1,106 @@
+"""Synchronous vs asynchronous RL on a long-tail agentic workload, side by side in one run.
+
+Every variant is the same `miles train` run (the `LongTail-v0` env of `benchmarks/long_tail_env.py`: most
+sessions take one turn, a fifth take 6-8, turn budgets vary 10x; a tiny random model that uses its whole
+budget) for the same number of steps; only `async.*` differs. Each variant gets the whole machine: the
+synchronous loop runs with `--threads` torch threads, the asynchronous one gives the rollout process and
+the trainer their share each.
+
+Reported per variant: trained samples/s over the RL phase, the trainer's idle ratio (time waiting for
+groups over step time), the rollout engines' idle ratio, and the staleness of the trained samples.
+
+    python benchmarks/async_rl.py                       # CPU, tiny 1m model
+    python benchmarks/async_rl.py --device cuda --model-size 0.5b --steps 20 --tasks-per-step 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def config(args: argparse.Namespace, out: Path) -> dict:
+    return {
+        "seed": 0, "output_dir": str(out), "steps": args.steps,
+        "env": {"id": "LongTail-v0", "import": [str(REPO / "benchmarks" / "long_tail_env.py")],
+                "num_train_tasks": 4096},
+        "model": {"name": "tiny", "size": args.model_size},
+        "engine": {"device": args.device, "max_batch_size": 256},
+        "rollout": {"tasks_per_step": args.tasks_per_step,
+                    "scheduler": {"group_size": args.group_size, "progress": False,
+                                  "session": {"sampling": {"temperature": 1.0, "max_new_tokens": 80},
+                                              "timeouts": {"turn_floor_s": 120.0}}}},
+        "trainer": {"lr": 1e-4, "micro_batch_tokens": 16384},
+        "torch": {"device": args.device},
+        "eval": {"num_tasks": 1, "max_new_tokens": 8},
+        "checkpoint": {"every": 0, "keep": 1},
+    }
+
+
+def run_variant(args: argparse.Namespace, name: str, sets: list[str], threads: int, work: Path) -> dict:
+    out = work / name
+    cfg = work / f"{name}.json"
+    cfg.write_text(json.dumps(config(args, out)))
+    cmd = [sys.executable, "-m", "miles.cli", "train", "--config", str(cfg)]
+    for s in sets:
+        cmd += ["--set", s]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r["kind"] == "train"][args.warmup_steps:]
+    summary = json.loads((out / "summary.json").read_text())
+    wall = sum(r["step_s"] for r in train)
+    samples = sum(r["trained_sessions"] for r in train)
+    stale = [r.get("staleness_mean", 0.0) for r in train]
+    return {
+        "variant": name, "samples_per_s": samples / wall, "step_s": wall / len(train),
+        "trainer_idle": float(np.mean([r.get("trainer_idle_ratio", r["rollout_s"] / r["step_s"]) for r in train])),
+        "rollout_idle": float(np.mean([r.get("rollout_idle_ratio", 1 - r["rollout_s"] / r["step_s"])
+                                       for r in train])),
+        "staleness_mean": float(np.mean(stale)), "staleness_max": max(r.get("staleness_max", 0.0) for r in train),
+        "stale_dropped": sum(r.get("stale_groups_dropped", 0) for r in train), "rl_s": summary["seconds"]["rl"],
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--model-size", default="1m")
+    p.add_argument("--steps", type=int, default=14)
+    p.add_argument("--warmup-steps", type=int, default=2, help="steps left out of the figures")
+    p.add_argument("--tasks-per-step", type=int, default=8)
+    p.add_argument("--group-size", type=int, default=4)
+    p.add_argument("--threads", type=int, default=2, help="torch threads of the whole machine")
+    p.add_argument("--staleness", type=int, nargs="+", default=[1, 2, 4])
+    args = p.parse_args()
+    half = max(1, args.threads // 2)
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        results = [run_variant(args, "sync", ["async.enabled=false"], args.threads, work)]
+        for s in args.staleness:
+            results.append(run_variant(args, f"async-s{s}", ["async.enabled=true", f"async.max_staleness={s}",
+                                                             f"async.rollout_threads={half}"], half, work))
+    print(f"{'variant':<10}{'samples/s':>11}{'s/step':>9}{'trainer idle':>14}{'rollout idle':>14}"
+          f"{'staleness mean/max':>20}{'stale dropped':>15}")
+    for r in results:
+        print(f"{r['variant']:<10}{r['samples_per_s']:>11.2f}{r['step_s']:>9.2f}{r['trainer_idle']:>14.1%}"
+              f"{r['rollout_idle']:>14.1%}{r['staleness_mean']:>11.2f} / {r['staleness_max']:<6.0f}"
+              f"{r['stale_dropped']:>15.0f}")
+    best = max(results[1:], key=lambda r: r["samples_per_s"])
+    print(f"best async: {best['variant']}")
+    print(f"async/sync throughput: {best['samples_per_s'] / results[0]['samples_per_s']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
