@@ -210,3 +210,29 @@ def test_agent_config_errors_name_the_key():
     argv = from_dict(AgentConfig, {"command": "python agent.py --url {base_url} --key={api_key}"}).argv(
         base_url="http://h/v1", api_key="s-1", session_id="s-1", task_id="t", task_file="f")
     assert argv == ["python", "agent.py", "--url", "http://h/v1", "--key=s-1"]
+
+
+@pytest.mark.slow
+def test_miles_train_trains_the_example_agent_through_the_endpoint(tmp_path):
+    import json
+    import subprocess
+
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "miles.cli", "train", "--config", str(ROOT / "configs" / "openai_agent.yaml"),
+         "--set", "steps=1", "--set", "eval.num_tasks=4", "--set", "rollout.tasks_per_step=2",
+         "--set", "rollout.scheduler.group_size=2", "--set", f"output_dir={out}",
+         "--set", f"rollout.agent.command={sys.executable} examples/openai_agent.py"],
+        capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[eval start] greedy: success" in proc.stdout and "held-out success" in proc.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps_done"] == 1 and set(summary["evals"]) == {"start", "final"}
+    train = read_sessions(out / "sessions.jsonl").records
+    evals = read_sessions(out / "eval_sessions.jsonl").records
+    assert len(train) == 4 and len(evals) == 8
+    assert {r.final_info["reward_source"] for r in train + evals} == {"env"}
+    assert all(r.final_info["tito"]["special_tokens"] == r.final_info["tito"]["non_assistant_text"] == 0
+               for r in train + evals)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert any("rollout_reward_mean" in r for r in rows)
