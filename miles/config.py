@@ -56,7 +56,7 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
         if not isinstance(value, list | tuple):
             raise ConfigError(key, f"expected a list, got {type(value).__name__}")
         item = args[0] if args else Any
-        items = [_convert(item, v, f"{key}[{i}]") for i, v in enumerate(value)]
+        items = [_convert(item, v, f"{key}[{_item_label(v, i)}]") for i, v in enumerate(value)]
         return tuple(items) if origin is tuple else items
     if origin is dict:
         if not isinstance(value, dict):
@@ -85,6 +85,13 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
             raise ConfigError(key, f"expected a string, got {value!r}")
         return value
     return value
+
+
+def _item_label(value: Any, index: int) -> str:
+    """How an error names a list item: by its `name` when it is a mapping with one (`adapters[calc-terse]`),
+    else by its index."""
+    name = value.get("name") if isinstance(value, dict) else None
+    return name if isinstance(name, str) and name else str(index)
 
 
 def config_key(f: dataclasses.Field[Any]) -> str:

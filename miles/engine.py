@@ -6,7 +6,13 @@ import abc
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from miles.engines.lora import AdapterWeights
+
+#: The `policy_id` of the base model (no LoRA adapter); any other policy id names an adapter.
+BASE_POLICY = "base"
 
 
 @dataclass(frozen=True)
@@ -95,8 +101,11 @@ class RolloutEngine(abc.ABC):
 
     @abc.abstractmethod
     async def generate(self, input_ids: list[int], sampling_params: SamplingParams, *,
-                       session_id: str | None = None, rid: str | None = None) -> GenerateResult:
-        """Continue `input_ids`. Raises `EngineError` on infrastructure failure."""
+                       session_id: str | None = None, rid: str | None = None,
+                       adapter: str | None = None) -> GenerateResult:
+        """Continue `input_ids` under the base model, or under LoRA adapter `adapter` (then the result's
+        `weight_version` and `token_versions` are that adapter's versions). Raises `EngineError` on
+        infrastructure failure."""
 
     @abc.abstractmethod
     async def abort(self, rid: str) -> None:
@@ -118,6 +127,15 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def weight_version(self) -> int:
         """The version of the weights that the next generate call will use."""
+
+    async def update_adapter(self, name: str, *, weights: AdapterWeights | None = None, path: str | None = None,
+                             version: int | None = None) -> int:
+        """Load LoRA adapter `name` (in memory, or a PEFT folder at `path`), replacing the one of that name
+        without draining anything: requests in flight finish (or, where the engine swaps between decode steps,
+        go on) while the other adapters and the base are untouched. `version` sets the adapter's own version
+        (default: its current one plus 1). Returns the new version. Engines without LoRA raise `EngineError`."""
+        raise EngineError(f"{type(self).__name__} serves no LoRA adapters", engine_id=self.engine_id,
+                          retryable=False)
 
     @property
     def num_in_flight(self) -> int:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from miles.engine import BASE_POLICY
 from miles.types import Message, TerminationReason
 
 
@@ -51,7 +52,8 @@ class TurnSpan:
 
 @dataclass
 class TrajectoryMeta:
-    """Where a trajectory came from."""
+    """Where a trajectory came from; `policy_id` is the policy that generated it (a LoRA adapter's name, or
+    "base")."""
 
     env_id: str = ""
     task_id: str = ""
@@ -60,6 +62,7 @@ class TrajectoryMeta:
     sample_index: int = 0
     session_id: str = ""
     sampling_params: dict[str, Any] = field(default_factory=dict)
+    policy_id: str = BASE_POLICY
 
 
 @dataclass
@@ -166,7 +169,8 @@ class TrajectoryBatch:
     """Trajectories packed end to end into flat tensors (padding-free), with offsets per sequence.
 
     `advantages` has one entry per sequence; `group_ids` maps each sequence to its GRPO group;
-    `oldest_versions` holds each sequence's oldest generating weight version (-1: unknown).
+    `oldest_versions` holds each sequence's oldest generating weight version (-1: unknown); `policy_ids` the
+    policy that generated each sequence (an adapter's name or "base"; empty: all "base").
     """
 
     token_ids: torch.Tensor  # int64 [T]
@@ -177,6 +181,33 @@ class TrajectoryBatch:
     group_ids: torch.Tensor  # int64 [B]
     meta: list[dict[str, Any]] = field(default_factory=list)
     oldest_versions: torch.Tensor | None = None  # int64 [B]
+    policy_ids: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.policy_ids and self.meta:
+            self.policy_ids = tuple(str(m.get("policy_id", BASE_POLICY)) for m in self.meta)
+
+    def policy_of(self, i: int) -> str:
+        """The policy that generated sequence `i`."""
+        return self.policy_ids[i] if self.policy_ids else BASE_POLICY
+
+    def select(self, indices: list[int]) -> TrajectoryBatch:
+        """The sub-batch of sequences `indices` (in that order), packed anew; group ids keep their values."""
+        spans = [self.sequence(i) for i in indices]
+        lengths = torch.tensor([s.stop - s.start for s in spans], dtype=torch.int64)
+        cu = torch.zeros(len(indices) + 1, dtype=torch.int64)
+        cu[1:] = torch.cumsum(lengths, 0)
+        idx = torch.tensor(indices, dtype=torch.int64)
+
+        def tokens(t: torch.Tensor) -> torch.Tensor:
+            return torch.cat([t[s] for s in spans]) if spans else t[:0]
+
+        return TrajectoryBatch(
+            token_ids=tokens(self.token_ids), loss_mask=tokens(self.loss_mask),
+            rollout_logprobs=tokens(self.rollout_logprobs), cu_seqlens=cu, rewards=self.rewards[idx],
+            group_ids=self.group_ids[idx], meta=[self.meta[i] for i in indices] if self.meta else [],
+            oldest_versions=None if self.oldest_versions is None else self.oldest_versions[idx],
+            policy_ids=tuple(self.policy_of(i) for i in indices))
 
     def staleness(self, trainer_version: int) -> torch.Tensor:
         """Per sequence: `trainer_version` minus its oldest generating version (0 where unknown)."""
@@ -208,6 +239,7 @@ class TrajectoryBatch:
             meta=[asdict(t.meta) for t in trajectories],
             oldest_versions=torch.tensor([-1 if t.oldest_weight_version is None else t.oldest_weight_version
                                           for t in trajectories], dtype=torch.int64),
+            policy_ids=tuple(t.meta.policy_id for t in trajectories),
         )
 
     def sequence(self, i: int) -> slice:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from miles.config import ConfigError
-from miles.engine import SamplingParams
+from miles.engine import BASE_POLICY, SamplingParams
 
 
 class SessionConfigError(ConfigError):
@@ -119,7 +119,8 @@ class SessionConfig:
     when it has one, and the context is otherwise unbounded. `max_turns` overrides the env's when set.
     `parser` names a `miles.tools` tool-call parser. A task whose `data` holds `sampling` (a mapping of
     `SamplingParams` fields, e.g. `{"max_new_tokens": 512}` for a long task) overrides `sampling` for its
-    sessions; an unknown field ends them `env_error`, named.
+    sessions; an unknown field ends them `env_error`, named. `policy_id` is the policy that generates: "base",
+    or the name of a LoRA adapter the engines serve (sent with every generate call, recorded with the session).
     """
 
     sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -128,8 +129,11 @@ class SessionConfig:
     parser: str = "hermes"
     timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
     retry: RetryConfig = field(default_factory=RetryConfig)
+    policy_id: str = BASE_POLICY
 
     def validate(self) -> None:
+        if not self.policy_id:
+            raise SessionConfigError(f"policy_id must name an adapter or be {BASE_POLICY!r}")
         if self.context_length is not None and self.context_length <= 0:
             raise SessionConfigError("context_length must be > 0")
         if self.max_turns is not None and self.max_turns <= 0:

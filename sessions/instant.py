@@ -18,7 +18,8 @@ Responder = Callable[[list[int], str | None, int], list[int]]
 
 class InstantEngine(RolloutEngine):
     """Scripted replies with logprob `logprob` per token; `delay_s > 0` sleeps before answering (and can be
-    aborted meanwhile). `calls` counts generate calls; `aborted` lists aborted rids."""
+    aborted meanwhile). `calls` counts generate calls; `aborted` lists aborted rids; `adapters` the adapter of
+    each call (None: the base)."""
 
     def __init__(self, replies: Sequence[Sequence[int]] | None = None, *, respond: Responder | None = None,
                  engine_id: str = "instant-0", weight_version: int = 0, logprob: float = -0.5,
@@ -36,15 +37,18 @@ class InstantEngine(RolloutEngine):
         self.context_length = context_length
         self.calls = 0
         self.aborted: list[str] = []
+        self.adapters: list[str | None] = []
         self._per_session: dict[str | None, int] = {}
         self._waiting: dict[str, asyncio.Event] = {}
         self._closed = False
 
     async def generate(self, input_ids: list[int], sampling_params: SamplingParams, *,
-                       session_id: str | None = None, rid: str | None = None) -> GenerateResult:
+                       session_id: str | None = None, rid: str | None = None,
+                       adapter: str | None = None) -> GenerateResult:
         if self._closed:
             raise EngineError(f"{self.engine_id} is closed", engine_id=self.engine_id)
         self.calls += 1
+        self.adapters.append(adapter)
         k = self._per_session.get(session_id, 0)
         self._per_session[session_id] = k + 1
         if self.delay_s > 0:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from miles.engine import FinishReason
+from miles.engine import BASE_POLICY, FinishReason
 from miles.observability import Metrics, RunLabels, process_metrics
 from miles.sessions.records import SessionRecord
 from miles.sessions.router import EngineState, RouterStats
@@ -60,7 +60,8 @@ class SessionMetrics:
 
     def observe(self, record: SessionRecord) -> None:
         m = self.metrics
-        base = (self.labels.run, record.env_id or self.labels.env, self.labels.model, self.labels.adapter)
+        adapter = self.labels.adapter if record.policy_id == BASE_POLICY else record.policy_id
+        base = (self.labels.run, record.env_id or self.labels.env, self.labels.model, adapter)
         self._first_sight(base, _ENV_ZEROS)
         m.child("miles_sessions_total", *base, record.termination.value).inc()
         m.child("miles_session_duration_seconds", *base).observe(record.duration_s)

@@ -15,6 +15,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from miles.engine import BASE_POLICY
 from miles.envs.recipe import EnvRecipe
 from miles.tito.spec import TokenizerSpec
 from miles.trajectory import Trajectory, TrajectoryMeta
@@ -156,7 +157,8 @@ class SessionRecord:
 
     What rebuilds the episode: `recipe` (env id, constructor kwargs, user modules), `task` (reset seed and
     options), `tokenizer_spec` (tokenizer, chat-template override), `parser`, and each turn's output and
-    finish reason. `tokenizer` is a readable "family:name" label.
+    finish reason. `tokenizer` is a readable "family:name" label. `policy_id` is the policy that generated
+    it: a LoRA adapter's name, or "base".
     """
 
     session_id: str
@@ -184,6 +186,7 @@ class SessionRecord:
     duration_s: float = 0.0
     trajectory: Trajectory = field(default_factory=Trajectory)
     version: int = RECORD_VERSION
+    policy_id: str = BASE_POLICY
 
     @property
     def ok(self) -> bool:
@@ -209,7 +212,7 @@ class SessionRecord:
         task_id = self.task.get("task_id") or str(self.reset_info.get("task_id", "") or "")
         return TrajectoryMeta(env_id=self.env_id, task_id=task_id, seed=self.seed, group_id=self.group_id,
                               sample_index=self.sample_index, session_id=self.session_id,
-                              sampling_params=self.sampling_params)
+                              sampling_params=self.sampling_params, policy_id=self.policy_id)
 
     def _derived_trajectory(self) -> dict[str, Any]:
         return {"messages": self.messages(), "meta": asdict(self.trajectory_meta()), "reward": self.reward,

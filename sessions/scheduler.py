@@ -252,6 +252,7 @@ class SessionScheduler:
             rec = await session.run()
             self._running[task] = None  # from here on the task is never cancelled
         rec.recipe = self.recipe
+        rec.policy_id = rec.trajectory.meta.policy_id = self.config.session.policy_id
         if env is not None:
             await _close_env(env)
         self.stats.add(rec)

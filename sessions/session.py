@@ -13,7 +13,7 @@ import time
 from collections.abc import Awaitable, Sequence
 from typing import Any, Protocol
 
-from miles.engine import EngineError, FinishReason, GenerateResult, RolloutEngine, SamplingParams
+from miles.engine import BASE_POLICY, EngineError, FinishReason, GenerateResult, RolloutEngine, SamplingParams
 from miles.sessions.config import SessionConfig
 from miles.sessions.records import (
     AttemptRecord,
@@ -123,7 +123,8 @@ class Session:
             sampling_params=self.sampling.to_dict(),
             tokenizer=f"{getattr(self.tokenizer, 'family', '')}:{getattr(tok, 'name_or_path', '')}",
             tokenizer_spec=getattr(self.tokenizer, "spec", None),
-            parser=getattr(self.parser, "name", "") or "env", started_at=time.time())
+            parser=getattr(self.parser, "name", "") or "env", started_at=time.time(),
+            policy_id=self.config.policy_id)
         t0 = time.monotonic()
         budget = self.config.timeouts.session_budget_s
         self._budget_end = t0 + budget if budget is not None else None
@@ -300,11 +301,13 @@ class Session:
         error: BaseException | None = None
         expired = False
         self._inflight = (lease.engine, rid)
+        policy = self.config.policy_id  # the base policy's calls carry no adapter (engines of the older contract)
+        adapter = {} if policy == BASE_POLICY else {"adapter": policy}
         t0 = time.monotonic()
         try:
             async with lease.timeout(cap) as cm:
                 result = await lease.engine.generate(prompt, self.sampling, session_id=self.spec.session_id,
-                                                     rid=rid)
+                                                     rid=rid, **adapter)
         except TimeoutError as exc:
             expired, error = cm.expired(), exc
         except asyncio.CancelledError:

@@ -11,9 +11,11 @@ from miles.envs import EnvRecipe
 from miles.observability import ObservabilityConfig
 from miles.sessions.config import SchedulerConfig, SessionConfig
 from miles.sessions.openai_config import AgentConfig
+from miles.trainers.lora_config import LoraSpec, check_adapters
 from miles.trainers.trainer_config import (
     AlgorithmConfig,
     MegatronOptions,
+    Schedule,
     TorchOptions,
     TrainerConfig,
     changed_knobs,
@@ -225,8 +227,46 @@ class AsyncConfig:
 
 
 @dataclass
+class AdapterConfig:
+    """One LoRA adapter trained on the shared, frozen base model (an entry of the `adapters:` list).
+
+    Each adapter has its own env (`env`, default: the run's; `reward_weights` reweights its reward components),
+    its share of each step (`tasks_per_step` groups of `group_size` samples, default: the run's
+    `rollout.tasks_per_step` and group size), its own sampling (`sampling`: overrides of the run's, e.g.
+    `{temperature: 0.7}`), its LoRA shape (`lora`), and its own optimizer and schedule (`lr`, `lr_schedule`,
+    `warmup_steps`, `total_steps`, `min_lr_ratio`: overrides of `trainer:`). `seed` seeds its LoRA
+    initialisation (default: the run's seed). Errors name the adapter: `adapters[NAME].lora.rank`.
+    """
+
+    name: str
+    env: EnvConfig | None = None
+    reward_weights: dict[str, float] = field(default_factory=dict)
+    tasks_per_step: int | None = None
+    group_size: int | None = None
+    sampling: dict[str, Any] = field(default_factory=dict)
+    lora: LoraSpec = field(default_factory=LoraSpec)
+    lr: float | None = None
+    lr_schedule: Schedule | None = None
+    warmup_steps: int | None = None
+    total_steps: int | None = None
+    min_lr_ratio: float | None = None
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        for key in ("tasks_per_step", "group_size"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise ConfigError(key, f"must be >= 1, got {value}")
+        try:
+            SamplingParams().updated(self.sampling)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError("sampling", str(exc)) from None
+
+
+@dataclass
 class TrainConfig:
-    """One agent-RL experiment."""
+    """One agent-RL experiment. With `adapters`, the base model is frozen and each adapter is trained as a LoRA
+    adapter on it (see `AdapterConfig`); without, the whole model is fine-tuned."""
 
     seed: int = 0
     output_dir: str = "runs/default"
@@ -248,10 +288,12 @@ class TrainConfig:
     sync: SyncConfig = field(default_factory=SyncConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     asynchronous: AsyncConfig = field(default_factory=AsyncConfig, metadata={"key": "async"})
+    adapters: list[AdapterConfig] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.steps < 0:
             raise ConfigError("steps", "must be >= 0")
+        check_adapters(self)
         if self.asynchronous.enabled and self.rollout.agent.enabled:
             raise ConfigError("async.enabled", "the asynchronous loop runs the env's sessions itself; it does not "
                               "drive an external agent (rollout.agent) yet")

@@ -3,6 +3,8 @@ server, or an sglang-router in front of either), on one pooled `httpx.AsyncClien
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import uuid
 from typing import Any
 
@@ -11,24 +13,34 @@ import httpx
 from miles.engine import EngineError, GenerateResult, RolloutEngine, SamplingParams
 from miles.engines.errors import InvalidRequestError
 from miles.engines.load import LOADS_PATH, EngineLoad, parse_loads
+from miles.engines.lora import AdapterWeights, served_name
 from miles.engines.wire import (
     ROUTING_KEY_HEADER,
     SESSION_HEADER,
     abort_body,
     generate_body,
     init_group_body,
+    load_lora_body,
     parse_generate_response,
     parse_weight_version,
+    unload_lora_body,
     update_distributed_body,
     update_from_disk_body,
 )
+
+log = logging.getLogger(__name__)
 
 
 class SGLangClient(RolloutEngine):
     """Talks to one SGLang-compatible endpoint.
 
     Connection failures, timeouts and 5xx answers raise `EngineError(retryable=True)`; 4xx answers raise
-    `InvalidRequestError` (not retryable). `lora_path` names an adapter to use for every generate call.
+    `InvalidRequestError` (not retryable). `lora_path` names an adapter to use for every generate call that
+    names none.
+
+    LoRA adapters (`update_adapter`): version `v` of adapter `name` is loaded under `name@vv` with
+    `/load_lora_adapter`; generate calls for `name` then send that as `lora_path`, and the previous version is
+    unloaded in the background (SGLang unloads it once its requests in flight are done: nothing drains).
     """
 
     def __init__(self, base_url: str, *, timeout_s: float = 600.0, engine_id: str | None = None,
@@ -41,6 +53,8 @@ class SGLangClient(RolloutEngine):
         self._weight_group: Any = None
         self._weight_sessions = True  # False once the server showed it has no /begin_weight_update
         self._in_flight = 0
+        self._adapters: dict[str, tuple[str, int]] = {}  # adapter -> (served name, version)
+        self._unloads: set[asyncio.Task[None]] = set()
         self._http = httpx.AsyncClient(
             base_url=self.base_url, headers=headers,
             timeout=httpx.Timeout(timeout_s, connect=min(10.0, timeout_s)),
@@ -83,8 +97,14 @@ class SGLangClient(RolloutEngine):
         return self._in_flight
 
     async def generate(self, input_ids: list[int], sampling_params: SamplingParams, *,
-                       session_id: str | None = None, rid: str | None = None) -> GenerateResult:
-        body = generate_body(input_ids, sampling_params, rid=rid or uuid.uuid4().hex, lora_path=self.lora_path)
+                       session_id: str | None = None, rid: str | None = None,
+                       adapter: str | None = None) -> GenerateResult:
+        """`adapter`: an adapter this client loaded (`update_adapter`; the result then carries its version), or
+        one the server was started with (version 0)."""
+        lora_path, adapter_version = self.lora_path, None
+        if adapter is not None:
+            lora_path, adapter_version = self._adapters.get(adapter, (adapter, 0))
+        body = generate_body(input_ids, sampling_params, rid=rid or uuid.uuid4().hex, lora_path=lora_path)
         headers = {SESSION_HEADER: session_id, ROUTING_KEY_HEADER: session_id} if session_id else None
         self._in_flight += 1
         try:
@@ -93,7 +113,64 @@ class SGLangClient(RolloutEngine):
             self._in_flight -= 1
         result = parse_generate_response(data, engine_id=self.engine_id, fallback_version=self._version)
         self._version = max(self._version, result.weight_version)
+        if adapter_version is not None:  # the server reports its base version; the policy is the adapter
+            result.weight_version, result.token_versions = adapter_version, None
         return result
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def adapter_version(self, name: str) -> int | None:
+        """The version of adapter `name` that generate calls use (None: not loaded through this client)."""
+        served = self._adapters.get(name)
+        return None if served is None else served[1]
+
+    def adopt_adapter(self, name: str, version: int) -> None:
+        """Send generate calls for `name` to its version `version`, which another client loaded on the servers
+        behind this one (an sglang-router in front of workers)."""
+        self._adapters[name] = (served_name(name, version), int(version))
+
+    async def update_adapter(self, name: str, *, weights: AdapterWeights | None = None, path: str | None = None,
+                             version: int | None = None) -> int:
+        """Load the PEFT folder `path` (readable by the server) as version `version` of adapter `name`
+        (default: the current version plus 1); the previous version is unloaded in the background once its
+        requests are done. In-memory `weights` cannot travel to an HTTP server: write them to a folder first."""
+        if path is None or weights is not None:
+            raise InvalidRequestError("an HTTP engine loads an adapter from a PEFT folder it can read: pass path= "
+                                      "(weight sync writes one with sync.method disk)", engine_id=self.engine_id)
+        current = self.adapter_version(name)
+        new = (0 if current is None else current + 1) if version is None else int(version)
+        served = served_name(name, new)
+        status, data = await self._weight_call("/load_lora_adapter", load_lora_body(served, path))
+        if status == 400 and "already loaded" in str(data):  # left by an earlier run: that copy may be stale
+            await self._unload(served)
+            status, data = await self._weight_call("/load_lora_adapter", load_lora_body(served, path))
+        self._check_lora(status, data, f"loading adapter {served} from {path}")
+        old = self._adapters.get(name)
+        self._adapters[name] = (served, new)
+        if old is not None and old[0] != served:
+            task = asyncio.get_running_loop().create_task(self._unload(old[0]))
+            self._unloads.add(task)
+            task.add_done_callback(self._unloads.discard)
+        return new
+
+    async def unload_adapter(self, name: str) -> None:
+        """Unload adapter `name` (waits, on the server, for its requests in flight)."""
+        served = self._adapters.pop(name, None)
+        if served is not None:
+            await self._unload(served[0])
+
+    async def _unload(self, served: str) -> None:
+        try:
+            status, data = await self._weight_call("/unload_lora_adapter", unload_lora_body(served))
+            if status != 400 or "does not exist" not in str(data):  # SGLang's words for an unknown name
+                self._check_lora(status, data, f"unloading adapter {served}")
+        except EngineError as exc:  # the next version is in use already; a leftover only costs a slot
+            log.warning("%s", exc)
+
+    def _check_lora(self, status: int, data: Any, what: str) -> None:
+        if status != 200 or not isinstance(data, dict) or not data.get("success"):
+            message = data.get("error_message") if isinstance(data, dict) else data
+            raise EngineError(f"{what} failed on {self.base_url}: HTTP {status}: {str(message)[:300]}",
+                              engine_id=self.engine_id, retryable=False)
 
     async def abort(self, rid: str) -> None:
         await self._request("POST", "/abort_request", json=abort_body(rid))
@@ -134,6 +211,8 @@ class SGLangClient(RolloutEngine):
         return self._version
 
     async def close(self) -> None:
+        if self._unloads:
+            await asyncio.wait(list(self._unloads), timeout=10.0)
         await self._http.aclose()
 
     # ------------------------------------------------------------------ SGLang admin endpoints

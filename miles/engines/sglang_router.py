@@ -160,8 +160,21 @@ class SGLangRouter(RolloutEngine):
         return min(versions) if versions else 0
 
     async def generate(self, input_ids: list[int], sampling_params: SamplingParams, *,
-                       session_id: str | None = None, rid: str | None = None) -> GenerateResult:
-        return await self._router().generate(input_ids, sampling_params, session_id=session_id, rid=rid)
+                       session_id: str | None = None, rid: str | None = None,
+                       adapter: str | None = None) -> GenerateResult:
+        return await self._router().generate(input_ids, sampling_params, session_id=session_id, rid=rid,
+                                             adapter=adapter)
+
+    async def update_adapter(self, name: str, *, weights: Any = None, path: str | None = None,
+                             version: int | None = None) -> int:
+        """Load the adapter on every worker, then send generate calls through the router to that version."""
+        if version is None:
+            known = [c.adapter_version(name) for c in self.workers.values()]
+            version = 0 if any(v is None for v in known) else max(known) + 1  # type: ignore[type-var]
+        await asyncio.gather(*(c.update_adapter(name, weights=weights, path=path, version=version)
+                               for c in self.workers.values()))
+        self._router().adopt_adapter(name, version)
+        return version
 
     async def abort(self, rid: str) -> None:
         for client in self.workers.values():

@@ -53,6 +53,23 @@ def generate_body(input_ids: list[int], params: SamplingParams, *, rid: str,
     return body
 
 
+def load_lora_body(lora_name: str, lora_path: str) -> dict[str, Any]:
+    """The JSON body of `POST /load_lora_adapter` (a `LoadLoRAAdapterReqInput`): load the PEFT folder at
+    `lora_path` (a path the server can read) under `lora_name`, the name generate calls then pass as `lora_path`."""
+    return {"lora_name": lora_name, "lora_path": str(lora_path), "pinned": False}
+
+
+def unload_lora_body(lora_name: str) -> dict[str, Any]:
+    """The JSON body of `POST /unload_lora_adapter` (an `UnloadLoRAAdapterReqInput`)."""
+    return {"lora_name": lora_name}
+
+
+def lora_update_response(success: bool, *, error: str | None = None,
+                         loaded: dict[str, str] | None = None) -> dict[str, Any]:
+    """SGLang's answer to the LoRA endpoints (a `LoRAUpdateOutput`): 200 on success, 400 otherwise."""
+    return {"success": success, "error_message": error, "loaded_adapters": loaded}
+
+
 def abort_body(rid: str | None = None, *, abort_all: bool = False) -> dict[str, Any]:
     """The JSON body of `POST /abort_request` (an `AbortReq`)."""
     return {"rid": rid or "", "abort_all": abort_all}
@@ -224,9 +241,12 @@ def parse_generate_request(body: Any, tokenizer: Any = None) -> dict[str, Any]:
     rid = body.get("rid")
     if rid is not None and not isinstance(rid, str):
         raise InvalidRequestError("rid must be a string")
+    lora_path = body.get("lora_path")
+    if lora_path is not None and not isinstance(lora_path, str):
+        raise InvalidRequestError("lora_path must be one adapter name (batched requests are not supported)")
     params, ignore_eos = parse_sampling_params(body.get("sampling_params"))
     return {"input_ids": input_ids, "params": params, "rid": rid, "ignore_eos": ignore_eos,
-            "return_logprob": bool(body.get("return_logprob")), "lora_path": body.get("lora_path")}
+            "return_logprob": bool(body.get("return_logprob")), "lora_path": lora_path or None}
 
 
 def finish_reason_json(result: GenerateResult) -> dict[str, Any]:
