@@ -207,3 +207,20 @@ async def test_a_served_checkpoint_reports_its_context_vocab_and_tokenizer():
         await client.close()
         handle.stop()
         await engine.close()
+
+
+async def test_two_live_engines_with_one_id_export_one_series_the_newest():
+    from miles.engines.metrics import engine_registry, render_metrics
+
+    older, newer = EmbeddedEngine(small_qwen2(0)), EmbeddedEngine(small_qwen2(0))
+    try:
+        engine_registry(older)
+        registry = engine_registry(newer)
+        await newer.generate([1, 2, 3], SamplingParams(temperature=0.0, max_new_tokens=4))
+        text = render_metrics(registry).decode()
+    finally:
+        await older.close()
+        await newer.close()
+    lines = [x for x in text.splitlines()
+             if x.startswith("miles_engine_decode_tokens_total{") and 'engine="embedded-0"' in x]
+    assert len(lines) == 1 and float(lines[0].rsplit(" ", 1)[1]) == newer.stats["decode_tokens"] > 0

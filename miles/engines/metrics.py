@@ -52,7 +52,8 @@ def _histogram_samples(hist: Histogram) -> tuple[list[tuple[str, float]], float]
 
 class EngineCollector:
     """Exports every tracked engine's families at scrape time. Engines are held weakly: a dropped engine
-    disappears from the next scrape."""
+    disappears from the next scrape. Two live engines with the same labels (run, model, engine id) would be one
+    series twice, which Prometheus rejects: the one tracked last is exported."""
 
     def __init__(self) -> None:
         self._engines: weakref.WeakKeyDictionary[Any, tuple[str, str]] = weakref.WeakKeyDictionary()
@@ -75,8 +76,9 @@ class EngineCollector:
                                 family(name).help, labels=labels)
             return out[name]
 
-        for engine, (run, model) in engines:
-            values = [run, model, engine.engine_id]
+        latest = {(run, model, engine.engine_id): engine for engine, (run, model) in engines}
+        for (run, model, engine_id), engine in latest.items():
+            values = [run, model, engine_id]
             stats = engine.stats
             for name, key in _COUNTERS:
                 fam(name, CounterMetricFamily).add_metric(values, float(stats[key]))
