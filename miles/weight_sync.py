@@ -16,6 +16,14 @@ Policies for generation still in flight when a sync starts:
 - `pause`: load at once; engines swap weights between decode steps and requests in flight continue under
   the new weights. Every `GenerateResult` reports the version it finished under.
 
+LoRA adapters (`push_adapter`): only the adapter that changed travels, and each adapter has its own version
+counter. In process, the engines swap it between decode steps; otherwise it is written as a PEFT folder
+`adapters/<name>/v<version>` under the staging folder, which each engine loads with `update_adapter(path=...)`
+(SGLang's `/load_lora_adapter`). SGLang 0.5.23 takes LoRA weights only from a path or same-host serialized
+tensors, never over the weight-update group, so `broadcast` sends adapters by disk as well. Nothing is
+drained: the other adapters' sessions and the base's go on, and an HTTP engine finishes the old version's
+requests in flight on it.
+
 Setup from a config: `await build_weight_sync(cfg.sync, workers, staging_dir=..., drain_engines=rollout)`.
 """
 
@@ -29,14 +37,17 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlsplit
 
 import torch
 from safetensors.torch import save_file
 
 from miles.config import ConfigError
-from miles.engine import RolloutEngine
+from miles.engine import BASE_POLICY, RolloutEngine
+
+if TYPE_CHECKING:
+    from miles.engines.lora import AdapterWeights
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +103,8 @@ class SyncConfig:
 
 @dataclass
 class SyncReport:
-    """What one sync did and how long it took (`num_buckets`: broadcast buckets, 0 for other methods)."""
+    """What one sync did and how long it took (`num_buckets`: broadcast buckets, 0 for other methods);
+    `policy_id` is what was synced: "base" (the model's weights) or an adapter's name."""
 
     version: int
     method: str
@@ -101,6 +113,7 @@ class SyncReport:
     num_bytes: int
     num_engines: int
     num_buckets: int = 0
+    policy_id: str = BASE_POLICY
 
     @property
     def gb_per_s(self) -> float:
@@ -162,6 +175,7 @@ class WeightSync:
         self.keep_versions = keep_versions
         self.drain_timeout_s, self.poll_s = drain_timeout_s, poll_s
         self.history: list[SyncReport] = []
+        self.adapter_versions: dict[str, int] = {}
 
     @property
     def version(self) -> int:
@@ -205,6 +219,34 @@ class WeightSync:
                  report.num_bytes / 1e6)
         return report
 
+    def adapter_version(self, name: str) -> int | None:
+        """The version adapter `name` was last pushed as (None: never)."""
+        return self.adapter_versions.get(name)
+
+    async def push_adapter(self, name: str, weights: AdapterWeights, *, version: int | None = None) -> SyncReport:
+        """Load adapter `name` into every engine as its version `version` (default: its last plus 1, or 0 the
+        first time), without draining anything (see the module docstring); returns the report."""
+        last = self.adapter_versions.get(name)
+        version = (0 if last is None else last + 1) if version is None else int(version)
+        start = time.perf_counter()
+        if self.method == "in_process":
+            await asyncio.gather(*(e.update_adapter(name, weights=weights, version=version) for e in self.engines))
+        else:
+            if self.staging_dir is None:
+                raise WeightSyncError(f"adapters reach {self.method} engines by disk: give the sync a staging_dir")
+            root = self.staging_dir / "adapters" / name
+            folder = await asyncio.to_thread(weights.save, root / f"v{version}")
+            await asyncio.gather(*(e.update_adapter(name, path=str(folder), version=version) for e in self.engines))
+            await asyncio.to_thread(self._prune, folder, root)
+        self.adapter_versions[name] = version
+        report = SyncReport(version=version, method="in_process" if self.method == "in_process" else "disk",
+                            seconds=time.perf_counter() - start, drain_seconds=0.0, num_bytes=weights.num_bytes,
+                            num_engines=len(self.engines), policy_id=name)
+        self.history.append(report)
+        log.info("adapter sync %s v%d (%s): %.3f s for %.2f MB", name, version, report.method, report.seconds,
+                 report.num_bytes / 1e6)
+        return report
+
     def _stage(self, state_dict: Mapping[str, torch.Tensor], version: int) -> Path:
         assert self.staging_dir is not None
         folder = self.staging_dir / f"v{version}"
@@ -212,10 +254,11 @@ class WeightSync:
             shutil.rmtree(folder)
         return save_hf_safetensors(state_dict, folder)
 
-    def _prune(self, current: Path) -> None:
-        """Delete all but the newest `keep_versions` version folders (never `current`, which engines just read)."""
+    def _prune(self, current: Path, root: Path | None = None) -> None:
+        """Delete all but the newest `keep_versions` version folders under `root` (default: the staging folder),
+        never `current`, which engines just read."""
         assert self.staging_dir is not None
-        older = [p for p in _version_folders(self.staging_dir) if p != current]
+        older = [p for p in _version_folders(root or self.staging_dir) if p != current]
         for folder in older[:max(0, len(older) - (self.keep_versions - 1))]:
             shutil.rmtree(folder, ignore_errors=True)
 
