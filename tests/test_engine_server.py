@@ -222,5 +222,5 @@ async def test_two_live_engines_with_one_id_export_one_series_the_newest():
         await older.close()
         await newer.close()
     lines = [x for x in text.splitlines()
-             if x.startswith("miles_engine_decode_tokens_total{") and 'engine="embedded-0"' in x]
+             if x.startswith("miles_engine_decode_tokens_total{") and 'engine="embedded-0",model=""' in x]
     assert len(lines) == 1 and float(lines[0].rsplit(" ", 1)[1]) == newer.stats["decode_tokens"] > 0
