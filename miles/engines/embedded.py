@@ -1,34 +1,36 @@
 """The embedded rollout engine: a transformers model served by one continuous-batching decode loop.
 
-Design (measured on the project's tiny Qwen2 models, 2 CPU cores; see benchmarks/engine.py):
+Design (see benchmarks/engine.py and docs/benchmarks.md for the measurements):
 
 * One background *thread* owns the model and runs the decode loop, so the asyncio loop (and the HTTP
   server on it) stays responsive while torch computes. `generate` hands a request to the thread and
   awaits a future.
-* Each loop iteration admits waiting requests (prefill, one forward call per new request on top of any
-  reused session cache), then runs **one batched forward** for every active row: the rows' caches are kept
-  left-padded to a common length with a validity mask and explicit position ids, so rows of different
-  lengths decode together and join or leave between steps.
+* The KV cache is preallocated per slot (`miles.engines.kv.SlotCache`); a decoding request owns one slot
+  and the rows of the batch are kept packed in slots `0 .. n-1`. The forward pass
+  (`miles.engines.decoder.Decoder`) runs the model's weights over the slots in place: no cache object is
+  rebuilt and nothing is concatenated per step.
+* Each loop iteration admits waiting requests (one batched, chunked prefill of all of them on top of any
+  reused session cache), then runs **one decode step** for every row (`miles.engines.runner.DecodeBatch`):
+  forward, sampling and logprobs on the device, one host copy of the sampled tokens. On CUDA the step is
+  replayed from CUDA graphs captured per batch-size and length bucket.
 * Why not transformers' own continuous batching (`generate_batch` / `ContinuousBatchingManager`)? On tiny
   models its fixed overhead dominates (32 requests x 32 tokens: 7.5 s vs 1.2 s for 32 sequential
-  `model.generate` calls), and it has no notion of a session's cache to keep between turns. One decode step
-  of this loop costs about the same as one `model.generate` step at batch 1 (~1.3 ms at batch 1, ~1.5 ms
-  at batch 32 on the 0.1M model), so batching 32 sessions gives close to the full batch speedup:
-  `benchmarks/engine.py` (32 sessions x 4 turns x 32 tokens, shared 2-core CPU) measured 8.6x over
-  per-turn `model.generate` on the 0.1M model and 5.4x on the 3M model.
-* **KV reuse across turns**: when a request with a `session_id` ends, its cache (prompt + output, minus the
-  last sampled token, which was never fed back) is kept in an LRU `SessionStore`. The next request of the
-  session reuses the longest common prefix and only prefills the rest. Weight updates flush the store.
-* Logprobs: see `miles.engines.sampling` (temperature-scaled, before top-k/top-p; raw for greedy).
+  `model.generate` calls), and it has no notion of a session's cache to keep between turns.
+* **KV reuse across turns**: when a request with a `session_id` ends, its slot (prompt + output, minus the
+  last sampled token, which was never fed back) is copied into an LRU `SessionStore`. The next request of
+  the session reuses the longest common prefix and only prefills the rest. Weight updates flush the store.
+* Sampling is seeded per request and reproducible whatever shares the batch; logprobs are those of the
+  temperature-scaled distribution (see `miles.engines.sampling`).
+* Supported architectures: `miles.engines.decoder.SUPPORTED_MODEL_TYPES` (Llama, Mistral, Qwen2, Qwen3).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import logging
 import os
+import random
 import threading
 import time
 import uuid
@@ -39,11 +41,13 @@ from typing import Any
 import torch
 
 from miles.engine import EngineError, FinishReason, GenerateResult, RolloutEngine, SamplingParams
+from miles.engines.decoder import Decoder, check_supported
 from miles.engines.errors import InvalidRequestError
-from miles.engines.kv import BatchKV, RowKV, SessionStore, common_prefix_len, crop
+from miles.engines.kv import SessionEntry, SessionStore, common_prefix_len
 from miles.engines.load import EngineLoad
 from miles.engines.metrics import EngineHistograms
-from miles.engines.sampling import RowSampling, sample_rows
+from miles.engines.runner import DecodeBatch
+from miles.engines.sampling import RowSampling, SampleMode, SamplingTensors, sample, seed_key
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +71,11 @@ class _Request:
     weight_version_start: int = 0
     finished: bool = False  # set by the decode thread; the future settles later on the caller's loop
 
+    @property
+    def cache_len(self) -> int:
+        """Positions of this request in its slot: the prompt and every output token but the last."""
+        return len(self.input_ids) + len(self.output_ids) - 1
+
 
 class EmbeddedEngine(RolloutEngine):
     """A `RolloutEngine` over an in-process transformers causal LM (CPU or CUDA).
@@ -80,17 +89,28 @@ class EmbeddedEngine(RolloutEngine):
         stop_at_eos: also stop at the model's `eos_token_id` (as SGLang does unless `ignore_eos`).
         max_cached_sessions: how many sessions' caches are kept for reuse.
         model_path: reported by the server's `/model_info`.
+        cuda_graphs: replay decode steps from CUDA graphs when the device is CUDA.
+        prefill_tokens: the most tokens (rows x chunk) one prefill forward processes; longer prompts and
+            larger groups of joining requests are prefilled in chunks.
+
+    Raises `UnsupportedModelError` for a model outside `miles.engines.decoder.SUPPORTED_MODEL_TYPES`.
+    The model may still be moved or cast (`engine.model.to(...)`) until the first request.
     """
 
     def __init__(self, model: Any, *, tokenizer: Any = None, device: str = "cpu", max_batch_size: int = 64,
                  engine_id: str = "embedded-0", stop_at_eos: bool = True, max_cached_sessions: int = 1024,
-                 model_path: str = "") -> None:
+                 model_path: str = "", cuda_graphs: bool = True, prefill_tokens: int = 8192) -> None:
+        check_supported(model)
+        if max_batch_size < 1 or prefill_tokens < 1:
+            raise ValueError(f"max_batch_size ({max_batch_size}) and prefill_tokens ({prefill_tokens}) must be >= 1")
         self.engine_id = engine_id
         self.device = torch.device(device)
         self.model = model.to(self.device).eval()
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.model_path = model_path
+        self.cuda_graphs = cuda_graphs
+        self.prefill_tokens = prefill_tokens
         cfg = model.config
         self.vocab_size = int(cfg.vocab_size)
         self.max_context = int(getattr(cfg, "max_position_embeddings", 0) or 1 << 30)
@@ -99,12 +119,11 @@ class EmbeddedEngine(RolloutEngine):
             eos = getattr(cfg, "eos_token_id", None)
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         self._eos_ids = frozenset(eos_ids) if stop_at_eos else frozenset()
-        # transformers >= 5.2x renamed `past_key_values` to `cache`; accept both
-        self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self._version = 0
         self._sessions = SessionStore(max_cached_sessions)
-        self._batch = BatchKV()
-        self._active: list[_Request] = []
+        self._decoder: Decoder | None = None  # built by the decode thread at the first request
+        self._batch: DecodeBatch | None = None
+        self._active: list[_Request] = []  # row i decodes in slot i
         self._pending: list[_Request] = []
         self._rids: set[str] = set()
         self._aborts: set[str] = set()
@@ -112,8 +131,7 @@ class EmbeddedEngine(RolloutEngine):
         self._cond = threading.Condition()
         self._model_lock = threading.Lock()
         self._closed = False
-        self._generator = torch.Generator(device=self.device)
-        self._generator.manual_seed(int.from_bytes(os.urandom(4), "little"))
+        self._keys = random.Random(os.urandom(8))  # random streams of unseeded requests
         self.stats = {"steps": 0, "prefill_tokens": 0, "cached_tokens": 0, "decode_tokens": 0}
         self.histograms = EngineHistograms()
         self._thread = threading.Thread(target=self._run, name=f"{engine_id}-decode", daemon=True)
@@ -248,11 +266,8 @@ class EmbeddedEngine(RolloutEngine):
         if params.temperature < 0 or not 0 < params.top_p <= 1:
             raise InvalidRequestError(f"bad temperature/top_p: {params.temperature}, {params.top_p}",
                                       engine_id=self.engine_id)
-        gen = None
-        if params.seed is not None and params.temperature > 0:
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(int(params.seed))
-        row = RowSampling(params.temperature, params.top_p, params.top_k, gen)
+        key = seed_key(params.seed) if params.seed is not None else self._keys.getrandbits(32)
+        row = RowSampling(params.temperature, params.top_p, params.top_k, key)
         loop = asyncio.get_running_loop()
         return _Request(rid=rid, input_ids=input_ids, params=params, session_id=session_id, loop=loop,
                         future=loop.create_future(), row=row,
@@ -273,6 +288,8 @@ class EmbeddedEngine(RolloutEngine):
         with self._model_lock, torch.no_grad():
             for name, tensor in named.items():
                 params[name].copy_(torch.as_tensor(tensor).to(params[name].dtype))
+            if self._decoder is not None:
+                self._decoder.refresh_weights()
             self._version = self._version + 1 if version is None else int(version)
             self._sessions.clear()
             return self._version
@@ -307,7 +324,7 @@ class EmbeddedEngine(RolloutEngine):
             waiting = list(self._pending)
         for req in new + waiting:
             if abort_all or req.rid in aborts:
-                self._finish(req, FinishReason.ABORT, None)
+                self._finish(req, FinishReason.ABORT)
         if waiting:
             with self._cond:
                 self._pending = [r for r in self._pending if not r.finished]
@@ -315,68 +332,105 @@ class EmbeddedEngine(RolloutEngine):
         if doomed:
             self._drop_rows(doomed, FinishReason.ABORT)
 
+    def _ready_batch(self) -> DecodeBatch:
+        if self._batch is None:
+            self._decoder = Decoder(self.model)
+            cache = self._decoder.new_cache(self.max_batch_size, min(self.max_context, self._decoder.max_positions))
+            self._batch = DecodeBatch(self._decoder, cache, self.max_batch_size, cuda_graphs=self.cuda_graphs)
+        return self._batch
+
     def _admit(self, new: list[_Request]) -> None:
-        joining: list[tuple[RowKV, int]] = []
-        joined: list[_Request] = []
-        for req in new:
-            kv, n = self._prefill(req)
-            if not self._check_finished(req):
-                joining.append((kv, n))
-                joined.append(req)
-            else:
-                self._finish(req, self._finish_reason(req), kv)
-        self._batch.add(joining)
-        self._active.extend(joined)
-
-    def _prefill(self, req: _Request) -> tuple[RowKV, int]:
-        ids = req.input_ids
-        reuse: RowKV | None = None
-        m = 0
-        if req.session_id is not None:
-            entry = self._sessions.take(req.session_id)
-            if entry is not None:
-                m = min(common_prefix_len(entry.tokens, ids), len(ids) - 1)
-                if m > 0:
-                    reuse = crop(entry.kv, m)
-        req.cached_tokens = m
-        self.stats["cached_tokens"] += m
-        self.stats["prefill_tokens"] += len(ids) - m
-        from transformers import DynamicCache
-
-        cache = DynamicCache(ddp_cache_data=reuse) if reuse is not None else DynamicCache()
-        x = torch.tensor([ids[m:]], device=self.device)
-        pos = torch.arange(m, len(ids), device=self.device)[None]
-        out = self.model(input_ids=x, position_ids=pos, use_cache=True, **{self._cache_kw: cache})
-        tokens, logprobs = sample_rows(out.logits[:, -1], [req.row], self._generator)
-        self.histograms.first_token.observe(time.perf_counter() - req.start)
-        req.output_ids.append(tokens[0])
-        req.output_logprobs.append(logprobs[0])
-        req.token_versions.append(self._version)
-        kv = [(layer.keys, layer.values) for layer in cache.layers]
-        return kv, len(ids)
-
-    def _step(self) -> None:
-        from transformers import DynamicCache
-
-        batch = self._batch
-        x = torch.tensor([[r.output_ids[-1]] for r in self._active], device=self.device)
-        pos = torch.tensor([[n] for n in batch.lengths], device=self.device)
-        ones = torch.ones((batch.size, 1), dtype=batch.mask.dtype, device=self.device)
-        mask = torch.cat([batch.mask, ones], dim=1)
-        cache = DynamicCache(ddp_cache_data=batch.layers)
-        out = self.model(input_ids=x, position_ids=pos, attention_mask=mask, use_cache=True,
-                         **{self._cache_kw: cache})
-        batch.advanced([(layer.keys, layer.values) for layer in cache.layers])
-        tokens, logprobs = sample_rows(out.logits[:, -1], [r.row for r in self._active], self._generator)
-        self.stats["steps"] += 1
-        self.histograms.batch_size.observe(len(tokens))
-        self.stats["decode_tokens"] += len(tokens)
-        done = []
-        for i, (req, tok, lp) in enumerate(zip(self._active, tokens, logprobs, strict=True)):
+        """Prefill `new` into the slots after the active rows and make them decode from the next step."""
+        if not new:
+            return
+        batch = self._ready_batch()
+        batch.grow(max(len(r.input_ids) for r in new) + 1)
+        first = len(self._active)
+        kept = [self._reusable(req) for req in new]
+        order = sorted(range(len(new)), key=lambda i: len(new[i].input_ids) - kept[i][1], reverse=True)
+        new = [new[i] for i in order]  # longest suffix first, so the rows of each prefill chunk are a run of slots
+        reused = []
+        for slot, i in enumerate(order, start=first):
+            entry, m = kept[i]
+            if m:
+                batch.cache.load(slot, entry.kv, m)
+            reused.append(m)
+        logits = self._prefill(new, reused, first)
+        rows = [r.row for r in new]
+        tokens, logprobs = sample(logits, SamplingTensors.build(rows, [0] * len(new), self.device),
+                                  SampleMode.of(rows))
+        batch.join(first, tokens, [len(r.input_ids) for r in new], rows, [1] * len(new))
+        now = time.perf_counter()
+        for req, tok, lp in zip(new, tokens.tolist(), logprobs.tolist(), strict=True):
+            self.histograms.first_token.observe(now - req.start)
             req.output_ids.append(tok)
             req.output_logprobs.append(lp)
             req.token_versions.append(self._version)
-            if self._check_finished(req):
+        self._active.extend(new)
+        done = [first + i for i, req in enumerate(new) if self._check_finished(req)]
+        if done:
+            self._drop_rows(done, None)
+
+    def _reusable(self, req: _Request) -> tuple[SessionEntry | None, int]:
+        """Take `req`'s session cache and say how many of its positions `req` can reuse."""
+        m = 0
+        entry = self._sessions.take(req.session_id) if req.session_id is not None else None
+        if entry is not None:
+            m = min(common_prefix_len(entry.tokens, req.input_ids), len(req.input_ids) - 1)
+        req.cached_tokens = m
+        self.stats["cached_tokens"] += m
+        self.stats["prefill_tokens"] += len(req.input_ids) - m
+        return entry, m
+
+    def _prefill(self, new: list[_Request], reused: list[int], first: int) -> torch.Tensor:
+        """Run the uncached tokens of `new` (slots `first ..`, longest suffix first) in chunks of at most
+        `prefill_tokens` tokens; returns the logits at each request's last prompt token, in order."""
+        decoder, cache, device = self._decoder, self._batch.cache, self.device
+        suffix = [len(r.input_ids) - m for r, m in zip(new, reused, strict=True)]
+        out: list[torch.Tensor | None] = [None] * len(new)
+        start = 0
+        while start < len(new):  # a group of rows, then its chunks
+            width = min(suffix[start], self.prefill_tokens)
+            end = min(len(new), start + max(1, self.prefill_tokens // width))
+            for offset in range(0, suffix[start], width):
+                rows = [i for i in range(start, end) if suffix[i] > offset]  # a prefix: suffixes descend
+                seq = min(width, suffix[rows[0]] - offset)
+                ids = torch.zeros((len(rows), seq), dtype=torch.int64)
+                pos = torch.zeros((len(rows), seq), dtype=torch.int64)
+                write, last, length = [], [], 0
+                for j, i in enumerate(rows):
+                    lo = reused[i] + offset
+                    hi = min(len(new[i].input_ids), lo + seq)
+                    ids[j, :hi - lo] = torch.tensor(new[i].input_ids[lo:hi])
+                    pos[j, :hi - lo] = torch.arange(lo, hi)
+                    write.extend(range(j * seq, j * seq + hi - lo))
+                    if hi == len(new[i].input_ids):
+                        last.append((i, j * seq + hi - lo - 1))
+                    length = max(length, hi)
+                logits = decoder.forward(cache, ids.to(device), pos.to(device), first + start, length,
+                                         write=torch.tensor(write, device=device),
+                                         last=torch.tensor([t for _, t in last], device=device))
+                for (i, _), row in zip(last, logits, strict=True):
+                    out[i] = row
+            start = end
+        return torch.stack(out)
+
+    def _step(self) -> None:
+        batch = self._batch
+        active = self._active
+        length = max(r.cache_len for r in active) + 1
+        batch.grow(length)
+        tokens, logprobs = batch.step(len(active), length, SampleMode.of(r.row for r in active))
+        self.stats["steps"] += 1
+        self.histograms.batch_size.observe(len(tokens))
+        self.stats["decode_tokens"] += len(tokens)
+        version = self._version
+        done = []
+        for i, (req, tok, lp) in enumerate(zip(active, tokens, logprobs, strict=True)):
+            req.output_ids.append(tok)
+            req.output_logprobs.append(lp)
+            req.token_versions.append(version)
+            if tok in req.stop_ids or len(req.output_ids) >= req.max_new:
                 done.append(i)
         if done:
             self._drop_rows(done, None)
@@ -388,22 +442,30 @@ class EmbeddedEngine(RolloutEngine):
         return FinishReason.STOP if req.output_ids and req.output_ids[-1] in req.stop_ids else FinishReason.LENGTH
 
     def _drop_rows(self, indices: list[int], reason: FinishReason | None) -> None:
-        gone = set(indices)
+        """Finish the rows `indices` and pack the rest into slots `0 .. n-1` (the last rows fill the holes)."""
+        batch = self._batch
         for i in indices:
             req = self._active[i]
-            kv = self._batch.row(i) if req.session_id is not None else None
-            self._finish(req, reason or self._finish_reason(req), kv)
-        keep = [i for i in range(len(self._active)) if i not in gone]
-        self._batch.keep(keep)
-        self._active = [self._active[i] for i in keep]
+            if req.session_id is not None and not req.finished:
+                covered = req.input_ids + req.output_ids[:-1]
+                self._sessions.put(req.session_id, covered, batch.cache.export(i, len(covered)))
+            self._finish(req, reason or self._finish_reason(req))
+        n = len(self._active)
+        gone = set(indices)
+        kept = n - len(gone)
+        holes = sorted(i for i in gone if i < kept)
+        movers = [j for j in range(kept, n) if j not in gone]
+        if movers:
+            batch.move(movers, holes, max(self._active[j].cache_len for j in movers))
+            for hole, mover in zip(holes, movers, strict=True):
+                self._active[hole] = self._active[mover]
+        del self._active[kept:]
+        batch.release(kept, n)
 
-    def _finish(self, req: _Request, reason: FinishReason, kv: RowKV | None) -> None:
+    def _finish(self, req: _Request, reason: FinishReason) -> None:
         if req.finished:
             return
         req.finished = True
-        covered = req.input_ids + req.output_ids[:-1]
-        if kv is not None and req.session_id is not None and kv[0][0].shape[2] == len(covered):
-            self._sessions.put(req.session_id, covered, kv)
         result = GenerateResult(
             output_ids=list(req.output_ids), output_logprobs=list(req.output_logprobs), finish_reason=reason,
             weight_version=self._version, prompt_tokens=len(req.input_ids), cached_tokens=req.cached_tokens,
@@ -434,8 +496,10 @@ class EmbeddedEngine(RolloutEngine):
             self._pending = []
         for req in victims:
             self._resolve(req, error)
+        if self._batch is not None:
+            with torch.inference_mode():
+                self._batch.release(0, self._batch.max_batch)
         self._active = []
-        self._batch = BatchKV()
 
 
 def load_state_dict_from_folder(path: str) -> dict[str, torch.Tensor]:

@@ -1,8 +1,12 @@
-"""KV-cache plumbing for the embedded engine: a left-padded batch of rows and a per-session store.
+"""KV-cache storage for the embedded engine: preallocated per-slot buffers and a per-session store.
 
-A row's cache is a list, one `(keys, values)` pair per layer, each `[1, kv_heads, length, head_dim]`.
-The batch keeps all rows left-padded to one length `P` with a `[B, P]` validity mask, so a decode step
-is one forward call; rows join and leave between steps.
+`SlotCache` holds every layer's keys and values in one tensor `[layers, 2, slots, kv_heads, capacity,
+head_dim]`. A decoding request owns one slot; attention reads the slot rows in place and a step writes one
+position per row, so nothing is concatenated or rebuilt per step. The capacity (positions per slot) starts
+small and doubles on demand up to the model's context, so a CPU engine serving short contexts stays small.
+
+A finished request of a session leaves a copy of its slot (`SessionStore`), which the session's next
+request loads into whichever slot it gets.
 """
 
 from __future__ import annotations
@@ -12,96 +16,60 @@ from dataclasses import dataclass
 
 import torch
 
-RowKV = list[tuple[torch.Tensor, torch.Tensor]]
 
+class SlotCache:
+    """Per-slot key/value buffers of every layer (see the module docstring)."""
 
-def _left_pad(t: torch.Tensor, total: int) -> torch.Tensor:
-    missing = total - t.shape[2]
-    if missing == 0:
-        return t
-    pad = t.new_zeros((t.shape[0], t.shape[1], missing, t.shape[3]))
-    return torch.cat([pad, t], dim=2)
-
-
-class BatchKV:
-    """Left-padded KV of the rows that decode together."""
-
-    def __init__(self) -> None:
-        self.layers: RowKV = []
-        self.mask: torch.Tensor | None = None  # [B, P], 1 where a cache slot holds a real token
-        self.lengths: list[int] = []  # valid tokens per row
+    def __init__(self, *, layers: int, slots: int, kv_heads: int, head_dim: int, max_len: int,
+                 dtype: torch.dtype, device: torch.device, initial_len: int = 256) -> None:
+        self.slots, self.kv_heads, self.head_dim, self.max_len = slots, kv_heads, head_dim, max_len
+        self.data = torch.zeros((layers, 2, slots, kv_heads, min(initial_len, max_len), head_dim), dtype=dtype,
+                                device=device)
 
     @property
-    def size(self) -> int:
-        return len(self.lengths)
+    def capacity(self) -> int:
+        return self.data.shape[4]
 
-    @property
-    def padded_len(self) -> int:
-        return 0 if self.mask is None else self.mask.shape[1]
+    def ensure(self, length: int) -> bool:
+        """Make room for `length` positions per slot; True when the buffers moved (views taken earlier are stale)."""
+        if length <= self.capacity:
+            return False
+        if length > self.max_len:
+            raise ValueError(f"{length} positions exceed the cache's limit of {self.max_len}")
+        cap = self.capacity
+        while cap < length:
+            cap *= 2
+        grown = self.data.new_zeros((*self.data.shape[:4], min(cap, self.max_len), self.head_dim))
+        grown[:, :, :, :, :self.capacity].copy_(self.data)
+        self.data = grown
+        return True
 
-    def add(self, rows: list[tuple[RowKV, int]]) -> None:
-        """Append rows given as (row cache, valid length); the row cache holds exactly that many tokens."""
-        if not rows:
-            return
-        total = max([self.padded_len] + [n for _, n in rows])
-        device = rows[0][0][0][0].device
-        masks = [] if self.mask is None else [_left_pad_mask(self.mask, total)]
-        for _, n in rows:
-            masks.append(_left_pad_mask(torch.ones((1, n), dtype=torch.long, device=device), total))
-        new_layers = []
-        for li in range(len(rows[0][0])):
-            ks = [] if not self.layers else [_left_pad(self.layers[li][0], total)]
-            vs = [] if not self.layers else [_left_pad(self.layers[li][1], total)]
-            for row, _ in rows:
-                ks.append(_left_pad(row[li][0], total))
-                vs.append(_left_pad(row[li][1], total))
-            new_layers.append((torch.cat(ks, dim=0), torch.cat(vs, dim=0)))
-        self.layers = new_layers
-        self.mask = torch.cat(masks, dim=0)
-        self.lengths.extend(n for _, n in rows)
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of layer `index`, each `[slots, kv_heads, capacity, head_dim]`."""
+        return self.data[index, 0], self.data[index, 1]
 
-    def row(self, index: int) -> RowKV:
-        """The valid part of row `index`'s cache, as a standalone row cache."""
-        n = self.lengths[index]
-        p = self.padded_len
-        return [(k[index:index + 1, :, p - n:].clone(), v[index:index + 1, :, p - n:].clone())
-                for k, v in self.layers]
+    def export(self, slot: int, length: int) -> torch.Tensor:
+        """A copy of the first `length` positions of `slot`: `[layers, 2, kv_heads, length, head_dim]`."""
+        return self.data[:, :, slot, :, :length].clone()
 
-    def keep(self, indices: list[int]) -> None:
-        """Drop every row not in `indices` (kept in that order) and trim all-padding columns."""
-        if not indices:
-            self.layers, self.mask, self.lengths = [], None, []
-            return
-        if indices == list(range(self.size)):
-            return
-        self.lengths = [self.lengths[i] for i in indices]
-        start = self.padded_len - max(self.lengths)
-        idx = torch.tensor(indices, device=self.mask.device)
-        self.layers = [(k.index_select(0, idx)[:, :, start:], v.index_select(0, idx)[:, :, start:])
-                       for k, v in self.layers]
-        self.mask = self.mask.index_select(0, idx)[:, start:]
+    def load(self, slot: int, kept: torch.Tensor, length: int) -> None:
+        """Put the first `length` positions of an exported copy back, into `slot`."""
+        self.data[:, :, slot, :, :length].copy_(kept[:, :, :, :length])
 
-    def advanced(self, layers: RowKV) -> None:
-        """Record the caches after one decode step that appended one token to every row."""
-        self.layers = layers
-        ones = torch.ones((self.size, 1), dtype=self.mask.dtype, device=self.mask.device)
-        self.mask = torch.cat([self.mask, ones], dim=1)
-        self.lengths = [n + 1 for n in self.lengths]
-
-
-def _left_pad_mask(mask: torch.Tensor, total: int) -> torch.Tensor:
-    missing = total - mask.shape[1]
-    if missing == 0:
-        return mask
-    return torch.cat([mask.new_zeros((mask.shape[0], missing)), mask], dim=1)
+    def move(self, src: list[int], dst: list[int], length: int) -> None:
+        """Copy the first `length` positions of slots `src` into slots `dst` (pairwise)."""
+        if src:
+            s = torch.tensor(src, device=self.data.device)
+            d = torch.tensor(dst, device=self.data.device)
+            self.data[:, :, d, :, :length] = self.data[:, :, s, :, :length]
 
 
 @dataclass
 class SessionEntry:
-    """The cached tokens of a session and the KV that covers exactly them."""
+    """The cached tokens of a session and the KV that covers exactly them (`SlotCache.export`)."""
 
     tokens: list[int]
-    kv: RowKV
+    kv: torch.Tensor
 
 
 class SessionStore:
@@ -114,7 +82,7 @@ class SessionStore:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, session_id: str, tokens: list[int], kv: RowKV) -> None:
+    def put(self, session_id: str, tokens: list[int], kv: torch.Tensor) -> None:
         self._entries.pop(session_id, None)
         self._entries[session_id] = SessionEntry(tokens, kv)
         while len(self._entries) > self.max_sessions:
@@ -134,7 +102,3 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
-
-
-def crop(kv: RowKV, length: int) -> RowKV:
-    return [(k[:, :, :length], v[:, :, :length]) for k, v in kv]

@@ -1,0 +1,211 @@
+"""The embedded engine's forward pass: a Llama/Qwen-family HF causal LM run over a `SlotCache`.
+
+The HF model's own forward would rebuild a cache object and masks on every call; this runs the same
+computation over the model's weights with the cache read and written in place:
+
+* token-major activations `[tokens, hidden]`; q/k/v (and gate/up) as one fused matmul each;
+* RoPE from a table computed once by the model's own rotary module (exactly its cos/sin);
+* the new keys/values written at each token's (slot, position) with one `index_copy_` per tensor;
+* attention by `scaled_dot_product_attention` over the slot rows `[:length]` with an additive mask
+  (causal per position, sliding windows per layer); grouped-query heads are folded into the query
+  length, so the cache is never expanded;
+* norms and activations are the model's own modules, so fp32 results match the HF forward.
+
+A decode step is `forward` with one token per row; a prefill passes several (right-padded) and says which
+tokens to write and which to return logits for. Nothing in `forward` synchronises with the host, so a decode
+step can be captured in a CUDA graph. Every projection goes through `Decoder.linear`: the one place a
+per-row adapter (LoRA) would add its term.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from miles.engines.kv import SlotCache
+
+#: `config.model_type`s whose decoder layers this forward reproduces exactly (pre-norm, RoPE, SwiGLU MLP).
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+class UnsupportedModelError(ValueError):
+    """The model's architecture is not one the embedded engine's forward pass implements."""
+
+
+def check_supported(model: Any) -> None:
+    """Raise `UnsupportedModelError` (one line naming what is supported) unless `Decoder` can run `model`."""
+    cfg = getattr(model, "config", None)
+    model_type = getattr(cfg, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(f"the embedded engine runs {', '.join(SUPPORTED_MODEL_TYPES)} models; "
+                                    f"got model_type {model_type!r}")
+    rope = getattr(getattr(model, "model", None), "rotary_emb", None)
+    if rope is None or not hasattr(model, "lm_head"):
+        raise UnsupportedModelError(f"{type(model).__name__} has no model.rotary_emb or lm_head")
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        missing = [n for n in ("q_proj", "k_proj", "v_proj", "o_proj") if not hasattr(attn, n)]
+        missing += [n for n in ("gate_proj", "up_proj", "down_proj", "act_fn") if not hasattr(mlp, n)]
+        if missing:
+            raise UnsupportedModelError(f"{type(layer).__name__} lacks {missing}")
+
+
+def _cat_bias(linears: list[torch.nn.Linear]) -> torch.Tensor | None:
+    if all(m.bias is None for m in linears):
+        return None
+    return torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in linears])
+
+
+@dataclass
+class _Layer:
+    input_norm: torch.nn.Module
+    post_norm: torch.nn.Module
+    q_norm: torch.nn.Module | None
+    k_norm: torch.nn.Module | None
+    qkv_weight: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o_proj: torch.nn.Linear
+    gate_up_weight: torch.Tensor
+    down_proj: torch.nn.Linear
+    act_fn: Any
+    scaling: float
+    window: int | None
+
+
+class Decoder:
+    """The forward pass of a supported HF causal LM over a `SlotCache` (see the module docstring).
+
+    Built from the model as it is now (device, dtype); call `refresh_weights` after loading new weights into
+    the model's parameters, which keeps every buffer (and so any captured CUDA graph) where it is.
+    """
+
+    def __init__(self, model: Any) -> None:
+        check_supported(model)
+        cfg = model.config
+        base = model.model
+        self.model = model
+        self.embed = base.embed_tokens
+        self.norm = base.norm
+        self.lm_head = model.lm_head
+        self.num_heads = int(cfg.num_attention_heads)
+        self.kv_heads = int(getattr(cfg, "num_key_value_heads", None) or self.num_heads)
+        self.head_dim = int(base.layers[0].self_attn.head_dim)
+        self.max_positions = int(cfg.max_position_embeddings)
+        weight = self.embed.weight
+        self.dtype, self.device = weight.dtype, weight.device
+        self.layers: list[_Layer] = []
+        for layer in base.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            window = getattr(attn, "sliding_window", None) if hasattr(attn, "sliding_window") \
+                else getattr(cfg, "sliding_window", None)
+            qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+            self.layers.append(_Layer(
+                input_norm=layer.input_layernorm, post_norm=layer.post_attention_layernorm,
+                q_norm=getattr(attn, "q_norm", None), k_norm=getattr(attn, "k_norm", None),
+                qkv_weight=torch.cat([m.weight for m in qkv]), qkv_bias=_cat_bias(qkv), o_proj=attn.o_proj,
+                gate_up_weight=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), down_proj=mlp.down_proj,
+                act_fn=mlp.act_fn, scaling=float(attn.scaling), window=int(window) if window else None))
+        self._rotary = base.rotary_emb
+        rope_type = str(getattr(self._rotary, "rope_type", "default"))
+        self._rope_per_call = "dynamic" in rope_type or "longrope" in rope_type  # cos/sin depend on the length
+        if not self._rope_per_call:
+            positions = torch.arange(self.max_positions, device=self.device)[None]
+            cos, sin = self._rotary(weight[:1], positions)
+            self._cos, self._sin = cos[0], sin[0]
+
+    def refresh_weights(self) -> None:
+        """Copy the model's current q/k/v and gate/up weights into the fused buffers (in place)."""
+        with torch.inference_mode():
+            self._refresh()
+
+    def _refresh(self) -> None:
+        for layer, hf in zip(self.layers, self.model.model.layers, strict=True):
+            attn, mlp = hf.self_attn, hf.mlp
+            qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+            torch.cat([m.weight for m in qkv], out=layer.qkv_weight)
+            if layer.qkv_bias is not None:
+                layer.qkv_bias.copy_(_cat_bias(qkv))
+            torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight], out=layer.gate_up_weight)
+
+    def new_cache(self, slots: int, max_len: int) -> SlotCache:
+        """A `SlotCache` shaped for this model."""
+        return SlotCache(layers=len(self.layers), slots=slots, kv_heads=self.kv_heads, head_dim=self.head_dim,
+                         max_len=max_len, dtype=self.dtype, device=self.device)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """Every projection of the forward pass (the hook for per-row adapters)."""
+        return F.linear(x, weight, bias)
+
+    def _rope(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._rope_per_call:
+            cos, sin = self._rotary(like, positions[None])
+            return cos[0], sin[0]
+        return self._cos[positions], self._sin[positions]
+
+    def _mask(self, positions: torch.Tensor, length: int, window: int | None) -> torch.Tensor:
+        """Additive attention mask `[rows, 1, S * groups, length]` for queries at `positions` ([rows, S])."""
+        keys = torch.arange(length, device=positions.device)
+        q = positions[:, :, None]
+        allowed = keys <= q
+        if window is not None:
+            allowed &= keys > q - window
+        bias = torch.zeros(allowed.shape, dtype=self.dtype, device=positions.device)
+        bias.masked_fill_(~allowed, float("-inf"))
+        groups = self.num_heads // self.kv_heads
+        if groups > 1 and positions.shape[1] > 1:
+            bias = bias.repeat_interleave(groups, dim=1)
+        return bias[:, None]
+
+    def forward(self, cache: SlotCache, ids: torch.Tensor, positions: torch.Tensor, first_slot: int, length: int,
+                write: torch.Tensor | None = None, last: torch.Tensor | None = None) -> torch.Tensor:
+        """Run `ids` ([rows, S], row `r` in slot `first_slot + r`, at `positions`) and return float32 logits.
+
+        The keys/values of every token (or of the flat token indices `write`) go into the cache; attention
+        reads positions `[0, length)` of each row's slot. Logits come for every token, or for the flat token
+        indices `last`.
+        """
+        rows, seq = ids.shape
+        tokens = rows * seq
+        hq, hkv, d = self.num_heads, self.kv_heads, self.head_dim
+        groups = hq // hkv
+        flat_pos = positions.reshape(tokens)
+        h = self.embed(ids.reshape(tokens))
+        cos, sin = self._rope(flat_pos, h)
+        cos, sin = cos[:, None], sin[:, None]
+        slot_of = torch.arange(first_slot, first_slot + rows, device=ids.device).repeat_interleave(seq)
+        dest = (slot_of[:, None] * hkv + torch.arange(hkv, device=ids.device)) * cache.capacity + flat_pos[:, None]
+        if write is not None:
+            dest = dest[write]
+        dest = dest.reshape(-1)
+        masks: dict[int | None, torch.Tensor] = {}
+        for index, layer in enumerate(self.layers):
+            if layer.window not in masks:
+                masks[layer.window] = self._mask(positions, length, layer.window)
+            y = layer.input_norm(h)
+            qkv = self.linear(y, layer.qkv_weight, layer.qkv_bias).view(tokens, hq + 2 * hkv, d)
+            qk = qkv[:, :hq + hkv]
+            if layer.q_norm is not None:
+                qk = torch.cat([layer.q_norm(qk[:, :hq]), layer.k_norm(qk[:, hq:])], dim=1)
+            half = d // 2
+            qk = qk * cos + torch.cat([-qk[..., half:], qk[..., :half]], dim=-1) * sin
+            k_new, v_new = qk[:, hq:], qkv[:, hq + hkv:]
+            if write is not None:
+                k_new, v_new = k_new[write], v_new[write]
+            k_cache, v_cache = cache.layer(index)
+            k_cache.view(-1, d).index_copy_(0, dest, k_new.reshape(-1, d))
+            v_cache.view(-1, d).index_copy_(0, dest, v_new.reshape(-1, d))
+            q = qk[:, :hq].reshape(rows, seq, hkv, groups, d).transpose(1, 2).reshape(rows, hkv, seq * groups, d)
+            keys = k_cache[first_slot:first_slot + rows, :, :length]
+            values = v_cache[first_slot:first_slot + rows, :, :length]
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=masks[layer.window], scale=layer.scaling)
+            out = out.reshape(rows, hkv, seq, groups * d).transpose(1, 2).reshape(tokens, hq * d)
+            h = h + self.linear(out, layer.o_proj.weight, layer.o_proj.bias)
+            gate, up = self.linear(layer.post_norm(h), layer.gate_up_weight).chunk(2, dim=-1)
+            h = h + self.linear(layer.act_fn(gate) * up, layer.down_proj.weight, layer.down_proj.bias)
+        if last is not None:
+            h = h[last]
+        h = self.norm(h)
+        return self.linear(h, self.lm_head.weight, self.lm_head.bias).float()
