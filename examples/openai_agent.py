@@ -4,7 +4,7 @@
 miles trains it as it is: `miles train --config configs/openai_agent.yaml` runs this script once per session,
 with `OPENAI_BASE_URL` and `OPENAI_API_KEY` (the session id) set, and the task in `MILES_TASK` (JSON: its
 `messages` and `tools`); when it exits, miles closes the session and scores it. Against a server of your own
-(`python -m miles.engines --model tiny --openai`), where `curl -X POST .../sessions/my-session/close` records it:
+(`miles rollout --model tiny --openai`), where `curl -X POST .../sessions/my-session/close` records it:
 
     python examples/openai_agent.py --base-url http://127.0.0.1:30001/v1 --api-key my-session "What is 6 * 7?"
 """

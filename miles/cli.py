@@ -17,6 +17,11 @@ def _cmd_envs(args: argparse.Namespace) -> int:
 def _cmd_rollout(args: argparse.Namespace) -> int:
     from miles.engines.launcher import rollout_from_cli
 
+    if args.openai is not None:  # check the endpoint's settings here, in one line, before any server starts
+        from miles.sessions.openai_routes import endpoint_tokenizer, openai_config
+
+        endpoint_tokenizer(args.model, openai_config(args.openai))
+
     return rollout_from_cli(args)
 
 
@@ -50,6 +55,14 @@ def _cmd_sft(args: argparse.Namespace) -> int:
     from miles.trainers.run import sft_from_cli
 
     return sft_from_cli(args)
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from miles.trainers.lora_export import export_adapter
+
+    out = export_adapter(args.run, args.adapter, args.out, checkpoint=args.checkpoint, merge=args.merge)
+    print(f"wrote {'the base merged with ' if args.merge else ''}adapter {args.adapter} to {out}")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -88,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for /health")
     p.add_argument("--log-dir", default=None, help="where the servers' logs go (default: a new temp folder)")
     p.add_argument("--dry-run", action="store_true", help="print the command lines and exit")
+    p.add_argument("--openai", nargs="?", const="", action="append", metavar="KEY=VALUE",
+                   help="also serve the OpenAI-compatible session endpoint on every embedded server (repeatable "
+                        "settings, e.g. --openai history_mismatch=fork)")
     p.add_argument("sglang_args", nargs="*", metavar="-- SGLANG_FLAGS", help="passed to every SGLang server")
 
     sub.add_parser("replay", help="inspect, check or rescore recorded sessions (see `miles replay --help`)",
@@ -102,6 +118,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("url", help="host:port or URL of the endpoint, e.g. 127.0.0.1:9400")
     p.add_argument("--once", action="store_true", help="print one frame and exit")
     p.add_argument("--interval", type=float, default=2.0, help="seconds between scrapes (default 2)")
+
+    p = sub.add_parser("export", help="write one LoRA adapter of a run as a PEFT folder (or merged into the base)")
+    p.add_argument("--run", required=True, help="the run folder (output_dir of a miles train with adapters:)")
+    p.add_argument("--adapter", required=True, metavar="NAME", help="the adapter to export")
+    p.add_argument("--out", required=True, help="the folder to write")
+    p.add_argument("--checkpoint", default=None, help="a step_* checkpoint folder (default: the run's newest)")
+    p.add_argument("--merge", action="store_true", help="merge the adapter into the base: an ordinary HF folder")
 
     for name, help_text in (("train", "run an agent-RL experiment from a YAML config"),
                             ("sft", "supervised warm-start on an environment's oracle demonstrations")):
@@ -129,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         return _cmd_replay(argparse.Namespace(), argv[1:])
     args = build_parser().parse_args(argv)
     handlers = {"envs": _cmd_envs, "rollout": _cmd_rollout, "tito": _cmd_tito, "top": _cmd_top, "train": _cmd_train,
-                "sft": _cmd_sft}
+                "sft": _cmd_sft, "export": _cmd_export}
     from miles.config import ConfigError
 
     try:

@@ -199,7 +199,7 @@ class EndpointServer:
             self._server = self._task = None
 
 
-# ---- `python -m miles.engines --openai`: the embedded engine's server with the endpoint mounted ---------------
+# ---- `python -m miles.sessions.openai_routes`: the embedded engine's server with the endpoint mounted -------
 def openai_config(overrides: list[str]) -> OpenAIEndpointConfig:
     """The endpoint config from `KEY=VALUE` overrides (dotted keys, YAML values); `ConfigError` names a bad key."""
     from miles.config import load_config
@@ -245,3 +245,30 @@ def run_engine_server_with_openai(model: str, host: str, port: int, *, overrides
             await endpoint.aclose()
 
     asyncio.run(serve())
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m miles.sessions.openai_routes --model M [engine server flags] --openai [KEY=VALUE ...]`: one
+    embedded engine server (the flags of `python -m miles.engines`) with the endpoint mounted; `miles rollout
+    --openai` starts these."""
+    import sys
+
+    from miles.engines.__main__ import engine_kwargs, server_parser
+    from miles.engines.errors import InvalidRequestError
+
+    ap = server_parser("miles rollout --openai")
+    ap.add_argument("--openai", nargs="?", const="", action="append", default=[], metavar="KEY=VALUE",
+                    help="a setting of the endpoint (OpenAIEndpointConfig), e.g. chat_template=compact or "
+                         "session.history_mismatch=fork (repeatable)")
+    args = ap.parse_args(argv)
+    try:
+        run_engine_server_with_openai(args.model, args.host, args.port, overrides=args.openai,
+                                      **engine_kwargs(args))
+    except (ConfigError, InvalidRequestError) as exc:
+        print(f"miles rollout --openai: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,5 +1,5 @@
 """The endpoint on real servers: in front of an HTTP engine (`SGLangClient` to the embedded engine's SGLang-native
-server, a real model), and mounted on the engine server itself by `python -m miles.engines --openai`."""
+server, a real model), and mounted on the engine server itself by `miles rollout --openai`."""
 
 from __future__ import annotations
 
@@ -85,14 +85,15 @@ def test_in_front_of_an_http_engine_with_a_real_model():
 
 
 @pytest.mark.slow
-def test_python_m_miles_engines_openai_serves_the_endpoint_beside_sglangs_api(tmp_path):
-    bad = subprocess.run([sys.executable, "-m", "miles.engines", "--model", SFT, "--openai", "session.parser=nope"],
+def test_miles_rollout_openai_serves_the_endpoint_beside_sglangs_api(tmp_path):
+    bad = subprocess.run([sys.executable, "-m", "miles.cli", "rollout", "--model", SFT, "--openai",
+                          "session.parser=nope"],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
     assert "session.parser" in bad.stderr and "unknown tool-call parser 'nope'" in bad.stderr
     port = free_port()
     record = tmp_path / "sessions.jsonl"
-    cmd = [sys.executable, "-m", "miles.engines", "--model", SFT, "--port", str(port), "--openai",
+    cmd = [sys.executable, "-m", "miles.cli", "rollout", "--model", SFT, "--port", str(port), "--openai",
            "chat_template=compact", "--openai", f"record={record}", "--openai", "session.history_mismatch=fork"]
     with subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) as proc:
         try:

@@ -112,10 +112,14 @@ class LaunchSpec:
     router_port: int | None = None
     router_policy: str = "manual"
     sglang_args: tuple[str, ...] = ()
+    openai: tuple[str, ...] | None = None  # serve the OpenAI-compatible session endpoint (KEY=VALUE settings)
 
     def __post_init__(self) -> None:
         if self.engine not in ("embedded", "sglang"):
             raise ConfigError("--engine", f"{self.engine!r}: use 'embedded' or 'sglang'")
+        if self.openai is not None and self.engine != "embedded":
+            raise ConfigError("--openai", "the session endpoint is served by embedded servers; in front of SGLang "
+                              "servers mount it with `miles.sessions.mount_openai` over `SGLangClient`s")
         for flag, value in (("--tp", self.tp), ("--pp", self.pp), ("--dp", self.dp)):
             if value < 1:
                 raise ConfigError(flag, f"must be >= 1, got {value}")
@@ -245,12 +249,16 @@ def _embedded_command(spec: LaunchSpec, index: int, port: int) -> tuple[str, ...
     device = spec.device or "cpu"
     if device == "cuda":
         device = f"cuda:{spec.base_gpu_id + index}"
-    cmd = [sys.executable, "-m", "miles.engines", "--model", spec.model, "--host", spec.host, "--port", str(port),
+    # The endpoint lives on a higher floor: its server is another module's entry point (named, not imported).
+    module = "miles.sessions.openai_routes" if spec.openai is not None else "miles.engines"
+    cmd = [sys.executable, "-m", module, "--model", spec.model, "--host", spec.host, "--port", str(port),
            "--device", device, "--engine-id", f"embedded-{index}"]
     for flag, value in (("--context-length", spec.context_length), ("--max-batch-size", spec.max_running_requests),
                         ("--dtype", spec.dtype)):
         if value is not None:
             cmd += [flag, str(value)]
+    for setting in spec.openai or ():
+        cmd += ["--openai", setting] if setting else ["--openai"]
     return tuple(cmd)
 
 
@@ -401,7 +409,8 @@ def rollout_from_cli(args: argparse.Namespace) -> int:
                       max_running_requests=args.max_running_requests, dtype=args.dtype, device=args.device,
                       host=host, port=host_port or args.port or 30001, base_gpu_id=args.base_gpu_id,
                       router=args.router, router_port=args.router_port, router_policy=args.router_policy,
-                      sglang_args=tuple(args.sglang_args))
+                      sglang_args=tuple(args.sglang_args),
+                      openai=tuple(args.openai) if args.openai is not None else None)
     plan = plan_launch(spec)
     if args.dry_run:
         for server in plan.servers:
