@@ -123,8 +123,10 @@ class TrainLoop:
             self.trainer: Trainer = build_trainer(cfg, self.model)
             self.sync = await build_weight_sync(cfg.sync, self.engine_set.workers, staging_dir=self.out / "weights",
                                                 drain_engines=self.engine_set.rollout)
+            labels = run_labels(cfg.observability, self.out, cfg.env.id, cfg.model.name,
+                                adapter="all" if cfg.adapters else "base")  # adapters: step metrics span them all
             self.observability = start_observability(
-                cfg.observability, run_labels(cfg.observability, self.out, cfg.env.id, cfg.model.name),
+                cfg.observability, labels,
                 engines=self.engines, num_params=sum(p.numel() for p in self.model.parameters()), echo=self.echo)
         except BaseException:
             await self.engine_set.close()
@@ -136,6 +138,7 @@ class TrainLoop:
         self.recorder: Recorder | None = None
         self.scheduler: Any = None
         self.agents = None
+        self.lora: Any = None  # with `adapters:`, a `miles.trainers.lora_run.AdapterRun`
         if cfg.asynchronous.enabled:  # the rollout process runs (and records) the training sessions
             return
         self.recorder = Recorder(self.out / "sessions.jsonl")
@@ -151,6 +154,14 @@ class TrainLoop:
             self.scheduler = self.agents.runner(recipe=self.train_recipe, group_size=self.scheduler_cfg.group_size,
                                                 seed=self.scheduler_cfg.seed, recorder=self.recorder, run_id="train",
                                                 observer=self.session_metrics)
+        if cfg.adapters:  # LoRA adapters on one base: each its own env and scheduler, all on this router
+            from miles.trainers.lora_run import AdapterRun
+
+            self.lora = AdapterRun.build(
+                cfg, trainer=self.trainer, sync=self.sync, engines=self.engines, router=self.scheduler.router,
+                tokenizer=self.tito, scheduler_config=self.scheduler_cfg, recorder=self.recorder,
+                eval_recorder=self.eval_recorder, observer=self.session_metrics, labels=self.observability.labels,
+                run_metrics=self.observability.run, metrics_log=self.metrics, echo=self.echo)
 
     # ---- stages --------------------------------------------------------------------------------------
     async def _sync(self, version: int | None = None) -> None:
@@ -162,6 +173,9 @@ class TrainLoop:
 
     async def _evaluate(self, stage: str) -> dict[str, EvalResult]:
         cfg = self.cfg
+        if self.lora is not None:  # every adapter on its own held-out tasks
+            self.summary.evals[stage] = results = await self.lora.evaluate(stage)
+            return results
         if self.sync.version < self.version:  # async: the trainer's own engines evaluate the newest weights
             await self._sync(version=self.version)
         modes = ([True] if cfg.eval.greedy else []) + ([False] if cfg.eval.sampled else [])
@@ -238,6 +252,8 @@ class TrainLoop:
             for record in taken.records:
                 self.session_metrics.observe(record)
             return taken.records, taken.metrics
+        if self.lora is not None:  # every adapter's share of the step, at once
+            return await self.lora.rollout(), {}
         tasks = [{"task": self.train_tasks[i]} for i in self.cursor.next(self.cfg.rollout.tasks_per_step)]
         groups = await self.scheduler.run(tasks, num_groups=self.cfg.rollout.tasks_per_step)
         return [r for g in groups for r in g.records], {}
@@ -245,6 +261,9 @@ class TrainLoop:
     async def _update_engines(self) -> None:
         """The trained weights to the engines: a sync (synchronous loop), or a publish to the rollout process
         that returns while rollouts go on."""
+        if self.lora is not None:  # only the adapters that trained
+            await self.lora.sync()
+            return
         if self.async_rollout is None:
             await self._sync()
             return
@@ -284,6 +303,8 @@ class TrainLoop:
         row["trained_tokens_per_s"] = float(sum(len(t) for t in trajs)) / row["step_s"]
         if "trainer_wait_s" in extra:
             row["trainer_idle_ratio"] = extra["trainer_wait_s"] / row["step_s"]
+        if self.lora is not None:
+            self.lora.observe(records, row)
         if self.scheduler is not None:
             routing = self.scheduler.router.stats(reset=True)
             row.update(routing.to_metrics())
@@ -306,6 +327,8 @@ class TrainLoop:
         cursor = self.cursor.to_dict()
         if self.async_rollout is not None:
             cursor.update(self.async_rollout.data_cursor())
+        if self.lora is not None:
+            cursor.update(self.lora.data_cursor())
         self.trainer.save_checkpoint(self.out / "checkpoints", data_cursor=cursor,
                                      extra={"weight_version": self.version, "time": time.time()},
                                      keep_last=self.cfg.checkpoint.keep)
@@ -333,11 +356,15 @@ class TrainLoop:
                         recorder.drop_after(saved_at)
                 if self.scheduler is not None:
                     self.scheduler.run_id = f"train-r{start_step}"  # session ids stay unique across resumes
+                if self.lora is not None:
+                    await self.lora.restore(ckpt, start_step)
                 self.echo(f"[resume] from {ckpt.path.name}: step {start_step}")
             elif cfg.sft.enabled:
                 await self._sft()
             elif cfg.model.init_from or cfg.engine.kind != "embedded":
                 await self._sync()
+            if self.lora is not None and start_step == 0:
+                await self.lora.start()
             if start_step == 0:
                 await self._evaluate("start")
             if cfg.asynchronous.enabled:
@@ -366,6 +393,8 @@ class TrainLoop:
         finally:
             if self.async_rollout is not None:
                 await self.async_rollout.close()
+            if self.lora is not None:
+                await self.lora.aclose()
             if self.scheduler is not None:
                 await self.scheduler.aclose()
             if self.agents is not None:

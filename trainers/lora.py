@@ -29,7 +29,7 @@ from miles.trajectory import TrajectoryBatch
 
 from .checkpoint import Checkpoint, capture_rng_state, load_checkpoint, restore_rng_state, save_checkpoint
 from .errors import CheckpointError, ConfigError
-from .lora_config import LoraSpec
+from .lora_config import LoraSpec, adapter_trainer_config
 from .step import validate_batch
 from .torch_backend import TorchTrainer
 from .trainer_config import AlgorithmConfig, TorchOptions, TorchTrainerConfig, TrainerConfig, merge
@@ -259,3 +259,11 @@ class MultiLoraTrainer:
         self.model.get_base_model().save_pretrained(str(directory), state_dict=self.hf_state_dict(cpu=True))
         for name in self.trainers:
             self.adapter_weights(name).save(directory / ADAPTERS_DIR / name)
+
+
+def build_lora_trainer(cfg: Any, model: nn.Module) -> MultiLoraTrainer:
+    """The trainer of a `TrainConfig` with `adapters:` over `model` (the base, frozen from here on)."""
+    specs = [AdapterSpec(a.name, a.lora, adapter_trainer_config(cfg.trainer, a),
+                         seed=default_seed(cfg.seed, a.name) if a.seed is None else a.seed) for a in cfg.adapters]
+    return MultiLoraTrainer(model, specs, cfg.torch, cfg.algorithm,
+                            base_model=cfg.model.init_from or cfg.model.name)

@@ -1,0 +1,217 @@
+"""The multi-adapter side of `TrainLoop` (a run with `adapters:`): per adapter its env, tasks and data cursor,
+its scheduler, evaluation, sync and metrics.
+
+Every adapter's scheduler shares the loop's router, so in one step the sessions of all adapters run at once and
+the engines decode their rows together, each row under its own adapter. After the step only the adapters that
+trained are pushed to the engines, each under its own version counter (`WeightSync.push_adapter`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from miles.engine import RolloutEngine
+from miles.envs import EnvRecipe, Task
+from miles.observability import RunLabels, RunMetrics
+from miles.sessions.config import SchedulerConfig
+from miles.sessions.metrics import SessionObserver
+from miles.sessions.recorder import Recorder
+from miles.sessions.records import SessionRecord
+from miles.sessions.router import Router
+from miles.sessions.scheduler import SessionScheduler
+from miles.weight_sync import WeightSync
+
+from .checkpoint import Checkpoint
+from .data import TaskCursor, load_tasks
+from .errors import ConfigError
+from .evaluate import EvalResult, evaluate
+from .lora import MultiLoraTrainer
+from .metrics_log import MetricsLog
+from .train_config import AdapterConfig, TrainConfig
+
+ALL_ADAPTERS = "all"  # the `adapter` label of a multi-adapter run's step-level (all adapters) metrics
+
+
+def adapter_recipe(cfg: TrainConfig, adapter: AdapterConfig) -> EnvRecipe:
+    """The adapter's env (its own, or the run's) with its reward weights in the constructor kwargs."""
+    recipe = (adapter.env or cfg.env).recipe
+    if adapter.reward_weights:
+        recipe = recipe.with_kwargs(reward_weights={**recipe.kwargs.get("reward_weights", {}),
+                                                    **adapter.reward_weights})
+    return recipe
+
+
+def adapter_scheduler_config(base: SchedulerConfig, adapter: AdapterConfig) -> SchedulerConfig:
+    """The run's scheduler settings with the adapter's policy id, sampling overrides and group size."""
+    session = dataclasses.replace(base.session, policy_id=adapter.name,
+                                  sampling=base.session.sampling.updated(adapter.sampling))
+    return dataclasses.replace(base, session=session, group_size=adapter.group_size or base.group_size)
+
+
+@dataclass
+class AdapterPart:
+    """One adapter of the run: where its sessions come from and how they run."""
+
+    config: AdapterConfig
+    train_recipe: EnvRecipe
+    eval_recipe: EnvRecipe
+    train_tasks: list[Task]
+    eval_tasks: list[Task]
+    cursor: TaskCursor
+    scheduler_config: SchedulerConfig
+    tasks_per_step: int
+    scheduler: SessionScheduler
+    metrics: RunMetrics
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+
+class AdapterRun:
+    """Rollouts, evaluation, sync, metrics and data cursors of every adapter of a run (see the module doc)."""
+
+    def __init__(self, parts: Sequence[AdapterPart], *, cfg: TrainConfig, trainer: MultiLoraTrainer,
+                 sync: WeightSync, engines: Sequence[RolloutEngine], tokenizer: Any, eval_recorder: Recorder,
+                 metrics_log: MetricsLog, echo: Callable[[str], None] = print) -> None:
+        self.parts = list(parts)
+        self.cfg, self.trainer, self.sync, self.engines = cfg, trainer, sync, list(engines)
+        self.tokenizer, self.eval_recorder, self.metrics_log, self.echo = tokenizer, eval_recorder, metrics_log, echo
+
+    @classmethod
+    def build(cls, cfg: TrainConfig, *, trainer: MultiLoraTrainer, sync: WeightSync,
+              engines: Sequence[RolloutEngine], router: Router, tokenizer: Any, scheduler_config: SchedulerConfig,
+              recorder: Recorder | None, eval_recorder: Recorder, observer: SessionObserver | None,
+              labels: RunLabels, run_metrics: RunMetrics, metrics_log: MetricsLog,
+              echo: Callable[[str], None] = print) -> AdapterRun:
+        """One part per configured adapter; every env is built once here, so a bad env or reward weight is a
+        `ConfigError` naming the adapter before the first step."""
+        parts = []
+        for a in cfg.adapters:
+            recipe = adapter_recipe(cfg, a)
+            env_cfg = a.env or cfg.env
+            try:
+                recipe.make(split=env_cfg.train_split).close()
+            except (ConfigError, ValueError, TypeError) as exc:
+                key = "reward_weights" if a.reward_weights and "reward" in str(exc) else "env"
+                raise ConfigError(f"adapters[{a.name}].{key}", str(exc)) from exc
+            train_tasks = load_tasks(recipe, env_cfg.train_split, env_cfg.num_train_tasks)
+            sched_cfg = adapter_scheduler_config(scheduler_config, a)
+            train_recipe = recipe.with_kwargs(split=env_cfg.train_split)
+            parts.append(AdapterPart(
+                config=a, train_recipe=train_recipe, eval_recipe=recipe.with_kwargs(split=env_cfg.eval_split),
+                train_tasks=train_tasks,
+                eval_tasks=load_tasks(recipe, env_cfg.eval_split, cfg.eval.num_tasks, distinct=True),
+                cursor=TaskCursor(len(train_tasks), cfg.seed), scheduler_config=sched_cfg,
+                tasks_per_step=a.tasks_per_step or cfg.rollout.tasks_per_step,
+                scheduler=SessionScheduler(router, tokenizer=tokenizer, config=sched_cfg, recorder=recorder,
+                                           run_id=f"train-{a.name}", recipe=train_recipe, observer=observer),
+                metrics=RunMetrics(dataclasses.replace(labels, env=recipe.id, adapter=a.name),
+                                   metrics=run_metrics.metrics, flops_per_token=run_metrics.flops_per_token,
+                                   peak_flops=run_metrics.peak_flops)))
+        return cls(parts, cfg=cfg, trainer=trainer, sync=sync, engines=engines, tokenizer=tokenizer,
+                   eval_recorder=eval_recorder, metrics_log=metrics_log, echo=echo)
+
+    @property
+    def names(self) -> list[str]:
+        return [p.name for p in self.parts]
+
+    # ---- engines ---------------------------------------------------------------------------------------
+    async def start(self, versions: dict[str, int] | None = None) -> None:
+        """Load every adapter into the engines: at version 0 (a fresh adapter is the base), or at the versions a
+        checkpoint was synced as."""
+        for name in self.names:
+            await self._push(name, None if versions is None else versions.get(name))
+
+    async def sync(self) -> None:
+        """Push the adapters the last train step updated, and only those."""
+        for name in self.trainer.last_trained:
+            await self._push(name, None)
+
+    async def _push(self, name: str, version: int | None) -> None:
+        report = await self.sync.push_adapter(name, self.trainer.adapter_weights(name), version=version)
+        self.metrics_log.write("sync", self.trainer.step, adapter=name, version=report.version, method=report.method,
+                               seconds=report.seconds, drain_seconds=report.drain_seconds, mb=report.num_bytes / 1e6)
+        self._part(name).metrics.observe_sync(report)
+
+    def _part(self, name: str) -> AdapterPart:
+        return next(p for p in self.parts if p.name == name)
+
+    # ---- a step ----------------------------------------------------------------------------------------
+    async def rollout(self) -> list[SessionRecord]:
+        """This step's sessions: every adapter's share of tasks, all running at once."""
+        async def one(part: AdapterPart) -> list[SessionRecord]:
+            tasks = [{"task": part.train_tasks[i]} for i in part.cursor.next(part.tasks_per_step)]
+            groups = await part.scheduler.run(tasks, num_groups=part.tasks_per_step)
+            return [r for g in groups for r in g.records]
+
+        async with asyncio.TaskGroup() as tg:
+            runs = [tg.create_task(one(p)) for p in self.parts]
+        return [r for run in runs for r in run.result()]
+
+    def observe(self, records: Sequence[SessionRecord], row: dict[str, Any]) -> None:
+        """Add each adapter's rollout reward, success and session count to the step's `row` (as `NAME/...`,
+        beside the trainer's `NAME/...` metrics), and export each adapter's step under its own label."""
+        for part in self.parts:
+            mine = [r for r in records if r.policy_id == part.name]
+            prefix = f"{part.name}/"
+            own = {k[len(prefix):]: v for k, v in row.items() if k.startswith(prefix)}
+            own.update({
+                "rollout_reward_mean": float(np.mean([r.reward for r in mine])) if mine else 0.0,
+                "rollout_success_rate": float(np.mean([bool(r.final_info.get("success")) for r in mine]))
+                if mine else 0.0,
+                "sessions": len(mine),
+            })
+            for key in ("rollout_reward_mean", "rollout_success_rate", "sessions"):
+                row[prefix + key] = own[key]
+            part.metrics.observe_step({**{k: row[k] for k in ("rollout_s", "step_s") if k in row}, **own})
+
+    # ---- evaluation ------------------------------------------------------------------------------------
+    async def evaluate(self, stage: str) -> dict[str, EvalResult]:
+        """Every adapter on its own held-out tasks under its own policy, all at once; results keyed
+        `NAME/<mode>`, each written to metrics.jsonl and echoed."""
+        ev = self.cfg.eval
+        modes = ([True] if ev.greedy else []) + ([False] if ev.sampled else [])
+
+        async def one(part: AdapterPart, greedy: bool) -> EvalResult:
+            return await evaluate(self.engines, tokenizer=self.tokenizer, recipe=part.eval_recipe,
+                                  tasks=part.eval_tasks, scheduler=part.scheduler_config, greedy=greedy,
+                                  recorder=self.eval_recorder, max_new_tokens=ev.max_new_tokens,
+                                  run_id=f"eval-{stage}-{part.name}-{'greedy' if greedy else 'sampled'}")
+
+        jobs = [(part, greedy) for greedy in modes for part in self.parts]
+        async with asyncio.TaskGroup() as tg:
+            runs = [tg.create_task(one(part, greedy)) for part, greedy in jobs]
+        results = {}
+        for (part, _), run in zip(jobs, runs, strict=True):
+            res = run.result()
+            results[f"{part.name}/{res.mode}"] = res
+            self.metrics_log.write("eval", self.trainer.step, stage=stage, adapter=part.name, **res.to_dict())
+            self.echo(f"[eval {stage}] {part.name} {res.mode}: success {res.success_rate:.1%}  "
+                      f"mean reward {res.mean_reward:.3f}  ({res.num_tasks} held-out tasks)")
+        return results
+
+    # ---- checkpoints -----------------------------------------------------------------------------------
+    def data_cursor(self) -> dict[str, Any]:
+        """Each adapter's task position and synced version, for a checkpoint's data cursor."""
+        return {"adapters": {p.name: {"position": p.cursor.position, "version": self.sync.adapter_version(p.name)}
+                             for p in self.parts}}
+
+    async def restore(self, ckpt: Checkpoint, step: int) -> None:
+        """Resume from `ckpt`: each adapter's task position, its weights (already in the trainer) pushed at the
+        version they were synced as, and session ids that stay unique."""
+        saved = ckpt.data_cursor.get("adapters", {})
+        for part in self.parts:
+            part.cursor.position = int(saved.get(part.name, {}).get("position", 0))
+            part.scheduler.run_id = f"train-{part.name}-r{step}"
+        await self.start({n: int(s["version"]) for n, s in saved.items() if s.get("version") is not None})
+
+    async def aclose(self) -> None:
+        for part in self.parts:
+            await part.scheduler.aclose()
