@@ -8,6 +8,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+import httpx
 from test_session_support import tito
 
 from miles.engines import EmbeddedEngine, serve_in_thread
@@ -18,12 +19,14 @@ from miles.tiny import make_tiny_model
 class StubServer:
     """A real HTTP server on loopback that answers `GET` paths from `answers` (JSON bodies; None for an
     empty 200) and `POST /abort_request` at once, and accepts `POST /generate` but never answers it.
+    With `upstream`, every other request is passed to that server instead (a wedged engine whose control
+    plane still works).
 
     With `answers={"/health": None, "/health_generate": None}` it is a black hole that health probes cannot
     tell from a healthy engine: only turn timeouts reveal it. `generate_calls` counts the requests it swallowed.
     """
 
-    def __init__(self, answers: dict[str, Any]) -> None:
+    def __init__(self, answers: dict[str, Any], *, upstream: str | None = None) -> None:
         release = threading.Event()
         self.generate_calls = 0
         stub = self
@@ -31,29 +34,39 @@ class StubServer:
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
 
-            def _answer(self, status: int, body: Any = None) -> None:
-                data = b"" if body is None else json.dumps(body).encode()
+            def _answer(self, status: int, body: Any = None, *, raw: bytes | None = None) -> None:
+                data = raw if raw is not None else b"" if body is None else json.dumps(body).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
 
+            def _forward(self, method: str, body: bytes) -> None:
+                resp = httpx.request(method, f"{upstream}{self.path}", content=body or None, timeout=120,
+                                     headers={"Content-Type": "application/json"} if body else None)
+                self._answer(resp.status_code, raw=resp.content)
+
             def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
                 path = self.path.split("?")[0]
                 if path in answers:
                     self._answer(200, answers[path])
+                elif upstream is not None:
+                    self._forward("GET", b"")
                 else:
                     self._answer(404, {"error": {"message": f"no {path}", "type": "not_found"}})
 
             def do_POST(self) -> None:  # noqa: N802
-                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 if self.path == "/generate":
                     stub.generate_calls += 1
                     release.wait()  # accepted, never answered (until the server stops)
                     self.close_connection = True
                     return
-                self._answer(200, None)
+                if upstream is not None:
+                    self._forward("POST", body)
+                else:
+                    self._answer(200, None)
 
             def log_message(self, *args: Any) -> None:
                 pass
