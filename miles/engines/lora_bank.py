@@ -1,23 +1,31 @@
-"""`LoraBank`: the LoRA adapters an engine serves, applied to rows of one batched forward.
+"""LoRA adapters in the embedded engine's forward pass: `LoraBank` (the adapters, stacked) and `LoraDecoder`
+(the engine's `Decoder` with the bank's term added to every projection).
 
-Every adapted linear layer keeps the adapters stacked in slots: `A [S, r_max, in]` and `B [S, out, r_max]`
-(the adapter's scaling folded into `B`, ranks below `r_max` zero-padded, slot 0 all zeros: the base). A forward
-hook on the layer adds ``B[s] (A[s] x)`` to each row's output, ``s`` being the row's slot, with two batched
-matmuls over gathered slots (the BGMV pattern of punica and SGLang's LoRA backends): rows of different adapters
-and of the base decode in one forward, at a cost that does not grow with the number of adapters.
+The decoder fuses q/k/v and gate/up into one matmul each; the bank stacks adapters the same way (as SGLang's
+`qkv_proj` / `gate_up_proj` LoRA buffers do): for each projection, `A [S, P*R, in]` holds the `lora_A` of its P
+parts side by side and `B [S, out, P*R]` their `lora_B` block-diagonally, with the adapter's scaling folded in,
+ranks below R zero-padded and slot 0 (the base) all zeros. A token of slot s then gets ``B[s] (A[s] x)``:
 
-The engine calls `select(slots)` (one slot per row of the next forward; `slot_of(name)` gives them), or
-`select(None)` when every row is the base, which skips the adapter math entirely.
+* in a decode step (one token per row) by two batched matmuls over the rows' gathered slots (the BGMV pattern
+  of punica and SGLang's LoRA backends): rows of any mix of adapters and the base in one forward, at a cost
+  that does not grow with the number of adapters, with no host synchronisation (so it is CUDA-graph safe);
+* in a prefill (several tokens per row) by two matmuls per adapter present, over that adapter's rows.
+
+The engine says which adapter each cache slot decodes (`LoraBank.select`). Capacity is fixed when the bank is
+made (`max_adapters` of rank at most `max_rank`); the stacked tensors are allocated when the first adapter
+loads and never move afterwards, and a new version of an adapter replaces the old in place.
 """
 
 from __future__ import annotations
 
-import threading
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
-from torch import nn
+import torch.nn.functional as F
 
+from miles.engines.decoder import Decoder
 from miles.engines.lora import AdapterError, AdapterWeights
 
 BASE_SLOT = 0
@@ -31,31 +39,40 @@ class ServedAdapter:
     version: int
 
 
-class _Layer:
-    """The stacked adapters of one linear layer (allocated when an adapter first targets it)."""
+@dataclass
+class Projection:
+    """One projection of the forward pass: its input size and the model's linear layers it fuses, in order
+    (module path, output size); `a` / `b` are the stacked adapters once the bank is allocated."""
 
-    def __init__(self, module: nn.Linear, slots: int, rank: int) -> None:
-        w = module.weight
-        self.a = torch.zeros((slots, rank, module.in_features), dtype=w.dtype, device=w.device)
-        self.b = torch.zeros((slots, module.out_features, rank), dtype=w.dtype, device=w.device)
+    in_features: int
+    parts: tuple[tuple[str, int], ...]
+    a: torch.Tensor | None = field(default=None, repr=False)
+    b: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def out_features(self) -> int:
+        return sum(n for _, n in self.parts)
 
 
 class LoraBank:
-    """Adapters on `model` (an HF causal LM), at most `max_adapters` at once and of rank at most `max_rank`
-    (the capacity is fixed, so the stacked tensors never move: a loaded adapter's version replaces the old in
-    place). Loading and selecting are not thread-safe with respect to a running forward: the engine calls them
-    between forwards (under its model lock)."""
+    """The adapters of one engine over its projections (keyed as the forward pass names them)."""
 
-    def __init__(self, model: nn.Module, *, max_adapters: int = 8, max_rank: int = 64) -> None:
-        self.model = model
+    def __init__(self, projections: dict[int, Projection], *, max_slots: int, max_adapters: int = 8,
+                 max_rank: int = 64, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        self.projections = projections
         self.max_adapters, self.max_rank = max_adapters, max_rank
-        self._linear = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
-        self._layers: dict[str, _Layer] = {}
+        self.dtype, self.device = dtype, torch.device(device)
+        self._module = {path: (key, i) for key, p in projections.items() for i, (path, _) in enumerate(p.parts)}
         self._served: dict[str, ServedAdapter] = {}
-        self._rows: torch.Tensor | None = None
-        self._lock = threading.Lock()
+        self.rows = torch.zeros(max_slots, dtype=torch.long, device=self.device)  # adapter slot per cache slot
+        self._host = [BASE_SLOT] * max_slots
 
     # ---------------------------------------------------------------- adapters
+    @property
+    def enabled(self) -> bool:
+        """True once an adapter was loaded (the stacked tensors exist)."""
+        return any(p.a is not None for p in self.projections.values())
+
     @property
     def names(self) -> list[str]:
         return list(self._served)
@@ -72,80 +89,149 @@ class LoraBank:
             raise AdapterError(f"no LoRA adapter {name!r} is loaded (loaded: {sorted(self._served) or 'none'})")
         return served.slot
 
-    def load(self, name: str, weights: AdapterWeights, version: int) -> ServedAdapter:
-        """Put `weights` in `name`'s slot (a new slot the first time) as version `version`."""
-        pairs = weights.modules()
-        unknown = sorted(set(pairs) - set(self._linear))
+    def check(self, name: str, weights: AdapterWeights) -> None:
+        """Raise `AdapterError` unless `weights` fits this bank (targets, shapes, rank, a free slot)."""
+        unknown = sorted(set(weights.modules()) - set(self._module))
         if unknown:
-            raise AdapterError(f"adapter {name!r} targets layers this model does not have: {unknown[:3]}")
+            raise AdapterError(f"adapter {name!r} targets layers the engine cannot adapt: {unknown[:3]} (it adapts "
+                               "the q/k/v/o and gate/up/down projections of each decoder layer)")
         if weights.rank > self.max_rank:
             raise AdapterError(f"adapter {name!r} has rank {weights.rank}, above this engine's max_lora_rank "
                                f"{self.max_rank}")
-        for module, (a, b) in pairs.items():
-            lin = self._linear[module]
-            if a.shape[1] != lin.in_features or b.shape[0] != lin.out_features:
-                raise AdapterError(f"adapter {name!r}: {module} is {lin.in_features} -> {lin.out_features}, the "
+        for module, (a, b) in weights.modules().items():
+            key, part = self._module[module]
+            proj = self.projections[key]
+            if a.shape[1] != proj.in_features or b.shape[0] != proj.parts[part][1]:
+                raise AdapterError(f"adapter {name!r}: {module} is {proj.in_features} -> {proj.parts[part][1]}, the "
                                    f"adapter's lora_A/lora_B are {tuple(a.shape)} / {tuple(b.shape)}")
-        with self._lock:
-            served = self._served.get(name)
-            if served is None:
-                used = {s.slot for s in self._served.values()}
-                free = [s for s in range(1, self.max_adapters + 1) if s not in used]
-                if not free:
-                    raise AdapterError(f"this engine already serves {self.max_adapters} adapters "
-                                       f"({sorted(self._served)}); unload one or start it with more max_loras")
-                slot = free[0]
-            else:
-                slot = served.slot
-            self._clear(slot)
-            for module, (a, b) in pairs.items():
-                layer = self._layer(module)
-                r = weights.rank
-                layer.a[slot, :r].copy_(a.to(layer.a.dtype))
-                layer.b[slot, :, :r].copy_((b.float() * weights.scaling).to(layer.b.dtype))
-            self._served[name] = ServedAdapter(slot, int(version))
-            return self._served[name]
+        if name not in self._served and len(self._served) >= self.max_adapters:
+            raise AdapterError(f"this engine already serves {self.max_adapters} adapters ({sorted(self._served)}); "
+                               "unload one or give the engine a larger max_loras")
+
+    def load(self, name: str, weights: AdapterWeights, version: int) -> ServedAdapter:
+        """Put `weights` in `name`'s slot (a free one the first time) as version `version`."""
+        self.check(name, weights)
+        served = self._served.get(name)
+        if served is None:
+            used = {s.slot for s in self._served.values()}
+            slot = next(s for s in range(1, self.max_adapters + 1) if s not in used)
+        else:
+            slot = served.slot
+        self._allocate()
+        self._clear(slot)
+        r, rank = weights.rank, self.max_rank
+        for module, (a, b) in weights.modules().items():
+            key, part = self._module[module]
+            proj = self.projections[key]
+            offset = sum(n for _, n in proj.parts[:part])
+            rows = slice(part * rank, part * rank + r)
+            proj.a[slot, rows].copy_(a.to(self.device, self.dtype))
+            proj.b[slot, offset:offset + b.shape[0], rows].copy_((b.float() * weights.scaling).to(self.device,
+                                                                                                   self.dtype))
+        self._served[name] = ServedAdapter(slot, int(version))
+        return self._served[name]
 
     def unload(self, name: str) -> None:
         """Free `name`'s slot. Raises `AdapterError` when it is not loaded."""
-        with self._lock:
-            served = self._served.pop(name, None)
-            if served is None:
-                raise AdapterError(f"no LoRA adapter {name!r} is loaded (loaded: {sorted(self._served) or 'none'})")
-            self._clear(served.slot)
+        served = self._served.pop(name, None)
+        if served is None:
+            raise AdapterError(f"no LoRA adapter {name!r} is loaded (loaded: {sorted(self._served) or 'none'})")
+        self._clear(served.slot)
+
+    def _allocate(self) -> None:
+        slots, rank = self.max_adapters + 1, self.max_rank
+        for p in self.projections.values():
+            if p.a is None:
+                p.a = torch.zeros((slots, len(p.parts) * rank, p.in_features), dtype=self.dtype, device=self.device)
+                p.b = torch.zeros((slots, p.out_features, len(p.parts) * rank), dtype=self.dtype, device=self.device)
 
     def _clear(self, slot: int) -> None:
-        for layer in self._layers.values():
-            layer.a[slot].zero_()
-            layer.b[slot].zero_()
-
-    def _layer(self, module: str) -> _Layer:
-        layer = self._layers.get(module)
-        if layer is None:
-            layer = self._layers[module] = _Layer(self._linear[module], self.max_adapters + 1, self.max_rank)
-            self._linear[module].register_forward_hook(self._hook(layer))
-        return layer
+        for p in self.projections.values():
+            p.a[slot].zero_()
+            p.b[slot].zero_()
 
     # ---------------------------------------------------------------- forward
-    def select(self, slots: list[int] | None) -> None:
-        """The slot of each row of the following forwards (None, or all `BASE_SLOT`: the base alone)."""
-        if not slots or not any(slots) or not self._layers:
-            self._rows = None
-            return
-        device = next(iter(self._layers.values())).a.device
-        self._rows = torch.tensor(slots, dtype=torch.long, device=device)
+    def select(self, slots: Sequence[int]) -> None:
+        """The adapter slot of cache slots `0 .. len(slots)-1` (the rest: the base), for the next forwards."""
+        host = list(slots) + [BASE_SLOT] * (len(self._host) - len(slots))
+        if host != self._host:
+            self._host = host
+            self.rows.copy_(torch.tensor(host, dtype=torch.long))
 
-    def _hook(self, layer: _Layer):  # noqa: ANN202 - a forward hook
-        def add_lora(_: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor | None:
-            rows = self._rows
-            if rows is None:
-                return None
-            x = inputs[0]
-            flat = x.reshape(x.shape[0], -1, x.shape[-1])  # [B, T, in]
-            if flat.shape[0] != rows.shape[0]:
-                raise RuntimeError(f"LoRA rows: {rows.shape[0]} slots for a batch of {flat.shape[0]}")
-            h = torch.bmm(flat.to(layer.a.dtype), layer.a.index_select(0, rows).transpose(1, 2))
-            delta = torch.bmm(h, layer.b.index_select(0, rows).transpose(1, 2))
-            return output + delta.reshape(output.shape).to(output.dtype)
+    def any_adapter(self, first_slot: int, rows: int) -> bool:
+        """True when a row in cache slots `first_slot ..` (`rows` of them) decodes under an adapter."""
+        return any(self._host[first_slot:first_slot + rows])
 
-        return add_lora
+    def delta(self, key: int, x: torch.Tensor, first_slot: int, rows: int, seq: int) -> torch.Tensor | None:
+        """The adapters' term for projection `key` of input `x` (`[rows * seq, in]`, token-major, row r in
+        cache slot `first_slot + r`), or None for a projection no adapter targets."""
+        proj = self.projections.get(key)
+        if proj is None or proj.a is None:
+            return None
+        if seq == 1:  # decode: gathered slots, two batched matmuls, no host synchronisation
+            idx = self.rows[first_slot:first_slot + rows]
+            h = torch.bmm(x.unsqueeze(1), proj.a.index_select(0, idx).transpose(1, 2))
+            return torch.bmm(h, proj.b.index_select(0, idx).transpose(1, 2)).squeeze(1)
+        out = x.new_zeros((x.shape[0], proj.out_features))
+        by_slot: dict[int, list[int]] = {}
+        for r in range(rows):
+            by_slot.setdefault(self._host[first_slot + r], []).append(r)
+        for slot, members in by_slot.items():
+            if slot == BASE_SLOT:
+                continue
+            tokens = (torch.tensor(members, device=x.device)[:, None] * seq
+                      + torch.arange(seq, device=x.device)).reshape(-1)
+            out[tokens] = F.linear(F.linear(x[tokens], proj.a[slot]), proj.b[slot])
+        return out
+
+
+def decoder_projections(decoder: Decoder, model: Any) -> dict[int, Projection]:
+    """The projections of `decoder`'s forward pass, keyed by the id of the weight tensor it passes to
+    `Decoder.linear`, with the model's linear layers each one fuses."""
+    out: dict[int, Projection] = {}
+    for i, (layer, hf) in enumerate(zip(decoder.layers, model.model.layers, strict=True)):
+        attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
+
+        def parts(prefix: str, owner: Any, names: tuple[str, ...]) -> tuple[tuple[str, int], ...]:
+            return tuple((f"{prefix}.{n}", getattr(owner, n).out_features) for n in names)
+
+        out[id(layer.qkv_weight)] = Projection(hf.self_attn.q_proj.in_features,
+                                               parts(attn, hf.self_attn, ("q_proj", "k_proj", "v_proj")))
+        out[id(layer.o_proj.weight)] = Projection(hf.self_attn.o_proj.in_features, parts(attn, hf.self_attn,
+                                                                                       ("o_proj",)))
+        out[id(layer.gate_up_weight)] = Projection(hf.mlp.gate_proj.in_features, parts(mlp, hf.mlp,
+                                                                                      ("gate_proj", "up_proj")))
+        out[id(layer.down_proj.weight)] = Projection(hf.mlp.down_proj.in_features, parts(mlp, hf.mlp,
+                                                                                        ("down_proj",)))
+    return out
+
+
+class LoraDecoder(Decoder):
+    """`Decoder` whose projections add each row's adapter term (`bank`). Rows of the base only, or a bank with
+    no adapter yet, run the plain forward; with `static` (CUDA graphs) the adapter math runs for every forward
+    once an adapter was loaded, so that a captured step is right for any mix of rows."""
+
+    def __init__(self, model: Any, *, max_slots: int, max_adapters: int = 8, max_rank: int = 64,
+                 static: bool = False) -> None:
+        super().__init__(model)
+        self.static = static
+        self.bank = LoraBank(decoder_projections(self, model), max_slots=max_slots, max_adapters=max_adapters,
+                             max_rank=max_rank, dtype=self.dtype, device=self.device)
+        self._call: tuple[int, int, int] | None = None
+
+    def forward(self, cache: Any, ids: torch.Tensor, positions: torch.Tensor, first_slot: int, length: int,
+                write: torch.Tensor | None = None, last: torch.Tensor | None = None) -> torch.Tensor:
+        rows, seq = ids.shape
+        use = self.bank.enabled and (self.static or self.bank.any_adapter(first_slot, rows))
+        self._call = (first_slot, rows, seq) if use else None
+        try:
+            return super().forward(cache, ids, positions, first_slot, length, write=write, last=last)
+        finally:
+            self._call = None
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        out = F.linear(x, weight, bias)
+        if self._call is None:
+            return out
+        delta = self.bank.delta(id(weight), x, *self._call)
+        return out if delta is None else out + delta
