@@ -47,7 +47,8 @@ class AsyncRollout:
     """
 
     def __init__(self, cfg: TrainConfig, *, http: bool, push: Callable[[int], Awaitable[None]],
-                 position: int = 0, consumed: tuple[int, ...] = ()) -> None:
+                 position: int = 0, consumed: tuple[int, ...] = (),
+                 spawn: Callable[[TrainConfig, RolloutStart], RolloutProcess] = RolloutProcess) -> None:
         self.cfg = cfg
         self.acfg = cfg.asynchronous
         self.http = http
@@ -55,6 +56,7 @@ class AsyncRollout:
         self.position = position
         self.consumed = set(consumed)
         self.process: RolloutProcess | None = None
+        self.spawn = spawn  # how the rollout process starts (a child process; a Ray actor on a Ray cluster)
         self._engine_idle_s = 0.0  # the rollout process's engine idle seconds, as last reported
         self._idle_mark = 0.0  # ... at the end of the previous step
         self._clock = time.monotonic()
@@ -64,7 +66,7 @@ class AsyncRollout:
         """Start the rollout process at the cursor and hand it weights `version` (the engines' first)."""
         start = RolloutStart(position=self.position, skip=tuple(sorted(self.consumed)), first_version=version,
                              run_id=run_id, resume_time=resume_time)
-        self.process = RolloutProcess(self.cfg, start)
+        self.process = self.spawn(self.cfg, start)
         await self.process.ready()
         self.process.publish(version, None if self.http else state_dict)
         await self.process.wait_acked(version)

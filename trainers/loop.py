@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import random
@@ -22,12 +23,15 @@ from miles.sessions.recorder import Recorder
 from miles.sessions.records import SessionRecord
 from miles.sessions.scheduler import SessionScheduler
 from miles.trainers.async_rollout import AsyncRollout
+from miles.trainers.cluster_rollout import RayRolloutProcess
+from miles.trainers.cluster_sync import rejoining_weight_sync
 from miles.trainers.data import TaskCursor, load_tasks
 from miles.trainers.demos import oracle_demos
 from miles.trainers.engine_setup import bounded_by_context, build_engine_set
 from miles.trainers.evaluate import EvalResult, evaluate, summarize
 from miles.trainers.metrics_log import MetricsLog
 from miles.trainers.models import build_policy, build_tito
+from miles.trainers.rollout_process import RolloutProcess
 from miles.trainers.train_config import TrainConfig
 from miles.trajectory import Trajectory, TrajectoryBatch
 from miles.types import TerminationReason
@@ -121,8 +125,10 @@ class TrainLoop:
             from miles.trainers.protocol import Trainer
 
             self.trainer: Trainer = build_trainer(cfg, self.model)
-            self.sync = await build_weight_sync(cfg.sync, self.engine_set.workers, staging_dir=self.out / "weights",
-                                                drain_engines=self.engine_set.rollout)
+            make_sync = (build_weight_sync if cfg.cluster.kind == "local"  # on Ray, restarted engines rejoin
+                         else functools.partial(rejoining_weight_sync, wait_s=cfg.cluster.timeout_s))
+            self.sync = await make_sync(cfg.sync, self.engine_set.workers, staging_dir=self.out / "weights",
+                                        drain_engines=self.engine_set.rollout)
             labels = run_labels(cfg.observability, self.out, cfg.env.id, cfg.model.name,
                                 adapter="all" if cfg.adapters else "base")  # adapters: step metrics span them all
             self.observability = start_observability(
@@ -318,7 +324,8 @@ class TrainLoop:
         """The asynchronous loop: start the rollout process at the data cursor with the current weights."""
         self.async_rollout = AsyncRollout(self.cfg, http=self.engine_set.is_http,
                                           push=lambda version: self._sync(version=version),
-                                          position=self.cursor.position, consumed=consumed)
+                                          position=self.cursor.position, consumed=consumed,
+                                          spawn=RayRolloutProcess if self.cfg.cluster.kind == "ray" else RolloutProcess)
         await self.async_rollout.start(self.version, None if self.engine_set.is_http else self.trainer.hf_state_dict(),
                                        run_id=f"train-r{start_step}" if start_step else "train",
                                        resume_time=resume_time)

@@ -59,6 +59,8 @@ def run_loop(cfg: TrainConfig, args: argparse.Namespace, *, resume: bool) -> int
     from miles.trainers.distributed import stop_workers
     from miles.trainers.factory import cli_argv, dispatch_ranks
 
+    if cfg.cluster.kind == "ray":  # the roles run as Ray actors; this process places and watches them
+        return run_on_ray_cli(cfg, args, resume=resume)
     status = dispatch_ranks(cfg, cli_argv(args))
     if status is not None:
         return status
@@ -70,6 +72,19 @@ def run_loop(cfg: TrainConfig, args: argparse.Namespace, *, resume: bool) -> int
         return 1
     finally:
         stop_workers(getattr(loop, "trainer", None))
+    print(format_summary(summary, cfg))
+    return 0
+
+
+def run_on_ray_cli(cfg: TrainConfig, args: argparse.Namespace, *, resume: bool) -> int:
+    """`run_loop` with `cluster.kind: ray`: the same loop on trainer rank 0's actor (`miles.trainers.cluster_ray`)."""
+    from miles.trainers.cluster_ray import TrainerRankError, run_on_ray
+
+    try:
+        summary = run_on_ray(cfg, resume=resume)
+    except (RolloutManagerError, TrainerRankError) as exc:  # the run stopped; its checkpoints are intact
+        print(f"miles {args.command}: {exc}", file=sys.stderr)
+        return 1
     print(format_summary(summary, cfg))
     return 0
 

@@ -11,6 +11,7 @@ from miles.envs import EnvRecipe
 from miles.observability import ObservabilityConfig
 from miles.sessions.config import SchedulerConfig, SessionConfig
 from miles.sessions.openai_config import AgentConfig
+from miles.trainers.cluster_config import ClusterConfig
 from miles.trainers.lora_config import LoraSpec, check_adapters
 from miles.trainers.trainer_config import (
     AlgorithmConfig,
@@ -288,6 +289,7 @@ class TrainConfig:
     sync: SyncConfig = field(default_factory=SyncConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     asynchronous: AsyncConfig = field(default_factory=AsyncConfig, metadata={"key": "async"})
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)  # where the roles run: here, or on Ray
     adapters: list[AdapterConfig] = field(default_factory=list)
 
     def __post_init__(self) -> None:
