@@ -17,8 +17,10 @@ normalizes the loss by batch-global token/sequence counts so the update equals t
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,13 +40,14 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .errors import CheckpointError
-from .logprobs import shifted_entropy, shifted_token_logprobs
+from .logprobs import shifted_entropy, shifted_token_logprobs, token_logprobs_from_hidden
 from .losses import LossInputs, policy_loss, sft_loss
+from .master_weights import MasterWeights
 from .metrics import MetricAccumulator, reduce_metrics, train_step_metrics
 from .step import RLStep, prepare_rl_step, resolve_temperature, validate_batch
 from .trainer_config import AlgorithmConfig, TorchTrainerConfig, TrainerConfig, lr_lambda
 
-__all__ = ["AlgorithmConfig", "TorchTrainer", "TorchTrainerConfig"]
+__all__ = ["AlgorithmConfig", "TorchTrainer", "TorchTrainerConfig", "fused_lm_head", "hf_token_logprobs"]
 
 class TorchTrainer:
     """Trains an HF causal LM on `TrajectoryBatch` es (implements `miles.trainers.protocol.Trainer`).
@@ -76,10 +79,18 @@ class TorchTrainer:
         self.fsdp = self.world_size > 1
         if ref_model is not None:
             ref_model.to(self.device).eval().requires_grad_(False)
+        # bf16: one process keeps float32 masters of bf16 parameters; FSDP2 keeps float32 shards and casts the
+        # gathered parameters to bf16 (its mixed-precision policy), reducing gradients in float32.
+        self.masters: MasterWeights | None = None
+        if self.use_bf16 and not self.fsdp:
+            self.masters = MasterWeights([p for p in model.parameters() if p.requires_grad])
+            for m in (model, ref_model):
+                if m is not None:
+                    _params_to_bf16(m)
         if self.fsdp:
             for m in (model, ref_model):
                 if m is not None:
-                    _apply_fsdp2(m, self.device)
+                    _apply_fsdp2(m, self.device, bf16=self.use_bf16)
         self.model = model
         self.ref_model = ref_model
         self.packing = _resolve_packing(self.config.packing, model, self.device)
@@ -94,8 +105,7 @@ class TorchTrainer:
     def _build_optimizer(self, schedule: TrainerConfig) -> None:
         """A fresh AdamW and LR schedule at ``schedule.lr`` (the optimizer settings always come from the config)."""
         cfg = self.config
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=schedule.lr, betas=cfg.betas, eps=cfg.adam_eps,
+        self.optimizer = torch.optim.AdamW(self._optimized_params(), lr=schedule.lr, betas=cfg.betas, eps=cfg.adam_eps,
                                            weight_decay=cfg.weight_decay, fused=self.device.type == "cuda" or None)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_lambda(s, schedule))
 
@@ -137,7 +147,7 @@ class TorchTrainer:
                     continue
                 inputs = self._loss_inputs(rl, mb[0], mb[1], old_lp, ref_lp)
                 out = policy_loss(inputs, self.algorithm.loss, num_tokens=mini.num_tokens, num_seqs=mini.num_seqs)
-                (out.loss * self.world_size).backward()
+                self._backward(out.loss)
                 total += out.loss.detach().double().cpu()
                 metrics.update(out.metric_sums)
             losses.append(float(self._all_reduce(total)))
@@ -168,7 +178,7 @@ class TorchTrainer:
                 lp = self._forward_logprobs(self.model, batch, start, end, 1.0)[0]
                 tl, th = int(batch.cu_seqlens[start]), int(batch.cu_seqlens[end])
                 out = sft_loss(lp, batch.loss_mask[tl:th].to(self.device), num_tokens=num_tokens)
-                (out.loss * self.world_size).backward()
+                self._backward(out.loss)
                 total += out.loss.detach().double().cpu()
                 metrics.update(out.metric_sums)
             grad_norm = self._optimizer_step()
@@ -191,7 +201,8 @@ class TorchTrainer:
 
     def hf_state_dict(self, *, cpu: bool = False) -> dict[str, torch.Tensor]:
         """A snapshot of the weights under their HF names (what ``model.state_dict()`` of an unwrapped HF
-        model holds): every tensor is a copy, so later optimizer steps never show through.
+        model holds): every tensor is a copy, so later optimizer steps never show through. Under bf16 these are
+        the bf16 weights the model computes with (checkpoints and `save_pretrained` keep the float32 masters).
 
         Under FSDP the full tensors are gathered into new CPU tensors (a collective: call it on every rank;
         rank 0 gets them, the other ranks an empty dict).
@@ -209,7 +220,7 @@ class TorchTrainer:
 
         A collective under FSDP; rank 0 writes and returns the path, other ranks return None.
         """
-        model_state = self.hf_state_dict(cpu=True)
+        model_state = self._full_precision_state()
         optim_state = self._optimizer_state()
         rng = [capture_rng_state()]
         if self.world_size > 1:
@@ -240,9 +251,24 @@ class TorchTrainer:
 
     def save_pretrained(self, directory: str | Path) -> None:
         """Write the policy as an ordinary HF checkpoint (``from_pretrained``-loadable); rank 0 writes."""
-        sd = self.hf_state_dict(cpu=True)
+        sd = self._full_precision_state()
         if self.rank == 0:
             self.model.save_pretrained(str(directory), state_dict=sd)
+
+    def _full_precision_state(self) -> dict[str, torch.Tensor]:
+        """`hf_state_dict` on CPU with the float32 masters in place of the bf16 parameters they shadow."""
+        sd = self.hf_state_dict(cpu=True)
+        if self.masters is not None:
+            for name, master in self._master_names().items():
+                sd[name] = master.detach().to("cpu", copy=True)
+        return sd
+
+    def _master_names(self) -> dict[str, torch.Tensor]:
+        """Every state-dict name of a parameter with a master (tied parameters have several), to its master."""
+        assert self.masters is not None
+        by_param = {id(p): m for p, m in zip(self.masters.params, self.masters.masters, strict=True)}
+        return {n: by_param[id(p)] for n, p in self.model.named_parameters(remove_duplicate=False)
+                if id(p) in by_param}
 
     # ---------------------------------------------------------------- internals
 
@@ -266,13 +292,20 @@ class TorchTrainer:
         return mine + [None] * (longest - len(mine))
 
     def _dummy_forward(self, *, backward: bool, model: nn.Module | None = None) -> None:
-        """A one-token pass that contributes nothing, keeping FSDP collectives in step across ranks."""
-        model = model or self.model
-        ids = torch.full((1, 1), self.pad_token_id, dtype=torch.long, device=self.device)
-        with torch.set_grad_enabled(backward), self._autocast():
-            logits = model(input_ids=ids, use_cache=False).logits
+        """A two-token pass that contributes nothing, keeping FSDP collectives in step across ranks."""
+        ids = torch.full((2,), self.pad_token_id, dtype=torch.long, device=self.device)
+        cu = torch.tensor([0, 2])
+        with torch.set_grad_enabled(backward):
+            lp, _ = hf_token_logprobs(model or self.model, ids, cu, 1.0, packing=self.packing,
+                                      pad_token_id=self.pad_token_id)
         if backward:
-            (logits.float().sum() * 0.0).backward()
+            self._backward(lp.sum() * 0.0)
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate one micro-batch's loss (scaled by the world size: FSDP averages over ranks)."""
+        (loss * self.world_size).backward()
+        if self.masters is not None:
+            self.masters.accumulate_grads()
 
     @torch.no_grad()
     def _logprobs_of(self, model: nn.Module, batch: TrajectoryBatch, temperature: float) -> torch.Tensor:
@@ -317,46 +350,22 @@ class TorchTrainer:
         cu = batch.cu_seqlens[start:end + 1] - batch.cu_seqlens[start]
         tl, th = int(batch.cu_seqlens[start]), int(batch.cu_seqlens[end])
         ids = batch.token_ids[tl:th].to(self.device)
+        lp, ent = hf_token_logprobs(model, ids, cu, temperature, packing=self.packing, pad_token_id=self.pad_token_id,
+                                    entropy=entropy)
+        if ent is not None and not entropy_grad:
+            ent = ent.detach()
         lengths = (cu[1:] - cu[:-1]).to(self.device)
-        n_seq = lengths.numel()
-        seq_index = torch.repeat_interleave(torch.arange(n_seq, device=self.device), lengths)
-        starts = cu[:-1].to(self.device)
-        positions = torch.arange(ids.numel(), device=self.device) - starts[seq_index]
-        with self._autocast():
-            if self.packing == "varlen" and _attn_impl(model) == varlen_attention.NAME:
-                cu_dev = cu.to(self.device)
-                longest = int(lengths.max())
-                mask_map = varlen_attention.no_mask_mapping(model)
-                extra = {} if mask_map is None else {"attention_mask": mask_map}
-                logits = model(input_ids=ids.unsqueeze(0), position_ids=positions.unsqueeze(0), use_cache=False,
-                               cu_seq_lens_q=cu_dev, cu_seq_lens_k=cu_dev, max_length_q=longest,
-                               max_length_k=longest, **extra).logits[0]
-            elif self.packing in ("packed", "varlen"):
-                logits = model(input_ids=ids.unsqueeze(0), position_ids=positions.unsqueeze(0),
-                               use_cache=False).logits[0]
-            else:
-                max_len = int(lengths.max())
-                padded = torch.full((n_seq, max_len), self.pad_token_id, dtype=ids.dtype, device=self.device)
-                attn = torch.zeros((n_seq, max_len), dtype=torch.long, device=self.device)
-                padded[seq_index, positions] = ids
-                attn[seq_index, positions] = 1
-                logits = model(input_ids=padded, attention_mask=attn, use_cache=False).logits
-                logits = logits[seq_index, positions]
-        lp = shifted_token_logprobs(logits, ids, starts, temperature)
-        ent = None
-        if entropy:
-            if entropy_grad:
-                ent = shifted_entropy(logits, starts, temperature)
-            else:
-                with torch.no_grad():
-                    ent = shifted_entropy(logits.detach(), starts, temperature)
+        seq_index = torch.repeat_interleave(torch.arange(lengths.numel(), device=self.device), lengths)
         return lp, ent, seq_index
 
-    def _autocast(self) -> Any:
-        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.use_bf16)
+    def _optimized_params(self) -> list[torch.Tensor]:
+        """What the optimizer steps: the float32 masters under bf16 in one process, else the trainable parameters."""
+        if self.masters is not None:
+            return list(self.masters.masters)
+        return [p for p in self.model.parameters() if p.requires_grad]
 
     def _optimizer_step(self) -> float:
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        params = self._optimized_params()
         if self.config.max_grad_norm is not None:
             norm = torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm)
         else:
@@ -366,6 +375,8 @@ class TorchTrainer:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.masters is not None:
+            self.masters.copy_to_model()
         self.step += 1
         return float(norm)
 
@@ -391,6 +402,9 @@ class TorchTrainer:
                 set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=True))
             else:
                 self.model.load_state_dict(state, strict=True)
+                if self.masters is not None:
+                    values = {id(m): state[n] for n, m in self._master_names().items()}
+                    self.masters.load([values[id(m)].to(m.device) for m in self.masters.masters])
         except (RuntimeError, KeyError, ValueError) as e:
             raise CheckpointError(f"checkpoint weights do not fit this model: {e}") from e
 
@@ -407,16 +421,116 @@ class TorchTrainer:
 # -------------------------------------------------------------------- helpers
 
 
-def _apply_fsdp2(model: nn.Module, device: torch.device) -> None:
+#: Model families whose causal-LM logits are exactly ``lm_head(final hidden states)`` (no soft-capping or
+#: scaling after the head): for these the head is applied chunk by chunk by `token_logprobs_from_hidden`.
+FUSED_HEAD_FAMILIES: frozenset[str] = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3",
+                                                 "qwen3_moe"})
+
+
+def fused_lm_head(model: nn.Module) -> nn.Linear | None:
+    """The LM head of `model` (an HF causal LM, or a peft model around one) when its logits are a plain
+    bias-free linear map of the final hidden states of a `FUSED_HEAD_FAMILIES` model, else None."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    family = getattr(getattr(inner, "config", None), "model_type", None)
+    head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
+    if family in FUSED_HEAD_FAMILIES and type(head) is nn.Linear and head.bias is None:
+        return head
+    return None
+
+
+def hf_token_logprobs(model: nn.Module, token_ids: torch.Tensor, cu_seqlens: torch.Tensor, temperature: float, *,
+                      packing: str = "padded", pad_token_id: int = 0, entropy: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Forward packed sequences through an HF causal LM; each token's logprob (and entropy) in packed order.
+
+    ``token_ids``: ``[T]`` (on the model's device), the sequences back to back; ``cu_seqlens``: ``[n + 1]``
+    their boundaries. ``packing`` lays them out for the model: ``padded`` (right-padded rows with an attention
+    mask), ``packed`` (one row, position ids restarting per sequence) or ``varlen`` (one row, per-sequence
+    attention through `miles.trainers.varlen_attention`, when the model uses it). Conventions as
+    `shifted_token_logprobs`: sequence starts get 0, values in float32, at ``temperature``.
+
+    For `fused_lm_head` models the head never runs over the full batch: the final hidden states of the real
+    (unpadded) tokens go through `token_logprobs_from_hidden`, so the ``[T, V]`` logits are never materialised.
+    Gradients flow as through the plain forward (entropy included).
+    """
+    device = token_ids.device
+    cu = cu_seqlens.to(device)
+    lengths = cu[1:] - cu[:-1]
+    n_seq = lengths.numel()
+    seq_index = torch.repeat_interleave(torch.arange(n_seq, device=device), lengths)
+    starts = cu[:-1]
+    positions = torch.arange(token_ids.numel(), device=device) - starts[seq_index]
+    host_lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    longest = max(host_lengths)
+    kwargs: dict[str, Any] = {"use_cache": False}
+    if packing == "padded":
+        ids = torch.full((n_seq, longest), pad_token_id, dtype=token_ids.dtype, device=device)
+        attn = torch.zeros((n_seq, longest), dtype=torch.long, device=device)
+        ids[seq_index, positions] = token_ids
+        attn[seq_index, positions] = 1
+        kwargs.update(input_ids=ids, attention_mask=attn)
+    else:
+        kwargs.update(input_ids=token_ids.unsqueeze(0), position_ids=positions.unsqueeze(0))
+        if packing == "varlen" and _attn_impl(model) == varlen_attention.NAME:
+            mask_map = varlen_attention.no_mask_mapping(model)
+            kwargs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+            if mask_map is not None:
+                kwargs["attention_mask"] = mask_map
+
+    def unpad(rows: torch.Tensor) -> torch.Tensor:
+        return rows[seq_index, positions] if packing == "padded" else rows[0]
+
+    head = fused_lm_head(model)
+    if head is None:
+        logits = unpad(model(**kwargs).logits)
+        lp = shifted_token_logprobs(logits, token_ids, starts, temperature)
+        return lp, (shifted_entropy(logits, starts, temperature) if entropy else None)
+    with _lm_head_input(head) as captured:
+        model(**kwargs)
+    return token_logprobs_from_hidden(unpad(captured[0]), head.weight, token_ids, starts, temperature,
+                                      entropy=entropy)
+
+
+@contextlib.contextmanager
+def _lm_head_input(head: nn.Module) -> Iterator[list[torch.Tensor]]:
+    """While open, the head's input is captured and the head itself runs on zero positions.
+
+    The model's own forward still runs end to end (so wrappers such as FSDP2 gather and release parameters as
+    usual); only the ``[.., L, V]`` logits are skipped.
+    """
+    captured: list[torch.Tensor] = []
+
+    def hook(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        captured.append(args[0])
+        return (args[0][..., :0, :], *args[1:])
+
+    handle = head.register_forward_pre_hook(hook)
+    try:
+        yield captured
+    finally:
+        handle.remove()
+
+
+def _params_to_bf16(model: nn.Module) -> None:
+    """Parameters to bf16 in place (buffers such as RoPE frequencies stay float32, as HF loads them in bf16)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point():
+                p.data = p.data.to(torch.bfloat16)
+
+
+def _apply_fsdp2(model: nn.Module, device: torch.device, *, bf16: bool) -> None:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
+        else MixedPrecisionPolicy()
     no_split = set(getattr(model, "_no_split_modules", None) or [])
     for module in model.modules():
         if type(module).__name__ in no_split:
-            fully_shard(module, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+            fully_shard(module, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
 def _attn_impl(model: nn.Module) -> str:
@@ -424,12 +538,17 @@ def _attn_impl(model: nn.Module) -> str:
 
 
 def _resolve_packing(packing: str, model: nn.Module, device: torch.device) -> str:
-    """`auto` is padded micro-batches: a packed row's block-diagonal mask costs attention over the whole row
-    and keeps SDPA off its fast causal kernels. Measured (docs/benchmarks.md): H200, 0.5B, 4 x 2k tokens:
-    padded 0.122 s/step, varlen 0.144, packed 0.188; CPU, tiny 1m, 64 x ~200 tokens: padded 4.2 s, packed 12.3.
+    """`auto`: on a CPU ``varlen`` (no padding outside attention; measured in docs/benchmarks.md on the main
+    job's batch: 0.7x the time of ``padded``), for models that take a custom attention function; on a GPU
+    ``padded`` micro-batches (SDPA's fast causal kernels, measured there before ``varlen`` got its one-call
+    attention). ``packed`` (one row, a block-diagonal mask over it) is never chosen: its attention is quadratic
+    in the packed length.
     """
-    del model, device
-    return "padded" if packing == "auto" else packing
+    if packing != "auto":
+        return packing
+    if device.type == "cpu" and getattr(model, "_supports_attention_backend", False):
+        return "varlen"
+    return "padded"
 
 
 def _resolve_device(name: str) -> torch.device:

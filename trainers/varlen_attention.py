@@ -1,9 +1,10 @@
-"""A padding-free attention backend for HF models: per-sequence SDPA over one packed row.
+"""A padding-free attention backend for HF models: causal attention per sequence over one packed row.
 
 Registered with transformers as ``"miles_varlen"``. When the forward call carries ``cu_seq_lens_q``
-(sequence boundaries of the packed row), each layer runs causal SDPA on every sequence separately, so no
-``L x L`` block-diagonal mask is materialised and no attention is spent across sequences. Without it
-(generation, padded batches, a dummy pass) the layer is plain SDPA with the mask HF built, exactly as
+(sequence boundaries of the packed row), each layer lays the row's sequences out as right-padded rows for
+one causal SDPA call (flash kernels on CPU and CUDA) and packs the result back: no attention across
+sequences, no mask, and only attention sees padding (projections and MLPs run on the real tokens). Without
+it (generation, padded batches) the layer is plain SDPA with the mask HF built, exactly as
 ``attn_implementation="sdpa"``.
 """
 
@@ -31,11 +32,22 @@ def varlen_sdpa_forward(module: nn.Module, query: torch.Tensor, key: torch.Tenso
                                       scaling=scaling, **kwargs)
     p = dropout if module.training else 0.0
     gqa = query.shape[1] != key.shape[1]
-    bounds = cu.tolist()
-    outs = [F.scaled_dot_product_attention(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], dropout_p=p,
-                                           is_causal=True, scale=scaling, enable_gqa=gqa)
-            for s, e in zip(bounds[:-1], bounds[1:], strict=True)]
-    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+    lengths = cu[1:] - cu[:-1]
+    n, longest = lengths.numel(), int(kwargs.get("max_length_q") or int(lengths.max()))
+    seq_index = torch.repeat_interleave(torch.arange(n, device=cu.device), lengths)
+    slot = seq_index * longest + torch.arange(seq_index.numel(), device=cu.device) - cu[:-1][seq_index]
+
+    def to_rows(x: torch.Tensor) -> torch.Tensor:  # [1, H, T, D] -> [n, H, longest, D], right-padded
+        tokens = x[0].transpose(0, 1)
+        rows = tokens.new_zeros(n * longest, *tokens.shape[1:]).index_copy(0, slot, tokens)
+        return rows.view(n, longest, *tokens.shape[1:]).transpose(1, 2)
+
+    # Causal attention never looks right, so a right-padded row needs no mask: its real queries see only
+    # real keys, and the padded queries' outputs are dropped.
+    out = F.scaled_dot_product_attention(to_rows(query), to_rows(key), to_rows(value), dropout_p=p, is_causal=True,
+                                         scale=scaling, enable_gqa=gqa)
+    out = out.transpose(1, 2).reshape(n * longest, out.size(1), out.size(-1)).index_select(0, slot)
+    return out.unsqueeze(0), None
 
 
 def register() -> str:
