@@ -111,12 +111,13 @@ def run_per_turn(model: Qwen2ForCausalLM, w: Workload, device: str) -> int:
     return produced
 
 
-async def run_engine(engine: EmbeddedEngine, w: Workload) -> int:
+async def run_engine(engine: EmbeddedEngine, w: Workload, tag: str) -> int:
+    """Every session of `w` at once; `tag` makes the session ids new, so no round reuses another's cache."""
     async def session(s: int) -> int:
         ctx, produced = list(w.prompts[s]), 0
         for t, n in enumerate(w.new_tokens):
-            r = await engine.generate(ctx, SamplingParams(temperature=1.0, max_new_tokens=n), session_id=f"s{s}",
-                                      ignore_eos=True)
+            r = await engine.generate(ctx, SamplingParams(temperature=1.0, max_new_tokens=n),
+                                      session_id=f"{tag}-s{s}", ignore_eos=True)
             produced += len(r.output_ids)
             ctx += r.output_ids + w.observations[s][t]
         return produced
@@ -196,11 +197,12 @@ def main() -> None:
     # warm-up every path (kernel selection, allocator, CUDA graphs of the engine's batch sizes)
     warm = make_workload(args.sessions, args.prompt_len, args.obs_len, [4, 4], model.config.vocab_size, 1)
     run_batched(model, make_workload(2, 8, 4, [2], model.config.vocab_size, 1), args.device)
-    asyncio.run(run_engine(engine, warm))
+    asyncio.run(run_engine(engine, warm, "warm-up"))
+    rounds = iter(range(1 << 30))
 
     paths: dict[str, Callable[[], int]] = {
         "batched generate": lambda: run_batched(model, w, args.device),
-        "embedded engine": lambda: asyncio.run(run_engine(engine, w)),
+        "embedded engine": lambda: asyncio.run(run_engine(engine, w, f"round{next(rounds)}")),
     }
     if not args.skip_per_turn:
         paths["generate per turn"] = lambda: run_per_turn(model, w, args.device)

@@ -178,3 +178,206 @@ async def test_from_pretrained_tiny_has_the_tiny_tokenizer_and_stops_at_its_eos(
         await eng.close()
     with pytest.raises(InvalidRequestError):
         EmbeddedEngine.from_pretrained("/no/such/model")
+
+
+def _arch(kind: str):
+    """A tiny random model of another supported architecture (each one exercises a different forward branch)."""
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
+
+    common = {"vocab_size": 512, "hidden_size": 48, "num_hidden_layers": 2, "intermediate_size": 96,
+              "max_position_embeddings": 512, "eos_token_id": None, "bos_token_id": None, "pad_token_id": None}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        if kind == "llama":  # a scaled RoPE from the model's own rotary module; 2 query heads per KV head
+            cfg = LlamaConfig(num_attention_heads=4, num_key_value_heads=2, attention_bias=True,
+                              rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+                              **common)
+            return LlamaForCausalLM(cfg).eval()
+        if kind == "mistral":  # a sliding window shorter than the prompts; 4 query heads per KV head
+            cfg = MistralConfig(num_attention_heads=4, num_key_value_heads=1, sliding_window=8, **common)
+            return MistralForCausalLM(cfg).eval()
+        cfg = Qwen3Config(num_attention_heads=4, num_key_value_heads=4, head_dim=16, **common)  # q/k norms
+        return Qwen3ForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen3"])
+async def test_other_architectures_match_hf_generate(kind):
+    model = _arch(kind)
+    eng = EmbeddedEngine(model)
+    try:
+        prompts = [list(range(5, 5 + n)) for n in (3, 11, 20)]
+        params = SamplingParams(temperature=0.0, max_new_tokens=10)
+        results = await asyncio.gather(*(eng.generate(p, params, session_id=f"s{i}") for i, p in enumerate(prompts)))
+        for p, r in zip(prompts, results, strict=True):
+            ref = model.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False)[0, len(p):].tolist()
+            assert r.output_ids == ref
+            assert torch.allclose(torch.tensor(r.output_logprobs), reference_logprobs(model, p, ref), atol=1e-4)
+        ctx = prompts[2] + results[2].output_ids + [9, 9]  # the next turn on the reused cache
+        again = await eng.generate(ctx, params, session_id="s2")
+        assert again.cached_tokens == len(ctx) - 3
+        ref = model.generate(torch.tensor([ctx]), max_new_tokens=10, do_sample=False)[0, len(ctx):].tolist()
+        assert again.output_ids == ref
+    finally:
+        await eng.close()
+
+
+def test_an_unsupported_architecture_is_refused_in_one_line():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from miles.engines.decoder import UnsupportedModelError
+
+    model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64))
+    with pytest.raises(UnsupportedModelError, match="runs llama, mistral, qwen2, qwen3 models; got model_type 'gpt2'"):
+        EmbeddedEngine(model)
+
+
+async def test_chunked_prefill_of_long_prompts_and_many_joiners_is_exact():
+    model = small_qwen2(0)
+    eng = EmbeddedEngine(model, prefill_tokens=16)  # chunks of <= 16 tokens, groups of <= 16 // width rows
+    try:
+        prompts = [[(7 * i + j) % 500 + 1 for j in range(n)] for i, n in enumerate((70, 3, 33, 16, 1, 17, 5))]
+        params = SamplingParams(temperature=0.0, max_new_tokens=6)
+        results = await asyncio.gather(*(eng.generate(p, params) for p in prompts))
+        for p, r in zip(prompts, results, strict=True):
+            ref = model.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False)[0, len(p):].tolist()
+            assert r.output_ids == ref
+            assert torch.allclose(torch.tensor(r.output_logprobs), reference_logprobs(model, p, ref), atol=1e-4)
+    finally:
+        await eng.close()
+
+
+async def test_rows_leaving_at_different_steps_keep_the_others_exact(engine):
+    """Rows finish after 1..12 tokens (some right after their prefill); the rest are packed into the freed
+    slots and must decode on as if alone."""
+    prompts = [[(11 * i + j) % 500 + 1 for j in range(3 + 4 * i)] for i in range(8)]
+    budgets = [1, 12, 3, 7, 1, 12, 5, 9]
+    results = await asyncio.gather(*(engine.generate(p, SamplingParams(temperature=0.0, max_new_tokens=n))
+                                     for p, n in zip(prompts, budgets, strict=True)))
+    for p, n, r in zip(prompts, budgets, results, strict=True):
+        ref = engine.model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False)[0, len(p):].tolist()
+        assert r.output_ids == ref and len(r.output_ids) == n
+        assert torch.allclose(torch.tensor(r.output_logprobs), reference_logprobs(engine.model, p, ref), atol=1e-4)
+
+
+async def test_sessions_rejoining_together_reuse_their_own_caches():
+    """Several sessions return in one admission with different reusable prefixes: each must get its own KV."""
+    eng = EmbeddedEngine(small_qwen2(0))
+    try:
+        params = SamplingParams(temperature=0.0, max_new_tokens=5)
+        ctxs = [[(13 * i + j) % 500 + 1 for j in range(4 + 9 * i)] for i in range(5)]
+        firsts = await asyncio.gather(*(eng.generate(c, params, session_id=f"s{i}") for i, c in enumerate(ctxs)))
+        nexts = [c + f.output_ids + [3] * (1 + 6 * i) for i, (c, f) in enumerate(zip(ctxs, firsts, strict=True))]
+        nexts[1] = nexts[1][:3] + [77] + nexts[1][4:]  # diverges early: reuses 3 positions
+        again = await asyncio.gather(*(eng.generate(c, params, session_id=f"s{i}") for i, c in enumerate(nexts)))
+        fresh = await asyncio.gather(*(eng.generate(c, params) for c in nexts))
+        assert [r.cached_tokens for r in again] == [3 if i == 1 else len(ctxs[i]) + 4 for i in range(5)]
+        for a, f in zip(again, fresh, strict=True):
+            assert a.output_ids == f.output_ids
+            assert torch.allclose(torch.tensor(a.output_logprobs), torch.tensor(f.output_logprobs), atol=1e-5)
+    finally:
+        await eng.close()
+
+
+async def test_the_cache_grows_while_rows_decode():
+    model = small_qwen2(0)
+    eng = EmbeddedEngine(model)  # slots start with 256 positions
+    try:
+        long = [(5 * j) % 500 + 1 for j in range(250)]
+        params = SamplingParams(temperature=0.0, max_new_tokens=20)
+        short, grown = await asyncio.gather(eng.generate([1, 2, 3], params), eng.generate(long, params))
+        assert eng._batch.cache.capacity == 512
+        for p, r in ((long, grown), ([1, 2, 3], short)):
+            ref = model.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False)[0, len(p):].tolist()
+            assert r.output_ids == ref
+            assert torch.allclose(torch.tensor(r.output_logprobs), reference_logprobs(model, p, ref), atol=1e-4)
+    finally:
+        await eng.close()
+
+
+async def test_max_batch_size_queues_the_rest():
+    eng = EmbeddedEngine(small_qwen2(0), max_batch_size=2)
+    try:
+        prompts = [[i + 1, i + 2] for i in range(5)]
+        params = SamplingParams(temperature=0.0, max_new_tokens=6)
+        results = await asyncio.gather(*(eng.generate(p, params) for p in prompts))
+        for p, r in zip(prompts, results, strict=True):
+            ref = eng.model.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False)[0, len(p):].tolist()
+            assert r.output_ids == ref
+        hist = {s.labels.get("le"): s.value for s in eng.histograms.batch_size.collect()[0].samples
+                if s.name.endswith("_bucket")}
+        assert hist["2.0"] == hist["+Inf"] > 0  # no step ever ran more than 2 rows
+    finally:
+        await eng.close()
+
+
+async def test_after_update_weights_mid_generation_results_match_a_fresh_engine():
+    eng = EmbeddedEngine(small_qwen2(0), max_batch_size=4)
+    fresh = EmbeddedEngine(small_qwen2(7))
+    try:
+        running = asyncio.create_task(eng.generate([1, 2, 3], SamplingParams(temperature=0.0, max_new_tokens=600),
+                                                   session_id="s"))
+        while not eng.stats["decode_tokens"]:
+            await asyncio.sleep(0.005)
+        assert await eng.update_weights(state_dict=small_qwen2(7).state_dict()) == 1
+        long = await running
+        assert long.token_versions[0] == 0 and long.token_versions[-1] == 1
+        prompt = [1, 2, 3] + long.output_ids[:5]
+        for turn, params in enumerate((SamplingParams(temperature=0.0, max_new_tokens=12),
+                                       SamplingParams(temperature=0.9, top_p=0.8, max_new_tokens=12, seed=5))):
+            after, ref = await asyncio.gather(eng.generate(prompt, params, session_id="s"), fresh.generate(prompt, params))
+            # turn 0: the cache the session's running request built across the update is not kept;
+            # turn 1 reuses turn 0's, all of it computed by the new weights
+            assert after.cached_tokens == (0 if turn == 0 else len(prompt) - 1)
+            assert after.output_ids == ref.output_ids
+            assert torch.allclose(torch.tensor(after.output_logprobs), torch.tensor(ref.output_logprobs), atol=1e-5)
+    finally:
+        await eng.close()
+        await fresh.close()
+
+
+def test_padded_bucketed_steps_compute_what_exact_steps_do():
+    """A CUDA graph replays a step at a bucketed batch and attention length, with inactive padding rows; the
+    same padded step runs eagerly here (only the capture needs CUDA) and must match the exact step, also
+    after rows leave and the last rows move into their slots."""
+    from miles.engines.decoder import Decoder
+    from miles.engines.runner import DecodeBatch
+    from miles.engines.sampling import RowSampling, SampleMode, SamplingTensors, sample, seed_key
+
+    model = small_qwen2(0)
+    prompts = [[(3 * i + j) % 500 + 1 for j in range(4 + 7 * i)] for i in range(5)]
+    rows = [RowSampling(0.0 if i == 2 else 0.8, 0.9 if i == 3 else 1.0, -1, seed_key(i)) for i in range(5)]
+    mode = SampleMode.of(rows)
+    runs = []
+    with torch.inference_mode():
+        decoder = Decoder(model)
+        for padded in (False, True):
+            batch = DecodeBatch(decoder, decoder.new_cache(8, 512), 8, padded=padded)
+            width = max(map(len, prompts))
+            ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts])
+            pos = torch.arange(width).expand(5, width)
+            write = torch.tensor([i * width + j for i, p in enumerate(prompts) for j in range(len(p))])
+            last = torch.tensor([i * width + len(p) - 1 for i, p in enumerate(prompts)])
+            logits = decoder.forward(batch.cache, ids, pos, 0, width, write=write, last=last)
+            first, _ = sample(logits, SamplingTensors.build(rows, [0] * 5, "cpu"), mode)
+            batch.join(0, first, [len(p) for p in prompts], rows, [1] * 5)
+            lengths = [len(p) + 1 for p in prompts]
+            out = []
+            for step in range(6):
+                if step == 3:  # rows 0 and 2 leave; row 4 moves into slot 0
+                    batch.move([4], [0], lengths[4])
+                    batch.release(3, 5)
+                    lengths = [lengths[4], lengths[1], lengths[3]]
+                out.append(batch.step(len(lengths), max(lengths), SampleMode.of(rows)))
+                lengths = [n + 1 for n in lengths]
+            runs.append(out)
+        assert batch.shape(5, 70, mode) == (8, 128, mode)
+    for (tok_a, lp_a), (tok_b, lp_b) in zip(*runs, strict=True):
+        assert tok_a == tok_b
+        assert lp_a == pytest.approx(lp_b, abs=1e-5)

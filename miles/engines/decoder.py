@@ -49,8 +49,17 @@ def check_supported(model: Any) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         missing = [n for n in ("q_proj", "k_proj", "v_proj", "o_proj") if not hasattr(attn, n)]
         missing += [n for n in ("gate_proj", "up_proj", "down_proj", "act_fn") if not hasattr(mlp, n)]
+        norms = [layer.input_layernorm, layer.post_attention_layernorm, model.model.norm]
+        missing += [f"{type(n).__name__}.variance_epsilon" for n in norms if not hasattr(n, "variance_epsilon")]
         if missing:
             raise UnsupportedModelError(f"{type(layer).__name__} lacks {missing}")
+
+
+def _sign_half(sin: torch.Tensor) -> torch.Tensor:
+    """`sin` with its first half negated: `x * cos + roll(x, d/2) * _sign_half(sin)` is HF's
+    `x * cos + rotate_half(x) * sin`, bit for bit (negation is exact)."""
+    half = sin.shape[-1] // 2
+    return torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
 
 
 def _cat_bias(linears: list[torch.nn.Linear]) -> torch.Tensor | None:
@@ -59,12 +68,27 @@ def _cat_bias(linears: list[torch.nn.Linear]) -> torch.Tensor | None:
     return torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in linears])
 
 
+@dataclass(frozen=True)
+class _Norm:
+    """An HF RMSNorm's weight and epsilon (its forward, `weight * rms_norm(x.float()).to(x.dtype)`, is `rms`)."""
+
+    weight: torch.Tensor
+    eps: float
+
+    @classmethod
+    def of(cls, module: torch.nn.Module) -> _Norm:
+        return cls(module.weight, float(module.variance_epsilon))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+
 @dataclass
 class _Layer:
-    input_norm: torch.nn.Module
-    post_norm: torch.nn.Module
-    q_norm: torch.nn.Module | None
-    k_norm: torch.nn.Module | None
+    input_norm: _Norm
+    post_norm: _Norm
+    q_norm: _Norm | None
+    k_norm: _Norm | None
     qkv_weight: torch.Tensor
     qkv_bias: torch.Tensor | None
     o_proj: torch.nn.Linear
@@ -88,7 +112,7 @@ class Decoder:
         base = model.model
         self.model = model
         self.embed = base.embed_tokens
-        self.norm = base.norm
+        self.norm = _Norm.of(base.norm)
         self.lm_head = model.lm_head
         self.num_heads = int(cfg.num_attention_heads)
         self.kv_heads = int(getattr(cfg, "num_key_value_heads", None) or self.num_heads)
@@ -103,8 +127,9 @@ class Decoder:
                 else getattr(cfg, "sliding_window", None)
             qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
             self.layers.append(_Layer(
-                input_norm=layer.input_layernorm, post_norm=layer.post_attention_layernorm,
-                q_norm=getattr(attn, "q_norm", None), k_norm=getattr(attn, "k_norm", None),
+                input_norm=_Norm.of(layer.input_layernorm), post_norm=_Norm.of(layer.post_attention_layernorm),
+                q_norm=_Norm.of(attn.q_norm) if hasattr(attn, "q_norm") else None,
+                k_norm=_Norm.of(attn.k_norm) if hasattr(attn, "k_norm") else None,
                 qkv_weight=torch.cat([m.weight for m in qkv]), qkv_bias=_cat_bias(qkv), o_proj=attn.o_proj,
                 gate_up_weight=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), down_proj=mlp.down_proj,
                 act_fn=mlp.act_fn, scaling=float(attn.scaling), window=int(window) if window else None))
@@ -114,7 +139,7 @@ class Decoder:
         if not self._rope_per_call:
             positions = torch.arange(self.max_positions, device=self.device)[None]
             cos, sin = self._rotary(weight[:1], positions)
-            self._cos, self._sin = cos[0], sin[0]
+            self._cos, self._sin = cos[0], _sign_half(sin[0])
 
     def refresh_weights(self) -> None:
         """Copy the model's current q/k/v and gate/up weights into the fused buffers (in place)."""
@@ -140,9 +165,10 @@ class Decoder:
         return F.linear(x, weight, bias)
 
     def _rope(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-folded sin (see `_sign_half`) at `positions`, `[tokens, head_dim]`."""
         if self._rope_per_call:
             cos, sin = self._rotary(like, positions[None])
-            return cos[0], sin[0]
+            return cos[0], _sign_half(sin[0])
         return self._cos[positions], self._sin[positions]
 
     def _mask(self, positions: torch.Tensor, length: int, window: int | None) -> torch.Tensor:
@@ -154,9 +180,10 @@ class Decoder:
             allowed &= keys > q - window
         bias = torch.zeros(allowed.shape, dtype=self.dtype, device=positions.device)
         bias.masked_fill_(~allowed, float("-inf"))
+        rows, seq = positions.shape
         groups = self.num_heads // self.kv_heads
-        if groups > 1 and positions.shape[1] > 1:
-            bias = bias.repeat_interleave(groups, dim=1)
+        if groups > 1 and seq > 1:  # query s*groups+g is head g of position s
+            bias = bias[:, :, None].expand(rows, seq, groups, length).reshape(rows, seq * groups, length)
         return bias[:, None]
 
     def forward(self, cache: SlotCache, ids: torch.Tensor, positions: torch.Tensor, first_slot: int, length: int,
@@ -175,31 +202,27 @@ class Decoder:
         h = self.embed(ids.reshape(tokens))
         cos, sin = self._rope(flat_pos, h)
         cos, sin = cos[:, None], sin[:, None]
-        slot_of = torch.arange(first_slot, first_slot + rows, device=ids.device).repeat_interleave(seq)
-        dest = (slot_of[:, None] * hkv + torch.arange(hkv, device=ids.device)) * cache.capacity + flat_pos[:, None]
+        # where each written token's keys and values go: (key|value, slot, kv head, position) of the cache
+        dev = ids.device
+        slot = torch.arange(first_slot, first_slot + rows, device=dev)[:, None].expand(rows, seq).reshape(tokens)
+        pos = flat_pos
         if write is not None:
-            dest = dest[write]
-        dest = dest.reshape(-1)
+            slot, pos = slot[write], pos[write]
+        dest = (torch.arange(2, device=dev)[:, None], slot[:, None, None], torch.arange(hkv, device=dev),
+                pos[:, None, None])
         masks: dict[int | None, torch.Tensor] = {}
         for index, layer in enumerate(self.layers):
             if layer.window not in masks:
                 masks[layer.window] = self._mask(positions, length, layer.window)
-            y = layer.input_norm(h)
-            qkv = self.linear(y, layer.qkv_weight, layer.qkv_bias).view(tokens, hq + 2 * hkv, d)
+            qkv = self.linear(layer.input_norm(h), layer.qkv_weight, layer.qkv_bias).view(tokens, hq + 2 * hkv, d)
             qk = qkv[:, :hq + hkv]
             if layer.q_norm is not None:
                 qk = torch.cat([layer.q_norm(qk[:, :hq]), layer.k_norm(qk[:, hq:])], dim=1)
-            half = d // 2
-            qk = qk * cos + torch.cat([-qk[..., half:], qk[..., :half]], dim=-1) * sin
-            k_new, v_new = qk[:, hq:], qkv[:, hq + hkv:]
-            if write is not None:
-                k_new, v_new = k_new[write], v_new[write]
-            k_cache, v_cache = cache.layer(index)
-            k_cache.view(-1, d).index_copy_(0, dest, k_new.reshape(-1, d))
-            v_cache.view(-1, d).index_copy_(0, dest, v_new.reshape(-1, d))
-            q = qk[:, :hq].reshape(rows, seq, hkv, groups, d).transpose(1, 2).reshape(rows, hkv, seq * groups, d)
-            keys = k_cache[first_slot:first_slot + rows, :, :length]
-            values = v_cache[first_slot:first_slot + rows, :, :length]
+            torch.add(qk * cos, torch.roll(qk, d // 2, dims=-1) * sin, out=qkv[:, :hq + hkv])  # RoPE in place
+            kv = qkv[:, hq:].view(tokens, 2, hkv, d)
+            cache.layer(index).index_put_(dest, kv if write is None else kv[write])
+            keys, values = cache.layer(index)[:, first_slot:first_slot + rows, :, :length]
+            q = qkv[:, :hq].reshape(rows, seq, hkv, groups, d).transpose(1, 2).reshape(rows, hkv, seq * groups, d)
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=masks[layer.window], scale=layer.scaling)
             out = out.reshape(rows, hkv, seq, groups * d).transpose(1, 2).reshape(tokens, hq * d)
             h = h + self.linear(out, layer.o_proj.weight, layer.o_proj.bias)
@@ -207,5 +230,4 @@ class Decoder:
             h = h + self.linear(layer.act_fn(gate) * up, layer.down_proj.weight, layer.down_proj.bias)
         if last is not None:
             h = h[last]
-        h = self.norm(h)
-        return self.linear(h, self.lm_head.weight, self.lm_head.bias).float()
+        return self.linear(self.norm(h), self.lm_head.weight, self.lm_head.bias).float()

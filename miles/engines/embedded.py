@@ -69,6 +69,7 @@ class _Request:
     token_versions: list[int] = field(default_factory=list)
     cached_tokens: int = 0
     weight_version_start: int = 0
+    weights_epoch: int = -1  # the engine's weight load count when its prefill ran
     finished: bool = False  # set by the decode thread; the future settles later on the caller's loop
 
     @property
@@ -120,6 +121,7 @@ class EmbeddedEngine(RolloutEngine):
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         self._eos_ids = frozenset(eos_ids) if stop_at_eos else frozenset()
         self._version = 0
+        self._epoch = 0  # weight loads so far: a cache from an older epoch is never kept
         self._sessions = SessionStore(max_cached_sessions)
         self._decoder: Decoder | None = None  # built by the decode thread at the first request
         self._batch: DecodeBatch | None = None
@@ -291,11 +293,14 @@ class EmbeddedEngine(RolloutEngine):
             if self._decoder is not None:
                 self._decoder.refresh_weights()
             self._version = self._version + 1 if version is None else int(version)
+            self._epoch += 1
             self._sessions.clear()
             return self._version
 
     # ------------------------------------------------------------------ the decode loop (thread)
     def _run(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # graphs capture on the thread's current device
         while True:
             with self._cond:
                 while not (self._pending or self._active or self._closed or self._aborts or self._abort_all):
@@ -366,6 +371,8 @@ class EmbeddedEngine(RolloutEngine):
             req.output_ids.append(tok)
             req.output_logprobs.append(lp)
             req.token_versions.append(self._version)
+        for req in new:
+            req.weights_epoch = self._epoch
         self._active.extend(new)
         done = [first + i for i, req in enumerate(new) if self._check_finished(req)]
         if done:
@@ -408,8 +415,8 @@ class EmbeddedEngine(RolloutEngine):
                         last.append((i, j * seq + hi - lo - 1))
                     length = max(length, hi)
                 logits = decoder.forward(cache, ids.to(device), pos.to(device), first + start, length,
-                                         write=torch.tensor(write, device=device),
-                                         last=torch.tensor([t for _, t in last], device=device))
+                                         write=torch.tensor(write, dtype=torch.int64, device=device),
+                                         last=torch.tensor([t for _, t in last], dtype=torch.int64, device=device))
                 for (i, _), row in zip(last, logits, strict=True):
                     out[i] = row
             start = end
@@ -446,7 +453,7 @@ class EmbeddedEngine(RolloutEngine):
         batch = self._batch
         for i in indices:
             req = self._active[i]
-            if req.session_id is not None and not req.finished:
+            if req.session_id is not None and not req.finished and req.weights_epoch == self._epoch:
                 covered = req.input_ids + req.output_ids[:-1]
                 self._sessions.put(req.session_id, covered, batch.cache.export(i, len(covered)))
             self._finish(req, reason or self._finish_reason(req))

@@ -44,9 +44,9 @@ class SlotCache:
         self.data = grown
         return True
 
-    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of layer `index`, each `[slots, kv_heads, capacity, head_dim]`."""
-        return self.data[index, 0], self.data[index, 1]
+    def layer(self, index: int) -> torch.Tensor:
+        """Keys and values of layer `index`: `[2, slots, kv_heads, capacity, head_dim]`."""
+        return self.data[index]
 
     def export(self, slot: int, length: int) -> torch.Tensor:
         """A copy of the first `length` positions of `slot`: `[layers, 2, kv_heads, length, head_dim]`."""

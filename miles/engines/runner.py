@@ -36,11 +36,14 @@ def batch_buckets(max_batch: int) -> list[int]:
 class DecodeBatch:
     """Static decode state of up to `max_batch` rows over `cache`, stepped eagerly or by CUDA graphs."""
 
-    def __init__(self, decoder: Decoder, cache: SlotCache, max_batch: int, *, cuda_graphs: bool = True) -> None:
+    def __init__(self, decoder: Decoder, cache: SlotCache, max_batch: int, *, cuda_graphs: bool = True,
+                 padded: bool | None = None) -> None:
         self.decoder, self.cache, self.max_batch = decoder, cache, max_batch
         device = decoder.device
         self.device = device
         self.graphs_enabled = cuda_graphs and device.type == "cuda"
+        #: step at bucketed shapes (what graphs need); by default only with graphs, settable to test it on a CPU
+        self.padded = self.graphs_enabled if padded is None else padded
         self.buckets = batch_buckets(max_batch)
         z = {"device": device}
         self.tokens = torch.zeros(max_batch, dtype=torch.int64, **z)
@@ -114,22 +117,26 @@ class DecodeBatch:
 
         Returns the sampled tokens and their logprobs (one host synchronisation).
         """
-        if not self.graphs_enabled:
+        if not self.padded:
             out = self._step(rows, length, mode)
         else:
-            b = next(size for size in self.buckets if size >= rows)
-            span = max(MIN_GRAPH_LENGTH, 1 << (length - 1).bit_length())
-            span = min(span, self.cache.capacity)
-            key = (b, span, mode)
+            key = self.shape(rows, length, mode)
             graph = self._graphs.get(key)
-            if graph is None:
-                out = self._step(b, span, mode)  # runs the real step; also the warm-up before capture
-                self._capture(key)
-            else:
+            if graph is not None:
                 graph.replay()
-                out = self.out[:, :b]
+                out = self.out[:, :key[0]]
+            else:
+                out = self._step(*key)  # the real step; on CUDA also the warm-up before the capture
+                if self.graphs_enabled:
+                    self._capture(key)
         host = out.cpu()
         return host[0, :rows].long().tolist(), host[1, :rows].tolist()
+
+    def shape(self, rows: int, length: int, mode: SampleMode) -> tuple[int, int, SampleMode]:
+        """The bucketed (batch, attention length, mode) a padded step of `rows` rows runs at."""
+        batch = next(size for size in self.buckets if size >= rows)
+        span = min(max(MIN_GRAPH_LENGTH, 1 << (length - 1).bit_length()), self.cache.capacity)
+        return batch, span, mode
 
     def _capture(self, key: tuple[int, int, SampleMode]) -> None:
         # capture records kernels without running them, so the state the eager step just advanced stays put
