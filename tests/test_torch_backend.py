@@ -187,13 +187,97 @@ def test_sft_gets_its_own_optimizer_then_rl_starts_fresh():
     assert plain.sft_step(make_batch())["lr"] == pytest.approx(1e-3)
 
 
-def test_bf16_autocast_on_cpu_stays_close():
+def test_bf16_stays_close_to_fp32():
     model = tiny()
     batch = make_batch()
     lp32 = TorchTrainer(model).compute_logprobs(batch)
-    lp16 = TorchTrainer(model, TorchTrainerConfig(precision="bf16")).compute_logprobs(batch)
+    lp16 = TorchTrainer(copy.deepcopy(model), TorchTrainerConfig(precision="bf16")).compute_logprobs(batch)
     assert not torch.equal(lp16, lp32)
     assert float((lp16 - lp32)[batch.loss_mask > 0].abs().mean()) < 0.1
+
+
+def test_bf16_parameters_train_float32_masters():
+    """bf16: the model computes in bf16, the optimizer steps float32 masters (fed float32 gradients summed over
+    micro-batches), and the bf16 parameters are the rounded masters."""
+    batch = make_batch()
+    results = []
+    for budget in (10_000, 12):  # one micro-batch vs five
+        trainer = TorchTrainer(tiny(), TorchTrainerConfig(precision="bf16", micro_batch_tokens=budget, lr=1.0,
+                                                          adam_eps=1.0, max_grad_norm=None))
+        assert all(p.dtype == torch.bfloat16 for p in trainer.model.parameters())
+        masters = trainer.masters.masters
+        assert all(m.dtype == torch.float32 for m in masters)
+        assert [p for g in trainer.optimizer.param_groups for p in g["params"]] == masters
+        start = [m.detach().clone() for m in masters]
+        trainer.train_step(batch)
+        for p, m in zip(trainer.masters.params, masters, strict=True):
+            assert torch.equal(p, m.to(torch.bfloat16))
+            assert p.grad is None
+        assert trainer.hf_state_dict()["lm_head.weight"].dtype == torch.bfloat16
+        results.append([m.detach() - s for m, s in zip(masters, start, strict=True)])
+    one, five = results
+    moved = max(float(d.abs().max()) for d in one)
+    assert moved > 1e-3
+    # accumulated in float32 over five micro-batches = one micro-batch (bf16 forward noise aside)
+    assert max(float((a - b).abs().max()) for a, b in zip(one, five, strict=True)) < 0.05 * moved
+
+
+def test_bf16_checkpoint_keeps_the_float32_masters(tmp_path):
+    batch = make_batch()
+    cfg = TorchTrainerConfig(precision="bf16", lr=1e-2)
+    first = TorchTrainer(tiny(), cfg)
+    first.train_step(batch)
+    first.save_checkpoint(tmp_path)
+    resumed = TorchTrainer(tiny(seed=9), cfg)
+    resumed.load_checkpoint(tmp_path)
+    for a, b in zip(first.masters.masters, resumed.masters.masters, strict=True):
+        assert torch.equal(a, b)
+    assert not all(torch.equal(m, m.to(torch.bfloat16).float()) for m in first.masters.masters)  # not just bf16
+    for _ in range(2):
+        assert first.train_step(batch)["loss"] == resumed.train_step(batch)["loss"]
+    for a, b in zip(first.masters.masters, resumed.masters.masters, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_the_lm_head_never_runs_over_the_batch():
+    """The head's logits come chunk by chunk from its input: the module itself only ever sees zero positions."""
+    trainer = TorchTrainer(tiny(), TorchTrainerConfig(micro_batch_tokens=20), AlgorithmConfig())
+    head = trainer.model.get_output_embeddings()
+    seen = []
+    hook = head.register_forward_hook(lambda m, args, out: seen.append(out.shape[-2]))
+    batch = make_batch()
+    trainer.train_step(batch)
+    lp = trainer.compute_logprobs(batch)
+    hook.remove()
+    assert seen and set(seen) == {0}
+    assert not head._forward_pre_hooks  # the capture is gone once a forward is done
+    assert torch.allclose(lp, per_sequence_logprobs(trainer.model, batch), atol=1e-5)
+
+
+def test_models_with_a_soft_capped_head_take_the_full_logits():
+    """A family outside FUSED_HEAD_FAMILIES (Gemma-2 soft-caps its logits after the head) is trained on the
+    model's own logits."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    from miles.trainers.logprobs import token_logprobs_from_hidden
+    from miles.trainers.torch_backend import fused_lm_head
+
+    cfg = Gemma2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=16, final_logit_softcapping=0.05,
+                       pad_token_id=0)
+    torch.manual_seed(0)
+    model = Gemma2ForCausalLM(cfg)
+    assert fused_lm_head(model) is None and fused_lm_head(tiny()) is not None
+    batch = make_batch()
+    got = TorchTrainer(model, TorchTrainerConfig(packing="padded")).compute_logprobs(batch)
+    want = per_sequence_logprobs(model, batch)
+    assert torch.allclose(got, want, atol=1e-5)
+    with torch.no_grad():  # the control: the head's own logits (no cap) would give other logprobs
+        s = batch.sequence(0)
+        ids = batch.token_ids[s]
+        hidden = model.model(input_ids=ids[None]).last_hidden_state[0]
+        uncapped = token_logprobs_from_hidden(hidden, model.lm_head.weight, ids, torch.tensor([0]))[0]
+    assert not torch.allclose(uncapped, want[s], atol=1e-3)
 
 
 def test_lr_schedule_warmup_then_cosine():
