@@ -10,44 +10,13 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_lora_support import RANKS, VOCAB, adapter_weights, peft_model_with_adapters
 
-from miles.engines.lora import DEFAULT_TARGET_MODULES, AdapterError, AdapterWeights
+from miles.engines.lora import AdapterError, AdapterWeights
 from miles.engines.lora_bank import LoraDecoder
 from miles.tiny import make_tiny_model
 
-VOCAB = 64
 BASE = "__base__"  # peft's name for "no adapter" in adapter_names
-RANKS = {"terse": 4, "verbose": 8, "qv": 2}
-TARGETS = {"terse": list(DEFAULT_TARGET_MODULES), "verbose": list(DEFAULT_TARGET_MODULES), "qv": ["q_proj", "v_proj"]}
-
-
-def peft_model_with_adapters():
-    """A base and a peft model over a copy of it with three adapters of different ranks and targets, all with
-    non-zero B (a fresh adapter would be the base)."""
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(0)
-    base = make_tiny_model("0.1m", vocab_size=VOCAB, seed=1).eval()
-    model = None
-    for name, r in RANKS.items():
-        cfg = LoraConfig(r=r, lora_alpha=3.0 * r, target_modules=TARGETS[name])
-        if model is None:
-            model = get_peft_model(copy.deepcopy(base), cfg, adapter_name=name)
-        else:
-            model.add_adapter(name, cfg)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.5)
-    return base, model.eval()
-
-
-def adapter_weights(model, name: str) -> AdapterWeights:
-    from peft import get_peft_model_state_dict
-
-    cfg = model.peft_config[name]
-    return AdapterWeights(rank=cfg.r, alpha=cfg.lora_alpha, target_modules=tuple(cfg.target_modules),
-                          tensors=get_peft_model_state_dict(model, adapter_name=name))
 
 
 @pytest.fixture(scope="module")

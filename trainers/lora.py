@@ -263,6 +263,10 @@ class MultiLoraTrainer:
 
 def build_lora_trainer(cfg: Any, model: nn.Module) -> MultiLoraTrainer:
     """The trainer of a `TrainConfig` with `adapters:` over `model` (the base, frozen from here on)."""
+    import importlib.util
+
+    if importlib.util.find_spec("peft") is None:
+        raise ConfigError("adapters", "LoRA adapters are trained with peft: pip install -e '.[lora]'")
     specs = [AdapterSpec(a.name, a.lora, adapter_trainer_config(cfg.trainer, a),
                          seed=default_seed(cfg.seed, a.name) if a.seed is None else a.seed) for a in cfg.adapters]
     return MultiLoraTrainer(model, specs, cfg.torch, cfg.algorithm,

@@ -22,6 +22,10 @@ Design (see benchmarks/engine.py and docs/benchmarks.md for the measurements):
 * Sampling is seeded per request and reproducible whatever shares the batch; logprobs are those of the
   temperature-scaled distribution (see `miles.engines.sampling`).
 * Supported architectures: `miles.engines.decoder.SUPPORTED_MODEL_TYPES` (Llama, Mistral, Qwen2, Qwen3).
+* **LoRA adapters** (`update_adapter`, `generate(adapter=...)`): rows of different adapters and of the base
+  decode in the same step, each under its own adapter (`miles.engines.lora_bank`). An adapter's requests report
+  its own version; loading a new version swaps it between decode steps and touches nothing else; a session's
+  cache is reused only under the adapter load it was computed with (`SessionEntry.policy`).
 """
 
 from __future__ import annotations
@@ -41,10 +45,12 @@ from typing import Any
 import torch
 
 from miles.engine import EngineError, FinishReason, GenerateResult, RolloutEngine, SamplingParams
-from miles.engines.decoder import Decoder, check_supported
+from miles.engines.decoder import check_supported
 from miles.engines.errors import InvalidRequestError
 from miles.engines.kv import SessionEntry, SessionStore, common_prefix_len
 from miles.engines.load import EngineLoad
+from miles.engines.lora import AdapterError, AdapterWeights
+from miles.engines.lora_bank import BASE_SLOT, LoraDecoder
 from miles.engines.metrics import EngineHistograms
 from miles.engines.runner import DecodeBatch
 from miles.engines.sampling import RowSampling, SampleMode, SamplingTensors, sample, seed_key
@@ -70,6 +76,9 @@ class _Request:
     cached_tokens: int = 0
     weight_version_start: int = 0
     weights_epoch: int = -1  # the engine's weight load count when its prefill ran
+    adapter: str | None = None  # the LoRA adapter it decodes under (None: the base)
+    adapter_slot: int = BASE_SLOT
+    adapter_epoch: int = -1  # the adapter's load (`ServedAdapter.epoch`) when its prefill ran
     finished: bool = False  # set by the decode thread; the future settles later on the caller's loop
 
     @property
@@ -93,6 +102,8 @@ class EmbeddedEngine(RolloutEngine):
         cuda_graphs: replay decode steps from CUDA graphs when the device is CUDA.
         prefill_tokens: the most tokens (rows x chunk) one prefill forward processes; longer prompts and
             larger groups of joining requests are prefilled in chunks.
+        max_loras: the most LoRA adapters served at once (SGLang's `--max-loras-per-batch`).
+        max_lora_rank: the largest LoRA rank it takes (SGLang's `--max-lora-rank`).
 
     Raises `UnsupportedModelError` for a model outside `miles.engines.decoder.SUPPORTED_MODEL_TYPES`.
     The model may still be moved or cast (`engine.model.to(...)`) until the first request.
@@ -100,7 +111,8 @@ class EmbeddedEngine(RolloutEngine):
 
     def __init__(self, model: Any, *, tokenizer: Any = None, device: str = "cpu", max_batch_size: int = 64,
                  engine_id: str = "embedded-0", stop_at_eos: bool = True, max_cached_sessions: int = 1024,
-                 model_path: str = "", cuda_graphs: bool = True, prefill_tokens: int = 8192) -> None:
+                 model_path: str = "", cuda_graphs: bool = True, prefill_tokens: int = 8192, max_loras: int = 8,
+                 max_lora_rank: int = 64) -> None:
         check_supported(model)
         if max_batch_size < 1 or prefill_tokens < 1:
             raise ValueError(f"max_batch_size ({max_batch_size}) and prefill_tokens ({prefill_tokens}) must be >= 1")
@@ -112,6 +124,9 @@ class EmbeddedEngine(RolloutEngine):
         self.model_path = model_path
         self.cuda_graphs = cuda_graphs
         self.prefill_tokens = prefill_tokens
+        self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
+        self.adapter_sources: dict[str, str] = {}  # loaded adapter -> where it came from (a PEFT folder)
+        self._unloading: set[str] = set()
         cfg = model.config
         self.vocab_size = int(cfg.vocab_size)
         self.max_context = int(getattr(cfg, "max_position_embeddings", 0) or 1 << 30)
@@ -123,7 +138,7 @@ class EmbeddedEngine(RolloutEngine):
         self._version = 0
         self._epoch = 0  # weight loads so far: a cache from an older epoch is never kept
         self._sessions = SessionStore(max_cached_sessions)
-        self._decoder: Decoder | None = None  # built by the decode thread at the first request
+        self._decoder: LoraDecoder | None = None  # built at the first request (or adapter)
         self._batch: DecodeBatch | None = None
         self._active: list[_Request] = []  # row i decodes in slot i
         self._pending: list[_Request] = []
@@ -171,13 +186,20 @@ class EmbeddedEngine(RolloutEngine):
         return not self._closed and self._thread.is_alive()
 
     async def generate(self, input_ids: list[int], sampling_params: SamplingParams, *,
-                       session_id: str | None = None, rid: str | None = None,
+                       session_id: str | None = None, rid: str | None = None, adapter: str | None = None,
                        ignore_eos: bool = False) -> GenerateResult:
-        """Continue `input_ids`; `ignore_eos` disables the model's EOS as an implicit stop token."""
+        """Continue `input_ids` (under LoRA adapter `adapter`, which must be loaded); `ignore_eos` disables the
+        model's EOS as an implicit stop token."""
         if self._closed:
             raise EngineError("engine is closed", engine_id=self.engine_id)
+        if adapter is not None and (adapter not in self.adapter_sources or adapter in self._unloading):
+            raise AdapterError(f"no LoRA adapter {adapter!r} is loaded (loaded: "
+                               f"{sorted(set(self.adapter_sources) - self._unloading) or 'none'})",
+                               engine_id=self.engine_id)
         req = self._make_request(list(input_ids), sampling_params, session_id, rid or uuid.uuid4().hex,
                                  ignore_eos)
+        if adapter is not None:
+            req.adapter, req.weight_version_start = adapter, self.adapter_version(adapter) or 0
         with self._cond:
             if req.rid in self._rids:
                 raise InvalidRequestError(f"request id {req.rid!r} is already running", engine_id=self.engine_id)
@@ -217,6 +239,60 @@ class EmbeddedEngine(RolloutEngine):
     def load_weights_sync(self, named_tensors: dict[str, torch.Tensor], version: int | None = None) -> int:
         """Thread-safe synchronous weight load (used by the distributed weight receiver)."""
         return self._load_weights(named_tensors, version)
+
+    async def update_adapter(self, name: str, *, weights: AdapterWeights | None = None, path: str | None = None,
+                             version: int | None = None) -> int:
+        """Load LoRA adapter `name` (in memory, or the PEFT folder at `path`) as version `version` (default: its
+        current version plus 1, or 0). Between decode steps: requests of `name` in flight go on under the new
+        version (their tokens' versions say so); other adapters and the base are untouched. Raises
+        `AdapterError` (an `InvalidRequestError`) for an adapter that does not fit."""
+        if (weights is None) == (path is None):
+            raise InvalidRequestError("pass exactly one of weights= or path=", engine_id=self.engine_id)
+        if path is not None:
+            weights = await asyncio.to_thread(AdapterWeights.load, path)
+        return await asyncio.to_thread(self._load_adapter, name, weights, version, path or "in memory")
+
+    def _load_adapter(self, name: str, weights: AdapterWeights, version: int | None, source: str) -> int:
+        with self._model_lock, torch.inference_mode():
+            batch = self._ready_batch()
+            bank = self._decoder.bank
+            enabled, current = bank.enabled, bank.get(name)
+            new = (0 if current is None else current.version + 1) if version is None else int(version)
+            bank.load(name, weights, new)
+            if not enabled:  # steps captured so far never run the adapter math
+                batch.drop_graphs()
+            self.adapter_sources[name] = source
+            return new
+
+    async def unload_adapter(self, name: str) -> None:
+        """Stop taking requests for adapter `name`, wait for those in flight, then free its slot."""
+        if name not in self.adapter_sources:
+            raise AdapterError(f"no LoRA adapter {name!r} is loaded", engine_id=self.engine_id)
+        self._unloading.add(name)
+        try:
+            while self._serving(name):
+                await asyncio.sleep(0.005)
+            await asyncio.to_thread(self._unload_adapter, name)
+        finally:
+            self._unloading.discard(name)
+
+    def _serving(self, name: str) -> bool:
+        with self._cond:
+            return any(r.adapter == name and not r.finished for r in [*self._pending, *self._active])
+
+    def _unload_adapter(self, name: str) -> None:
+        with self._model_lock, torch.inference_mode():
+            self._decoder.bank.unload(name)
+            del self.adapter_sources[name]
+
+    def adapter_version(self, name: str) -> int | None:
+        """The version of loaded adapter `name` (None: not loaded)."""
+        served = None if self._decoder is None else self._decoder.bank.get(name)
+        return None if served is None else served.version
+
+    def _policy_version(self, req: _Request) -> int:
+        """The version `req`'s tokens are made under now: its adapter's, or the base's."""
+        return self._version if req.adapter is None else self._decoder.bank.get(req.adapter).version
 
     async def flush_cache(self) -> None:
         """Drop every session's kept cache."""
@@ -339,7 +415,9 @@ class EmbeddedEngine(RolloutEngine):
 
     def _ready_batch(self) -> DecodeBatch:
         if self._batch is None:
-            self._decoder = Decoder(self.model)
+            static = self.cuda_graphs and self.device.type == "cuda"  # graphs: the adapter math is always in
+            self._decoder = LoraDecoder(self.model, max_slots=self.max_batch_size, max_adapters=self.max_loras,
+                                        max_rank=self.max_lora_rank, static=static)
             cache = self._decoder.new_cache(self.max_batch_size, min(self.max_context, self._decoder.max_positions))
             self._batch = DecodeBatch(self._decoder, cache, self.max_batch_size, cuda_graphs=self.cuda_graphs)
         return self._batch
@@ -351,6 +429,10 @@ class EmbeddedEngine(RolloutEngine):
         batch = self._ready_batch()
         batch.grow(max(len(r.input_ids) for r in new) + 1)
         first = len(self._active)
+        for req in new:
+            if req.adapter is not None:
+                served = self._decoder.bank.get(req.adapter)
+                req.adapter_slot, req.adapter_epoch = served.slot, served.epoch
         kept = [self._reusable(req) for req in new]
         order = sorted(range(len(new)), key=lambda i: len(new[i].input_ids) - kept[i][1], reverse=True)
         new = [new[i] for i in order]  # longest suffix first, so the rows of each prefill chunk are a run of slots
@@ -360,6 +442,7 @@ class EmbeddedEngine(RolloutEngine):
             if m:
                 batch.cache.load(slot, entry.kv, m)
             reused.append(m)
+        self._decoder.bank.select([r.adapter_slot for r in [*self._active, *new]])
         logits = self._prefill(new, reused, first)
         rows = [r.row for r in new]
         tokens, logprobs = sample(logits, SamplingTensors.build(rows, [0] * len(new), self.device),
@@ -370,7 +453,7 @@ class EmbeddedEngine(RolloutEngine):
             self.histograms.first_token.observe(now - req.start)
             req.output_ids.append(tok)
             req.output_logprobs.append(lp)
-            req.token_versions.append(self._version)
+            req.token_versions.append(self._policy_version(req))
         for req in new:
             req.weights_epoch = self._epoch
         self._active.extend(new)
@@ -382,12 +465,17 @@ class EmbeddedEngine(RolloutEngine):
         """Take `req`'s session cache and say how many of its positions `req` can reuse."""
         m = 0
         entry = self._sessions.take(req.session_id) if req.session_id is not None else None
-        if entry is not None:
+        if entry is not None and entry.policy == self._cache_policy(req):
             m = min(common_prefix_len(entry.tokens, req.input_ids), len(req.input_ids) - 1)
         req.cached_tokens = m
         self.stats["cached_tokens"] += m
         self.stats["prefill_tokens"] += len(req.input_ids) - m
         return entry, m
+
+    @staticmethod
+    def _cache_policy(req: _Request) -> tuple[str, int] | None:
+        """What `req`'s KV depends on besides the base weights: its adapter's load (None for the base)."""
+        return None if req.adapter is None else (req.adapter, req.adapter_epoch)
 
     def _prefill(self, new: list[_Request], reused: list[int], first: int) -> torch.Tensor:
         """Run the uncached tokens of `new` (slots `first ..`, longest suffix first) in chunks of at most
@@ -427,16 +515,17 @@ class EmbeddedEngine(RolloutEngine):
         active = self._active
         length = max(r.cache_len for r in active) + 1
         batch.grow(length)
+        self._decoder.bank.select([r.adapter_slot for r in active])
         tokens, logprobs = batch.step(len(active), length, SampleMode.of(r.row for r in active))
         self.stats["steps"] += 1
         self.histograms.batch_size.observe(len(tokens))
         self.stats["decode_tokens"] += len(tokens)
-        version = self._version
+        versions = {r.adapter: self._policy_version(r) for r in active}
         done = []
         for i, (req, tok, lp) in enumerate(zip(active, tokens, logprobs, strict=True)):
             req.output_ids.append(tok)
             req.output_logprobs.append(lp)
-            req.token_versions.append(version)
+            req.token_versions.append(versions[req.adapter])
             if tok in req.stop_ids or len(req.output_ids) >= req.max_new:
                 done.append(i)
         if done:
@@ -453,9 +542,11 @@ class EmbeddedEngine(RolloutEngine):
         batch = self._batch
         for i in indices:
             req = self._active[i]
-            if req.session_id is not None and not req.finished and req.weights_epoch == self._epoch:
+            if req.session_id is not None and not req.finished and req.weights_epoch == self._epoch and (
+                    req.adapter is None or self._decoder.bank.get(req.adapter).epoch == req.adapter_epoch):
                 covered = req.input_ids + req.output_ids[:-1]
-                self._sessions.put(req.session_id, covered, batch.cache.export(i, len(covered)))
+                self._sessions.put(req.session_id, covered, batch.cache.export(i, len(covered)),
+                                   policy=self._cache_policy(req))
             self._finish(req, reason or self._finish_reason(req))
         n = len(self._active)
         gone = set(indices)
@@ -475,7 +566,8 @@ class EmbeddedEngine(RolloutEngine):
         req.finished = True
         result = GenerateResult(
             output_ids=list(req.output_ids), output_logprobs=list(req.output_logprobs), finish_reason=reason,
-            weight_version=self._version, prompt_tokens=len(req.input_ids), cached_tokens=req.cached_tokens,
+            weight_version=self._policy_version(req), prompt_tokens=len(req.input_ids),
+            cached_tokens=req.cached_tokens,
             latency_s=time.perf_counter() - req.start, engine_id=self.engine_id,
             extra={"rid": req.rid, "weight_version_start": req.weight_version_start},
             token_versions=list(req.token_versions))

@@ -70,6 +70,7 @@ class SessionEntry:
 
     tokens: list[int]
     kv: torch.Tensor
+    policy: tuple[str, int] | None = None  # (LoRA adapter, its load epoch) the KV was computed under; None: base
 
 
 class SessionStore:
@@ -82,9 +83,10 @@ class SessionStore:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, session_id: str, tokens: list[int], kv: torch.Tensor) -> None:
+    def put(self, session_id: str, tokens: list[int], kv: torch.Tensor,
+            policy: tuple[str, int] | None = None) -> None:
         self._entries.pop(session_id, None)
-        self._entries[session_id] = SessionEntry(tokens, kv)
+        self._entries[session_id] = SessionEntry(tokens, kv, policy)
         while len(self._entries) > self.max_sessions:
             self._entries.popitem(last=False)
 

@@ -33,10 +33,12 @@ BASE_SLOT = 0
 
 @dataclass(frozen=True)
 class ServedAdapter:
-    """An adapter in the bank: its slot and its version (the version generate calls report)."""
+    """An adapter in the bank: its slot, its version (the version generate calls report) and the bank's load
+    count when it was loaded (`epoch`: a KV cache computed under an earlier load is never reused)."""
 
     slot: int
     version: int
+    epoch: int
 
 
 @dataclass
@@ -64,6 +66,7 @@ class LoraBank:
         self.dtype, self.device = dtype, torch.device(device)
         self._module = {path: (key, i) for key, p in projections.items() for i, (path, _) in enumerate(p.parts)}
         self._served: dict[str, ServedAdapter] = {}
+        self._loads = 0
         self.rows = torch.zeros(max_slots, dtype=torch.long, device=self.device)  # adapter slot per cache slot
         self._host = [BASE_SLOT] * max_slots
 
@@ -128,7 +131,8 @@ class LoraBank:
             proj.a[slot, rows].copy_(a.to(self.device, self.dtype))
             proj.b[slot, offset:offset + b.shape[0], rows].copy_((b.float() * weights.scaling).to(self.device,
                                                                                                    self.dtype))
-        self._served[name] = ServedAdapter(slot, int(version))
+        self._loads += 1
+        self._served[name] = ServedAdapter(slot, int(version), self._loads)
         return self._served[name]
 
     def unload(self, name: str) -> None:

@@ -94,6 +94,10 @@ class DecodeBatch:
             self.active[start:end] = 0
             self.positions[start:end] = 0
 
+    def drop_graphs(self) -> None:
+        """Forget the captured CUDA graphs (the forward pass changed: LoRA adapters were enabled)."""
+        self._graphs.clear()
+
     def grow(self, length: int) -> None:
         """Make the cache hold `length` positions per slot (dropping graphs when its buffers move)."""
         if self.cache.ensure(length):

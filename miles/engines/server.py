@@ -4,7 +4,9 @@ Endpoints: `POST /generate`, `POST /abort_request`, `GET /health`, `GET /health_
 `GET /get_model_info` and `/model_info`, `GET /get_server_info` and `/server_info`, `POST|GET /flush_cache`,
 the weight-update endpoints of `weight_routes` (`/update_weights_from_disk`, `/init_weights_update_group`,
 `/begin_weight_update`, `/update_weights_from_distributed`, `/end_weight_update`, `/destroy_weights_update_group`),
-`POST /update_weight_version`, `GET|POST /get_weights_by_name`, `GET /v1/loads` (SGLang's load report).
+`POST /update_weight_version`, `GET|POST /get_weights_by_name`, `GET /v1/loads` (SGLang's load report), and
+LoRA adapters: `POST /load_lora_adapter`, `POST /unload_lora_adapter`, `lora_path` (an adapter's name) in
+`/generate`.
 Bad requests answer 400 with `{"error": {"message", "type"}}`; engine failures answer 503.
 """
 
@@ -34,6 +36,7 @@ from miles.engines.wire import (
     ROUTING_KEY_HEADER,
     SESSION_HEADER,
     generate_response,
+    lora_update_response,
     parse_generate_request,
     parse_weight_version,
 )
@@ -87,12 +90,10 @@ def create_app(engine: EmbeddedEngine) -> fastapi.FastAPI:
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: fastapi.Request) -> JSONResponse:
         req = parse_generate_request(await _json_body(request), engine.tokenizer)
-        if req["lora_path"]:
-            raise InvalidRequestError(f"the embedded engine has no LoRA adapter {req['lora_path']!r}")
         rid = req["rid"] or uuid.uuid4().hex
         session_id = request.headers.get(SESSION_HEADER) or request.headers.get(ROUTING_KEY_HEADER)
         result = await engine.generate(req["input_ids"], req["params"], rid=rid, ignore_eos=req["ignore_eos"],
-                                       session_id=session_id)
+                                       session_id=session_id, adapter=req["lora_path"])
         return JSONResponse(generate_response(result, rid=rid, text=_decode(result.output_ids),
                                               return_logprob=req["return_logprob"]))
 
@@ -159,6 +160,36 @@ def create_app(engine: EmbeddedEngine) -> fastapi.FastAPI:
         return PlainTextResponse("Cache flushed.\n")
 
     add_weight_routes(app, engine, _json_body)
+
+    @app.post("/load_lora_adapter")
+    async def load_lora_adapter(request: fastapi.Request) -> JSONResponse:
+        """SGLang's `LoadLoRAAdapterReqInput`: the PEFT folder `lora_path` served as `lora_name` (a name that is
+        loaded already is refused, as SGLang refuses it)."""
+        body = await _json_body(request)
+        _require(body, "lora_name", "lora_path")
+        name, path = body["lora_name"], body["lora_path"]
+        if not isinstance(name, str) or not isinstance(path, str):
+            raise InvalidRequestError("lora_name and lora_path must be strings")
+        if name in engine.adapter_sources:
+            return JSONResponse(lora_update_response(False, error=f"Failed to load LoRA adapter {name} because it "
+                                                     "is already loaded"), status_code=400)
+        try:
+            await engine.update_adapter(name, path=path, version=0)
+        except InvalidRequestError as exc:
+            return JSONResponse(lora_update_response(False, error=str(exc)), status_code=400)
+        return JSONResponse(lora_update_response(True, loaded=dict(engine.adapter_sources)))
+
+    @app.post("/unload_lora_adapter")
+    async def unload_lora_adapter(request: fastapi.Request) -> JSONResponse:
+        """SGLang's `UnloadLoRAAdapterReqInput`: unload `lora_name` once its requests in flight are done."""
+        body = await _json_body(request)
+        _require(body, "lora_name")
+        name = body["lora_name"]
+        if name not in engine.adapter_sources:
+            return JSONResponse(lora_update_response(False, error=f"LoRA with name {name} does not exist. Loaded "
+                                                     f"LoRAs: {sorted(engine.adapter_sources)}"), status_code=400)
+        await engine.unload_adapter(name)
+        return JSONResponse(lora_update_response(True, loaded=dict(engine.adapter_sources)))
 
     @app.post("/update_weight_version")
     async def update_weight_version(request: fastapi.Request) -> JSONResponse:
