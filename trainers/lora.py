@@ -84,7 +84,7 @@ class MultiLoraTrainer:
         peft_model: Any = None
         for a in adapters:
             lora = LoraConfig(r=a.lora.rank, lora_alpha=a.lora.alpha, lora_dropout=a.lora.dropout,
-                              target_modules=list(a.lora.target_modules), use_rslora=a.lora.use_rslora,
+                              target_modules=list(a.lora.target_modules),
                               bias="none", task_type="CAUSAL_LM")
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(a.seed)
@@ -209,7 +209,7 @@ class MultiLoraTrainer:
         state = get_peft_model_state_dict(self.model, adapter_name=name)
         return AdapterWeights(rank=spec.rank, alpha=spec.alpha, target_modules=tuple(spec.target_modules),
                               tensors={k: v.detach().to("cpu", copy=True) for k, v in state.items()},
-                              use_rslora=spec.use_rslora, base_model=self.base_model)
+                              base_model=self.base_model)
 
     def save_checkpoint(self, root: str | Path, *, data_cursor: dict[str, Any] | None = None,
                         extra: dict[str, Any] | None = None, keep_last: int | None = None) -> Path | None:

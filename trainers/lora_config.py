@@ -18,16 +18,15 @@ SCHEDULE_KEYS = ("lr", "lr_schedule", "warmup_steps", "total_steps", "min_lr_rat
 
 @dataclass(frozen=True)
 class LoraSpec:
-    """A LoRA adapter's shape: `rank` r and `alpha` (the update is scaled by alpha / r, or alpha / sqrt(r) with
-    `use_rslora`), `dropout` on the adapter's input while training, and the `target_modules` it adapts (leaf
-    module names of the base model; the default is every linear layer of a Llama/Qwen2-style decoder layer,
-    which SGLang's LoRA loader accepts)."""
+    """A LoRA adapter's shape: `rank` r and `alpha` (the update is scaled by alpha / r, as SGLang's LoRA loader
+    scales it: no rsLoRA), `dropout` on the adapter's input while training, and the `target_modules` it adapts
+    (leaf module names of the base model; the default is every linear layer of a Llama/Qwen2-style decoder
+    layer, which SGLang's LoRA loader accepts)."""
 
     rank: int = 8
     alpha: float = 16.0
     dropout: float = 0.0
     target_modules: tuple[str, ...] = DEFAULT_TARGET_MODULES
-    use_rslora: bool = False
 
     def __post_init__(self) -> None:
         if self.rank < 1:

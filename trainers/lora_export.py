@@ -34,7 +34,7 @@ def adapter_from_checkpoint(cfg: TrainConfig, name: str, checkpoint: str | Path)
     if not tensors:
         raise ConfigError("--checkpoint", f"{path} holds no weights of adapter {name!r}")
     return AdapterWeights(rank=spec.rank, alpha=spec.alpha, target_modules=tuple(spec.target_modules),
-                          tensors=tensors, use_rslora=spec.use_rslora,
+                          tensors=tensors,
                           base_model=cfg.model.init_from or cfg.model.name)
 
 

@@ -81,7 +81,7 @@ class AdapterRun:
                  sync: WeightSync, engines: Sequence[RolloutEngine], tokenizer: Any, eval_recorder: Recorder,
                  metrics_log: MetricsLog, echo: Callable[[str], None] = print) -> None:
         self.parts = list(parts)
-        self.cfg, self.trainer, self.sync, self.engines = cfg, trainer, sync, list(engines)
+        self.cfg, self.trainer, self.weight_sync, self.engines = cfg, trainer, sync, list(engines)
         self.tokenizer, self.eval_recorder, self.metrics_log, self.echo = tokenizer, eval_recorder, metrics_log, echo
 
     @classmethod
@@ -135,7 +135,7 @@ class AdapterRun:
             await self._push(name, None)
 
     async def _push(self, name: str, version: int | None) -> None:
-        report = await self.sync.push_adapter(name, self.trainer.adapter_weights(name), version=version)
+        report = await self.weight_sync.push_adapter(name, self.trainer.adapter_weights(name), version=version)
         self.metrics_log.write("sync", self.trainer.step, adapter=name, version=report.version, method=report.method,
                                seconds=report.seconds, drain_seconds=report.drain_seconds, mb=report.num_bytes / 1e6)
         self._part(name).metrics.observe_sync(report)
@@ -200,7 +200,7 @@ class AdapterRun:
     # ---- checkpoints -----------------------------------------------------------------------------------
     def data_cursor(self) -> dict[str, Any]:
         """Each adapter's task position and synced version, for a checkpoint's data cursor."""
-        return {"adapters": {p.name: {"position": p.cursor.position, "version": self.sync.adapter_version(p.name)}
+        return {"adapters": {p.name: {"position": p.cursor.position, "version": self.weight_sync.adapter_version(p.name)}
                              for p in self.parts}}
 
     async def restore(self, ckpt: Checkpoint, step: int) -> None:
