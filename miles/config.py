@@ -22,6 +22,16 @@ class ConfigError(ValueError):
         self.key = key
         self.message = message
 
+    def __reduce__(self) -> tuple[Any, ...]:  # pickles whole (to another process or a Ray actor's caller),
+        return _restore_error, (type(self), self.args, self.__dict__)  # whatever a subclass's __init__ takes
+
+
+def _restore_error(cls: type[ConfigError], args: tuple[Any, ...], state: dict[str, Any]) -> ConfigError:
+    error = cls.__new__(cls, *args)
+    error.args = args
+    error.__dict__.update(state)
+    return error
+
 
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name

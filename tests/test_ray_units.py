@@ -200,3 +200,17 @@ async def test_an_engine_that_never_comes_back_is_a_named_sync_error(tmp_path):
             await sync.push(small_qwen2(6).state_dict())
     finally:
         await client.close()
+
+
+def test_a_config_error_crosses_a_process_boundary_whole():
+    """A `ConfigError` raised on a Ray worker reaches the driver as itself (key, message, subclass), so the
+    CLI prints its one line there."""
+    import pickle
+
+    from miles.envs.registry import UnknownEnvError
+    from miles.sessions.config import SessionConfigError
+
+    for error in (ConfigError("env.import", "cannot import 'x'"), SessionConfigError("bad"), UnknownEnvError("no")):
+        back = pickle.loads(pickle.dumps(error))
+        assert type(back) is type(error) and (back.key, back.message, str(back)) == (error.key, error.message,
+                                                                                      str(error))

@@ -309,17 +309,30 @@ class RayRun:
         pending = list(refs)
         while pending:
             done, pending = ray.wait(pending, num_returns=1)
-            rank = refs[done[0]]
             try:
                 result = ray.get(done[0])
-            except ray.exceptions.RayTaskError as exc:
-                raise remote_cause(exc) from None  # a ConfigError or RolloutManagerError stays one line
-            except ray.exceptions.RayActorError as exc:
-                raise TrainerRankError(f"trainer rank {rank} died ({_first_line(exc)}); continue the run with "
-                                       "--resume") from None
-            if rank == 0:
+            except ray.exceptions.RayError as exc:
+                raise self._failure(exc, refs) from None
+            if refs[done[0]] == 0:
                 summary = result
         return summary
+
+    def _failure(self, first: BaseException, refs: dict[Any, int], grace_s: float = 10.0) -> BaseException:
+        """What to report when a rank failed: a rank whose actor died (the others then fail in their collectives
+        with whatever the backend says) as `TrainerRankError`, else the error the rank raised (a `ConfigError`
+        or `RolloutManagerError` stays one line)."""
+        import ray
+
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=grace_s)
+        for ref in sorted(ready, key=refs.__getitem__):
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as exc:
+                return TrainerRankError(f"trainer rank {refs[ref]} died ({_first_line(exc)}); continue the run "
+                                        "with --resume")
+            except ray.exceptions.RayError:
+                continue
+        return remote_cause(first)
 
     def close(self) -> None:
         """Stop every actor, remove the placement groups, and leave (or stop) Ray."""
