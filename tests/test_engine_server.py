@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import uuid
 from pathlib import Path
 
 import httpx
@@ -23,10 +24,11 @@ SFT_CHECKPOINT = str(Path(__file__).resolve().parents[1] / "checkpoints" / "calc
 
 @pytest.fixture(scope="module")
 def served():
-    engine = EmbeddedEngine(small_qwen2(0), model_path="tiny-test")
+    engine = EmbeddedEngine(small_qwen2(0), model_path="tiny-test", engine_id=f"served-{uuid.uuid4().hex[:8]}")
     handle = serve_in_thread(engine)
     yield engine, handle
     handle.stop()
+    asyncio.run(engine.close())
 
 
 @pytest.fixture

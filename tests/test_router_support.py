@@ -92,24 +92,29 @@ def black_hole() -> StubServer:
     return StubServer({"/health": None, "/health_generate": None})
 
 
-def slowed(engine_model: Any, *, prefill_s_per_token: float, decode_s_per_step: float) -> Any:
-    """Make every forward call of `engine_model` cost real time: `prefill_s_per_token` per prompt token of a
-    prefill, `decode_s_per_step` per batched decode step whatever its batch size (a GPU-like engine)."""
+def slowed(engine: EmbeddedEngine, *, prefill_s_per_token: float,
+           decode_s_per_step: float) -> EmbeddedEngine:
+    """Make `engine`'s model work cost real time: `prefill_s_per_token` per uncached prompt token of a prefill,
+    `decode_s_per_step` per batched decode step whatever its batch size (a GPU-like engine)."""
+    prefill, step = engine._prefill, engine._step
 
-    def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        length = int(ids.shape[1])
-        time.sleep(prefill_s_per_token * length if length > 1 else decode_s_per_step)
+    def slow_prefill(new: list[Any], reused: list[int], first: int) -> Any:
+        time.sleep(prefill_s_per_token * sum(len(r.input_ids) - m for r, m in zip(new, reused, strict=True)))
+        return prefill(new, reused, first)
 
-    engine_model.register_forward_pre_hook(hook, with_kwargs=True)
-    return engine_model
+    def slow_step() -> None:
+        time.sleep(decode_s_per_step)
+        step()
+
+    engine._prefill, engine._step = slow_prefill, slow_step
+    return engine
 
 
 def embedded_server(engine_id: str, *, max_positions: int = 2048, **slow: float) -> tuple[EmbeddedEngine,
                                                                                          ServerHandle]:
     """A real embedded engine (the 0.1M tiny model, optionally `slowed(**slow)`) behind its HTTP server."""
     model = make_tiny_model("0.1m", vocab_size=len(tito().tokenizer), max_position_embeddings=max_positions)
-    if slow:
-        slowed(model, **slow)
     engine = EmbeddedEngine(model, engine_id=engine_id)
+    if slow:
+        slowed(engine, **slow)
     return engine, serve_in_thread(engine)

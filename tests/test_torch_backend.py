@@ -363,6 +363,7 @@ def _fsdp_worker(rank: int, world: int, port: int, out_path: str) -> None:
         lp = trainer.compute_logprobs(batch)
         if rank == 0:
             torch.save({"metrics": metrics, "state": state, "lp": lp}, out_path)
+        torch.distributed.barrier()  # rank 0 hosts the store: neither rank tears down while the other still uses it
     finally:
         torch.distributed.destroy_process_group()
 
