@@ -133,29 +133,38 @@ def test_tp1_in_process_train_step_matches_torch_backend(megatron_single_process
     assert_same_step({"roundtrip": roundtrip, "metrics": metrics}, weights, "qwen3")
 
 
-def test_vocab_parallel_logprobs_match_torch_backend(megatron_single_process):
+@pytest.mark.parametrize("family,tied", [("qwen2", True), ("llama", False)])
+def test_fused_head_logprobs_match_the_model_logits(megatron_single_process, family, tied):
+    """The output layer bypassed, its weight applied chunk by chunk: same logprobs, entropies and gradients
+    as log_softmax over the model's own (padded-vocabulary) logits."""
     from miles.trainers.logprobs import shifted_entropy, shifted_token_logprobs
-    from miles.trainers.megatron.logprobs import (
-        vocab_parallel_shifted_entropy,
-        vocab_parallel_shifted_logprobs,
-    )
+    from miles.trainers.megatron.logprobs import final_hidden_states, head_logprobs
+    from miles.trainers.megatron.model import build_gpt_model, transformer_config
 
-    g = torch.Generator().manual_seed(0)
-    logits = torch.randn(17, 300, generator=g, requires_grad=True)
-    padded = torch.cat([logits, torch.randn(17, 84, generator=g) * 50], dim=1)  # junk in the padding
-    ids = torch.randint(0, 300, (17,), generator=g)
-    starts = torch.tensor([0, 9])
-    for temp in (1.0, 0.7):
-        ref = shifted_token_logprobs(logits, ids, starts, temp)
-        got = vocab_parallel_shifted_logprobs(padded, ids, starts, 300, temp)
-        torch.testing.assert_close(got, ref)
-        torch.testing.assert_close(vocab_parallel_shifted_entropy(padded, starts, 300, temp),
-                                   shifted_entropy(logits, starts, temp))
-    (g_ref,) = torch.autograd.grad(shifted_entropy(logits, starts).sum(), logits)
-    (g_got,) = torch.autograd.grad(vocab_parallel_shifted_entropy(padded, starts, 300).sum(), logits)
-    torch.testing.assert_close(g_got, g_ref)
-    with pytest.raises(ValueError, match="temperature"):
-        vocab_parallel_shifted_logprobs(padded, ids, starts, 300, 0.0)
+    hf = make_hf(family, tied=tied)
+    layout = layout_from_hf(hf.config)
+    assert layout.padded_vocab_size > 300  # padded rows exist and must get no probability
+    model = build_gpt_model(layout, transformer_config(layout), attention="sdpa")
+    model.load_state_dict(hf_to_megatron(hf.state_dict(), layout), strict=False)
+    ids = torch.randint(0, 300, (1, 19), generator=torch.Generator().manual_seed(4))
+    positions = torch.arange(19).unsqueeze(0)
+    starts = torch.tensor([0])
+    grads = []
+    for fused in (True, False):
+        model.zero_grad(set_to_none=True)
+        if fused:
+            with final_hidden_states(model) as hidden:
+                out = model(ids, positions, None)
+            assert out.numel() == 0 and len(hidden) == 1  # no logits were formed
+            lp, ent = head_logprobs(model, hidden[0], ids[0], starts, 300, 0.7, entropy=True)
+        else:
+            logits = model(ids, positions, None)[0, :, :300]
+            lp, ent = shifted_token_logprobs(logits, ids[0], starts, 0.7), shifted_entropy(logits, starts, 0.7)
+        (lp.sum() + 0.3 * ent.sum()).backward()
+        grads.append((lp.detach(), ent.detach(), *(p.grad.clone() for p in model.parameters())))
+    for got, want in zip(*grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert not model.output_layer._forward_pre_hooks  # the bypass ends with the forward
 
 
 def test_cpu_rng_tracker_forks_and_restores():

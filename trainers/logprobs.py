@@ -12,10 +12,13 @@ over tensor-parallel ranks (each holds rows ``[vocab_start, vocab_start + V_loca
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 #: float32 logits per chunk, by device type (a chunk holds this / V positions): on a CPU small enough for the
 #: chunk's element-wise passes to stay in cache, on a GPU large enough for full-speed matmuls.
@@ -88,6 +91,29 @@ def token_logprobs_from_hidden(hidden: torch.Tensor, weight: torch.Tensor, token
                                        int(chunk), int(vocab_start), int(pad_from), group)
     lp = shift_to_tokens(lp, seq_starts)
     return lp, (shift_to_tokens(ent, seq_starts) if entropy else None)
+
+
+@contextlib.contextmanager
+def lm_head_bypassed(head: nn.Module) -> Iterator[list[torch.Tensor]]:
+    """While open, every call of the LM head module `head` appends its input (the final hidden states) to the
+    yielded list and runs the head on zero positions instead, so a model's forward ends without forming logits.
+
+    The model's own forward still runs end to end (wrappers such as FSDP2 or a pipeline schedule gather and
+    release parameters as usual); pair it with `token_logprobs_from_hidden` on the captured states. Positions
+    are the second-to-last dimension of the head's input (HF ``[b, s, h]`` and megatron ``[s, b, h]`` alike
+    keep features last, so slicing ``[..., :0, :]`` empties a dimension of either).
+    """
+    captured: list[torch.Tensor] = []
+
+    def hook(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        captured.append(args[0])
+        return (args[0][..., :0, :], *args[1:])
+
+    handle = head.register_forward_pre_hook(hook)
+    try:
+        yield captured
+    finally:
+        handle.remove()
 
 
 class _FusedHeadLogprobs(torch.autograd.Function):

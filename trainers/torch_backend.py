@@ -17,10 +17,8 @@ normalizes the loss by batch-global token/sequence counts so the update equals t
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +38,7 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .errors import CheckpointError
-from .logprobs import shifted_entropy, shifted_token_logprobs, token_logprobs_from_hidden
+from .logprobs import lm_head_bypassed, shifted_entropy, shifted_token_logprobs, token_logprobs_from_hidden
 from .losses import LossInputs, policy_loss, sft_loss
 from .master_weights import MasterWeights
 from .metrics import MetricAccumulator, reduce_metrics, train_step_metrics
@@ -485,30 +483,10 @@ def hf_token_logprobs(model: nn.Module, token_ids: torch.Tensor, cu_seqlens: tor
         logits = unpad(model(**kwargs).logits)
         lp = shifted_token_logprobs(logits, token_ids, starts, temperature)
         return lp, (shifted_entropy(logits, starts, temperature) if entropy else None)
-    with _lm_head_input(head) as captured:
+    with lm_head_bypassed(head) as captured:
         model(**kwargs)
     return token_logprobs_from_hidden(unpad(captured[0]), head.weight, token_ids, starts, temperature,
                                       entropy=entropy)
-
-
-@contextlib.contextmanager
-def _lm_head_input(head: nn.Module) -> Iterator[list[torch.Tensor]]:
-    """While open, the head's input is captured and the head itself runs on zero positions.
-
-    The model's own forward still runs end to end (so wrappers such as FSDP2 gather and release parameters as
-    usual); only the ``[.., L, V]`` logits are skipped.
-    """
-    captured: list[torch.Tensor] = []
-
-    def hook(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        captured.append(args[0])
-        return (args[0][..., :0, :], *args[1:])
-
-    handle = head.register_forward_pre_hook(hook)
-    try:
-        yield captured
-    finally:
-        handle.remove()
 
 
 def _params_to_bf16(model: nn.Module) -> None:

@@ -1,84 +1,66 @@
-"""Per-token logprobs and entropy from vocab-parallel logits (each TP rank holds a slice of the vocabulary).
+"""Per-token logprobs and entropy of a megatron ``GPTModel`` from its final hidden states (the fused LM head).
 
-Same conventions as `miles.trainers.logprobs`: token ``t`` gets ``log_softmax(logits[t-1] / T)[token_ids[t]]``,
-sequence starts get 0, computed in float32. Padded vocabulary entries (ids >= the true vocab size) get
-a logit of -1e30, i.e. zero probability. The cross-rank sums use megatron's ``reduce_from_tensor_model_parallel_region``
-(all-reduce forward, identity backward), which is exact here because every TP rank computes the same loss.
+The model's output layer is bypassed (`miles.trainers.logprobs.lm_head_bypassed`): its input, the final
+hidden states, goes with the layer's weight (the shared embedding when tied) to
+`miles.trainers.logprobs.token_logprobs_from_hidden`, chunked over positions, with the vocabulary spread over
+the tensor-parallel ranks. So the ``[T, V]`` logits are never materialised, and no ``[b, s, V]`` transpose copy.
+Conventions as in `miles.trainers.logprobs`; padded vocabulary rows (ids >= the true vocab size) get zero
+probability.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
-import torch.distributed as dist
+from torch import nn
 
-_PAD_LOGIT = -1e30  # finite, so that entropy gradients stay 0 (not 0 * inf) on padded vocabulary entries
-
-
-def _tp_sum(x: torch.Tensor, tp_size: int) -> torch.Tensor:
-    if tp_size == 1:
-        return x
-    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
-
-    return reduce_from_tensor_model_parallel_region(x)
+from miles.trainers.logprobs import lm_head_bypassed, token_logprobs_from_hidden
 
 
-def _tp_group_info() -> tuple[int, int, object]:
+def unwrap(model: nn.Module) -> nn.Module:
+    """The ``GPTModel`` inside megatron's wrappers (DDP, Float16Module)."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+@contextlib.contextmanager
+def final_hidden_states(model: nn.Module) -> Iterator[list[torch.Tensor]]:
+    """While open, forwards of `model` skip its output layer and append their final hidden states ``[s, b, h]``
+    to the yielded list (nothing on pipeline stages without an output layer)."""
+    head = getattr(unwrap(model), "output_layer", None)
+    if head is None:
+        yield []
+        return
+    with lm_head_bypassed(head) as captured:
+        yield captured
+
+
+def output_weight(model: nn.Module) -> torch.Tensor:
+    """This rank's slice ``[V_padded / tp, h]`` of the output layer's weight (the word embeddings when tied)."""
+    gpt = unwrap(model)
+    if gpt.share_embeddings_and_output_weights:
+        return gpt.shared_embedding_or_output_weight()
+    return gpt.output_layer.weight
+
+
+def head_logprobs(model: nn.Module, hidden: torch.Tensor, token_ids: torch.Tensor, seq_starts: torch.Tensor,
+                  vocab_size: int, temperature: float = 1.0, *, entropy: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logprobs ``[T]`` (and entropies) of the packed tokens from `model`'s final hidden states ``[T, 1, h]``
+    (or ``[T, h]``), through its output weight; every TP rank gets the full-vocabulary values."""
     from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
-    return (parallel_state.get_tensor_model_parallel_world_size(),
-            parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_group())
-
-
-def _masked_scaled(logits: torch.Tensor, vocab_size: int, vocab_start: int, temperature: float) -> torch.Tensor:
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0 to recompute logprobs, got {temperature}")
-    z = logits.float()
-    if temperature != 1.0:
-        z = z / temperature
-    local = z.size(-1)
-    if vocab_start + local > vocab_size:
-        ids = torch.arange(vocab_start, vocab_start + local, device=z.device)
-        z = z.masked_fill(ids >= vocab_size, _PAD_LOGIT)
-    return z
-
-
-def _logsumexp(z: torch.Tensor, tp_size: int, group: object) -> torch.Tensor:
-    m = z.detach().max(dim=-1).values
-    if tp_size > 1:
-        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-    s = torch.exp(z - m.unsqueeze(-1)).sum(-1)
-    return m + torch.log(_tp_sum(s, tp_size))
-
-
-def _shift(values: torch.Tensor, seq_starts: torch.Tensor) -> torch.Tensor:
-    out = torch.zeros_like(values)
-    out[1:] = values[:-1]
-    out[seq_starts] = 0.0
-    return out
-
-
-def vocab_parallel_shifted_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, seq_starts: torch.Tensor,
-                                    vocab_size: int, temperature: float = 1.0) -> torch.Tensor:
-    """``logits``: ``[N, V_local]`` (this TP rank's vocabulary slice); returns ``[N]`` logprobs (see module doc)."""
-    tp_size, tp_rank, group = _tp_group_info()
-    local = logits.size(-1)
-    start = tp_rank * local
-    z = _masked_scaled(logits, vocab_size, start, temperature)
-    nxt = torch.zeros_like(token_ids)
-    nxt[:-1] = token_ids[1:]
-    lse = _logsumexp(z, tp_size, group)
-    in_shard = (nxt >= start) & (nxt < start + local)
-    picked = z.gather(-1, (nxt - start).clamp(0, local - 1).unsqueeze(-1)).squeeze(-1)
-    picked = _tp_sum(torch.where(in_shard, picked, torch.zeros_like(picked)), tp_size)
-    return _shift(picked - lse, seq_starts)
-
-
-def vocab_parallel_shifted_entropy(logits: torch.Tensor, seq_starts: torch.Tensor, vocab_size: int,
-                                   temperature: float = 1.0) -> torch.Tensor:
-    """Entropy of the distribution that predicted each token (0 at sequence starts), from vocab-parallel logits."""
-    tp_size, tp_rank, group = _tp_group_info()
-    z = _masked_scaled(logits, vocab_size, tp_rank * logits.size(-1), temperature)
-    lse = _logsumexp(z, tp_size, group)
-    p = torch.exp(z - lse.unsqueeze(-1))
-    pz = (p * z).sum(-1)
-    return _shift(lse - _tp_sum(pz, tp_size), seq_starts)
+    hidden = hidden.reshape(hidden.size(0), hidden.size(-1))
+    weight = output_weight(model)
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    group = None
+    if tp > 1:  # as a column-parallel layer: identity forward, the input gradient summed over TP ranks
+        hidden = copy_to_tensor_model_parallel_region(hidden)
+        group = parallel_state.get_tensor_model_parallel_group()
+    start = parallel_state.get_tensor_model_parallel_rank() * weight.size(0)
+    return token_logprobs_from_hidden(hidden, weight, token_ids, seq_starts, temperature, entropy=entropy,
+                                      vocab_start=start, vocab_size=vocab_size, group=group)

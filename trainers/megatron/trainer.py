@@ -30,7 +30,7 @@ from miles.trainers.errors import CheckpointError, ConfigError
 from miles.trainers.losses import LossInputs, LossOutput, policy_loss, sft_loss
 from miles.trainers.megatron.compat import label_params_as_cuda
 from miles.trainers.megatron.convert import hf_to_megatron, megatron_to_hf, tp_partition_dim
-from miles.trainers.megatron.logprobs import vocab_parallel_shifted_entropy, vocab_parallel_shifted_logprobs
+from miles.trainers.megatron.logprobs import final_hidden_states, head_logprobs
 from miles.trainers.megatron.model import (
     build_gpt_model,
     layout_from_hf,
@@ -227,8 +227,8 @@ class MegatronTrainer:
         """`compute_logprobs` under `model` (the policy's DDP wrapper or the reference module), on CPU."""
         out = torch.zeros(batch.token_ids.numel(), dtype=torch.float32, device=self.info.device)
 
-        def collect(mb: _MicroBatch, logits: torch.Tensor) -> LossOutput:
-            lp = self._logprobs(mb, logits, batch, temperature)
+        def collect(mb: _MicroBatch, module: nn.Module, hidden: torch.Tensor) -> LossOutput:
+            lp, _ = self._logprobs(mb, module, hidden, temperature)
             if not mb.dummy and self._reports():
                 out[mb.token_range[0]:mb.token_range[1]] = lp.float()
             return LossOutput(loss=lp.sum() * 0.0)
@@ -418,21 +418,22 @@ class MegatronTrainer:
         return out
 
     def _forward_step(self, data_iterator: Iterator[_MicroBatch], model: nn.Module,
-                      loss_fn: Callable[[_MicroBatch, torch.Tensor], LossOutput], sink: list) -> Any:
+                      loss_fn: Callable[[_MicroBatch, nn.Module, torch.Tensor], LossOutput], sink: list) -> Any:
         from megatron.core.packed_seq_params import PackedSeqParams
 
         mb = next(data_iterator)
-        if self.packing:
-            packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=mb.cu_seqlens, cu_seqlens_kv=mb.cu_seqlens,
-                                     max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen)
-            packed.host_cu_seqlens = mb.host_cu_seqlens  # read by SDPAttention
-            output = model(mb.ids, None, None, packed_seq_params=packed)
-        else:
-            positions = torch.arange(mb.ids.size(1), device=mb.ids.device).unsqueeze(0)
-            output = model(mb.ids, positions, None)
+        with final_hidden_states(model) as hidden:  # the output layer is applied by the loss, chunk by chunk
+            if self.packing:
+                packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=mb.cu_seqlens, cu_seqlens_kv=mb.cu_seqlens,
+                                         max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen)
+                packed.host_cu_seqlens = mb.host_cu_seqlens  # read by SDPAttention
+                output = model(mb.ids, None, None, packed_seq_params=packed)
+            else:
+                positions = torch.arange(mb.ids.size(1), device=mb.ids.device).unsqueeze(0)
+                output = model(mb.ids, positions, None)
 
         def loss_func(output_tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
-            out = loss_fn(mb, output_tensor[0])
+            out = loss_fn(mb, model, hidden[0])
             loss = out.loss * 0.0 if mb.dummy else out.loss
             if not mb.dummy:
                 sink.append(out)
@@ -441,7 +442,7 @@ class MegatronTrainer:
         return output, loss_func
 
     def _run(self, batch: TrajectoryBatch, seqs: list[int],
-             loss_fn: Callable[[_MicroBatch, torch.Tensor], LossOutput], metrics: MetricAccumulator, *,
+             loss_fn: Callable[[_MicroBatch, nn.Module, torch.Tensor], LossOutput], metrics: MetricAccumulator, *,
              forward_only: bool = False, model: nn.Module | None = None) -> tuple[float, int]:
         """Forward (and backward) every micro-batch of this rank's share of ``seqs`` through ``model`` (default:
         the policy); returns the summed loss and the number of micro-batches."""
@@ -462,7 +463,7 @@ class MegatronTrainer:
         return total, len(mbs)
 
     def _optimizer_step(self, batch: TrajectoryBatch, seqs: list[int],
-                        loss_fn: Callable[[_MicroBatch, torch.Tensor], LossOutput],
+                        loss_fn: Callable[[_MicroBatch, nn.Module, torch.Tensor], LossOutput],
                         metrics: MetricAccumulator) -> tuple[float, float, int]:
         """Returns the summed loss over all ranks, the gradient norm and this rank's micro-batch count."""
         self.ddp.train()
@@ -475,19 +476,19 @@ class MegatronTrainer:
         dist.all_reduce(total)
         return float(total), float(grad_norm or 0.0), passes
 
-    def _logprobs(self, mb: _MicroBatch, logits: torch.Tensor, batch: TrajectoryBatch,
-                  temperature: float) -> torch.Tensor:
-        return vocab_parallel_shifted_logprobs(logits, mb.ids[0], mb.starts, self.layout.vocab_size, temperature)
+    def _logprobs(self, mb: _MicroBatch, model: nn.Module, hidden: torch.Tensor, temperature: float, *,
+                  entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return head_logprobs(model, hidden, mb.ids[0], mb.starts, self.layout.vocab_size, temperature,
+                             entropy=entropy)
 
-    def _policy_loss(self, mb: _MicroBatch, logits: torch.Tensor, *, rl: RLStep, old_lp: torch.Tensor | None,
-                     ref_lp: torch.Tensor | None, num_tokens: float, num_seqs: float) -> LossOutput:
+    def _policy_loss(self, mb: _MicroBatch, model: nn.Module, hidden: torch.Tensor, *, rl: RLStep,
+                     old_lp: torch.Tensor | None, ref_lp: torch.Tensor | None, num_tokens: float,
+                     num_seqs: float) -> LossOutput:
         lc = self.algorithm.loss
-        lp = self._logprobs(mb, logits, rl.batch, rl.temperature)
-        ent = None
-        if self.config.compute_entropy or lc.entropy_coef != 0:
-            with torch.set_grad_enabled(lc.entropy_coef != 0 and torch.is_grad_enabled()):
-                ent = vocab_parallel_shifted_entropy(logits if lc.entropy_coef != 0 else logits.detach(),
-                                                     mb.starts, self.layout.vocab_size, rl.temperature)
+        lp, ent = self._logprobs(mb, model, hidden, rl.temperature,
+                                 entropy=self.config.compute_entropy or lc.entropy_coef != 0)
+        if ent is not None and lc.entropy_coef == 0:
+            ent = ent.detach()
         tl, th = mb.token_range
         dev = lp.device
 
@@ -500,9 +501,9 @@ class MegatronTrainer:
             rollout_logprobs=sl(rl.batch.rollout_logprobs), ref_logprobs=sl(ref_lp), entropy=ent)
         return policy_loss(inputs, lc, num_tokens=num_tokens, num_seqs=num_seqs)
 
-    def _sft_loss(self, mb: _MicroBatch, logits: torch.Tensor, *, batch: TrajectoryBatch,
+    def _sft_loss(self, mb: _MicroBatch, model: nn.Module, hidden: torch.Tensor, *, batch: TrajectoryBatch,
                   num_tokens: float) -> LossOutput:
-        lp = self._logprobs(mb, logits, batch, 1.0)
+        lp, _ = self._logprobs(mb, model, hidden, 1.0)
         tl, th = mb.token_range
         return sft_loss(lp, batch.loss_mask[tl:th].to(lp.device), num_tokens=num_tokens)
 
