@@ -238,3 +238,31 @@ async def test_weight_sync_pushes_one_adapter_in_process_and_from_disk(models, t
         server.stop()
         await engine.close()
         await server_engine.close()
+
+
+async def test_adapters_through_the_real_sglang_router(models, tmp_path):
+    """Two servers behind the real sglang-router: the adapter loads on every worker, and generate calls through
+    the router carry `lora_path` to whichever worker serves them."""
+    from miles.engines.sglang_router import SGLangRouter
+
+    base, peft_model = models
+    engines = [EmbeddedEngine(copy.deepcopy(base), engine_id=f"e{i}") for i in range(2)]
+    servers = [serve_in_thread(e) for e in engines]
+    router = await SGLangRouter.launch([s.url for s in servers], startup_timeout_s=60)
+    try:
+        folder = adapter_weights(peft_model, "verbose").save(tmp_path / "verbose")
+        assert await router.update_adapter("calc", path=str(folder)) == 0
+        assert [sorted(e.adapter_sources) for e in engines] == [["calc@v0"], ["calc@v0"]]
+        results = await asyncio.gather(*(router.generate(_prompt(i), GREEDY, session_id=f"s{i}", adapter="calc")
+                                         for i in range(4)))
+        for i, result in enumerate(results):
+            assert result.weight_version == 0
+            assert result.output_ids == _peft_greedy(peft_model, _prompt(i), "verbose", len(result.output_ids))
+        assert await router.update_adapter("calc", path=str(folder)) == 1
+        assert (await router.generate(_prompt(0), GREEDY, adapter="calc")).weight_version == 1
+    finally:
+        await router.close()
+        for server, engine in zip(servers, engines, strict=True):
+            server.stop()
+            await engine.close()
+    assert [sorted(e.adapter_sources) for e in engines] == [["calc@v1"], ["calc@v1"]]

@@ -96,7 +96,10 @@ def test_equivalence_holds_for_any_mix_of_groups(plan, seed):
 
 
 def test_a_step_touches_only_the_adapters_in_it_and_never_the_base():
+    from miles.trainers.protocol import Trainer
+
     trainer = MultiLoraTrainer(_base(), _specs(), OPTIONS)
+    assert isinstance(trainer, Trainer)
     base = trainer.hf_state_dict(cpu=True)
     before = {n: trainer.adapter_weights(n) for n in NAMES}
     metrics = trainer.train_step(TrajectoryBatch.from_trajectories(_steps([["calc-verbose"]])[0]))

@@ -224,3 +224,15 @@ def test_the_example_trains_both_adapters(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     table = proc.stdout[proc.stdout.index("held-out success before"):]
     assert re.search(r"^mul\s+\d+\.\d%\s+\d+\.\d%", table, re.M) and re.search(r"^addsub\s", table, re.M)
+
+
+def test_the_sglang_lora_flags_the_readme_names_exist():
+    from test_launcher import sglang_server_flags
+
+    flags = sglang_server_flags()
+    assert flags["--enable-lora"].kind == "bool"
+    assert {"--max-lora-rank", "--lora-target-modules", "--max-loras-per-batch"} <= set(flags)
+    readme = (ROOT / "README.md").read_text()
+    if "## Many adapters on one base" in readme:
+        section = readme[readme.index("## Many adapters on one base"):readme.index("## What is inside")]
+        assert set(re.findall(r"--(?:enable|max|lora)[a-z-]*lora[a-z-]*|--lora-[a-z-]+", section)) <= set(flags)

@@ -5,6 +5,7 @@ from miles.engines.client import SGLangClient
 from miles.engines.embedded import EmbeddedEngine
 from miles.engines.errors import InvalidRequestError
 from miles.engines.load import EngineLoad
+from miles.engines.lora import AdapterError, AdapterWeights
 from miles.engines.server import create_app, run_server, serve, serve_in_thread
 from miles.engines.sglang_router import SGLangRouter
 from miles.engines.weight_broadcast import (
@@ -15,7 +16,7 @@ from miles.engines.weight_broadcast import (
 )
 
 __all__ = [
-    "EmbeddedEngine", "EngineLoad", "InvalidRequestError", "SGLangClient", "SGLangRouter",
+    "AdapterError", "AdapterWeights", "EmbeddedEngine", "EngineLoad", "InvalidRequestError", "SGLangClient", "SGLangRouter",
     "WeightBroadcaster", "WeightReceiver", "broadcast_weights", "create_app", "init_weight_update_group",
     "run_server", "serve", "serve_in_thread",
 ]

@@ -1,0 +1,237 @@
+"""Several LoRA adapters on one base: equivalence, training throughput, and mixed-adapter decode (issue 15).
+
+* **equivalence**: 3 adapters trained together for k steps on real Calculator groups end with the same adapter
+  weights as each trained alone on its own groups with the same seeds (fp32, CPU): the max |dw| is printed
+  (target <= 1e-5; `tests/test_lora_trainer.py` asserts it).
+* **throughput**: `miles train` with 4 adapters at once vs 4 runs of one adapter each, same steps, same
+  groups per adapter (so the same total samples), from the shipped Calculator warm start; each run in its own
+  process, RL time only (evaluation excluded). Memory: the base's bytes (held once by the 4-adapter run's
+  trainer, once by its engine) against the adapters', and each process's peak RSS.
+* **engine**: decode throughput of the embedded engine at batch 32 with every row on one adapter vs rows
+  spread over 4 adapters (and the base alone for reference), same prompts, same tokens (EOS ignored).
+
+    python benchmarks/multi_lora.py                                            # all three on the CPU
+    python benchmarks/multi_lora.py --only engine --device cuda --model-size 0.5b   # the GPU part (< 4 min)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+WARM_START = ROOT / "checkpoints" / "calculator-sft-1m"
+OPERATORS = ("+", "-", "*", "+-*")  # one Calculator variant per adapter
+
+
+# ------------------------------------------------------------------------------------------- equivalence
+def equivalence(steps: int, groups: int) -> float:
+    """Max |dw| between 3 adapters trained together and each alone, on groups rolled out by the warm start."""
+    from transformers import AutoModelForCausalLM
+
+    from miles.engine import SamplingParams
+    from miles.engines.embedded import EmbeddedEngine
+    from miles.envs import EnvRecipe
+    from miles.sessions.config import SchedulerConfig, SessionConfig
+    from miles.sessions.scheduler import SessionScheduler
+    from miles.tito import TokenizerSpec
+    from miles.trainers.data import load_tasks
+    from miles.trainers.lora import AdapterSpec, MultiLoraTrainer
+    from miles.trainers.lora_config import LoraSpec
+    from miles.trainers.trainer_config import TorchOptions, TrainerConfig
+    from miles.trajectory import TrajectoryBatch
+
+    names = ("mul", "addsub", "mixed")
+    tito = TokenizerSpec("tiny", "compact").build()
+    base = AutoModelForCausalLM.from_pretrained(WARM_START, dtype=torch.float32)
+
+    async def rollouts() -> list[list]:
+        engine = EmbeddedEngine(AutoModelForCausalLM.from_pretrained(WARM_START, dtype=torch.float32))
+        cfg = SchedulerConfig(group_size=8, session=SessionConfig(sampling=SamplingParams(max_new_tokens=40)),
+                              progress=False)
+        out = []
+        try:
+            for i, ops in enumerate(("*", "+-", "+-*")):
+                recipe = EnvRecipe("Calculator-v0", {"operators": ops, "held_out_fraction": 0.5, "split": "train"})
+                tasks = load_tasks(recipe, "train", steps * groups)
+                sched = SessionScheduler(engine, tokenizer=tito, config=cfg, recipe=recipe, run_id=names[i])
+                done = await sched.run([{"task": t} for t in tasks])
+                await sched.aclose()
+                trajs = []
+                for g in done:
+                    for r in g.records:
+                        r.trajectory.meta.policy_id = names[i]
+                        r.trajectory.reward = r.reward
+                        trajs.append(r.trajectory)
+                out.append(trajs)
+        finally:
+            await engine.close()
+        return out
+
+    per_adapter = asyncio.run(rollouts())
+    specs = [AdapterSpec(n, LoraSpec(rank=8 * (i + 1), alpha=16.0), TrainerConfig(lr=2e-3, max_grad_norm=1.0),
+                         seed=100 + i) for i, n in enumerate(names)]
+    per_step = 8 * groups
+
+    def train(which: list[int]) -> MultiLoraTrainer:
+        import copy
+
+        trainer = MultiLoraTrainer(copy.deepcopy(base), [specs[i] for i in which], TorchOptions(device="cpu"))
+        for s in range(steps):
+            trajs = [t for i in which for t in per_adapter[i][s * per_step:(s + 1) * per_step] if t.num_generated]
+            trainer.train_step(TrajectoryBatch.from_trajectories(trajs))
+        return trainer
+
+    together = train([0, 1, 2])
+    worst = 0.0
+    for i, name in enumerate(names):
+        alone = train([i]).adapter_weights(name).tensors
+        mine = together.adapter_weights(name).tensors
+        worst = max(worst, max(float((mine[k] - alone[k]).abs().max()) for k in mine))
+    return worst
+
+
+# ------------------------------------------------------------------------------------------- throughput
+def run_config(adapters: list[int], steps: int, tasks: int, out: str) -> dict:
+    """One `miles train` run (in this process) with the adapters `adapters` (indices into OPERATORS)."""
+    from miles.trainers.loop import TrainLoop
+    from miles.trainers.train_config import load_train_config
+
+    overrides = [f"output_dir={out}", f"steps={steps}", "max_seconds=null", "eval.num_tasks=4",
+                 f"model.init_from={WARM_START}", "rollout.drop_zero_std_groups=false", "rollout.scheduler.progress=false",
+                 "adapters=" + json.dumps([{"name": f"a{i}", "tasks_per_step": tasks, "lora": {"rank": 8, "alpha": 16},
+                                            "env": {"id": "Calculator-v0", "num_train_tasks": 5000,
+                                                    "kwargs": {"operators": OPERATORS[i], "held_out_fraction": 0.5}}}
+                                           for i in adapters])]
+    cfg = load_train_config(str(ROOT / "configs" / "multi_lora.yaml"), overrides)
+    loop = TrainLoop(cfg, echo=lambda _: None)
+    summary = asyncio.run(loop.run())
+    trainer = loop.trainer
+    base_bytes = sum(t.numel() * t.element_size() for t in trainer.hf_state_dict().values())
+    adapter_bytes = sum(trainer.adapter_weights(n).num_bytes for n in trainer.names)
+    sessions = len((Path(out) / "sessions.jsonl").read_text().splitlines())
+    return {"rl_s": summary.seconds["rl"], "steps": summary.steps_done, "sessions": sessions,
+            "base_mb": base_bytes / 1e6, "adapter_mb": adapter_bytes / 1e6,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def child(adapters: list[int], steps: int, tasks: int, threads: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        proc = subprocess.run([sys.executable, __file__, "--child", ",".join(map(str, adapters)), "--steps", str(steps),
+                               "--tasks", str(tasks), "--out", tmp], capture_output=True, text=True, cwd=ROOT,
+                              env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+    if proc.returncode != 0:
+        raise RuntimeError(proc.stderr[-3000:])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def throughput(steps: int, tasks: int, threads: int) -> tuple[dict, list[dict]]:
+    together = child([0, 1, 2, 3], steps, tasks, threads)
+    alone = [child([i], steps, tasks, threads) for i in range(4)]
+    return together, alone
+
+
+# ------------------------------------------------------------------------------------------- engine
+def random_adapter(model, rank: int, seed: int):
+    from miles.engines.lora import DEFAULT_TARGET_MODULES, PEFT_PREFIX, AdapterWeights
+
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in DEFAULT_TARGET_MODULES:
+            tensors[f"{PEFT_PREFIX}{name}.lora_A.weight"] = torch.randn(rank, module.in_features, generator=gen) * 0.02
+            tensors[f"{PEFT_PREFIX}{name}.lora_B.weight"] = torch.randn(module.out_features, rank, generator=gen) * 0.02
+    return AdapterWeights(rank=rank, alpha=2.0 * rank, target_modules=DEFAULT_TARGET_MODULES, tensors=tensors)
+
+
+def engine(size: str, device: str, batch: int, new_tokens: int, prompt_len: int, repeats: int) -> dict[str, float]:
+    """Decode tokens/s at `batch` rows: the base, one adapter on every row, rows spread over 4 adapters."""
+    from engine import make_model  # benchmarks/engine.py
+
+    from miles.engine import SamplingParams
+    from miles.engines.embedded import EmbeddedEngine
+
+    model = make_model(size, device)
+    eng = EmbeddedEngine(model, device=device, max_batch_size=batch)
+    rng = random.Random(0)
+    vocab = model.config.vocab_size
+    prompts = [[rng.randrange(1, vocab) for _ in range(prompt_len)] for _ in range(batch)]
+    params = [SamplingParams(temperature=1.0, max_new_tokens=new_tokens, seed=i) for i in range(batch)]
+
+    async def run() -> dict[str, float]:
+        for k in range(4):
+            await eng.update_adapter(f"a{k}", weights=random_adapter(model, 16, k), version=0)
+        layouts = {"base": [None] * batch, "one adapter": ["a0"] * batch,
+                   "4 adapters mixed": [f"a{i % 4}" for i in range(batch)]}
+        times: dict[str, list[float]] = {k: [] for k in layouts}
+        for _ in range(repeats + 1):  # the first round warms up (and captures CUDA graphs)
+            for name, rows in layouts.items():
+                t0 = time.perf_counter()
+                await asyncio.gather(*(eng.generate(p, sp, adapter=a, ignore_eos=True)
+                                       for p, sp, a in zip(prompts, params, rows, strict=True)))
+                times[name].append(time.perf_counter() - t0)
+        await eng.close()
+        return {name: batch * new_tokens / statistics.median(ts[1:]) for name, ts in times.items()}
+
+    return asyncio.run(run())
+
+
+# ------------------------------------------------------------------------------------------- main
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", choices=["equivalence", "throughput", "engine"], default=None)
+    p.add_argument("--steps", type=int, default=4, help="equivalence and throughput: RL steps")
+    p.add_argument("--tasks", type=int, default=2, help="throughput: groups (of 8) per adapter and step")
+    p.add_argument("--threads", type=int, default=2, help="throughput: torch threads of each run")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--model-size", default="3m", help="engine: a tiny size or 0.5b")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child is not None:
+        print(json.dumps(run_config([int(i) for i in args.child.split(",")], args.steps, args.tasks, args.out)))
+        return
+    lines = []
+    if args.only in (None, "equivalence"):
+        worst = equivalence(args.steps, groups=2)
+        lines.append(f"equivalence: 3 adapters together vs each alone, {args.steps} steps: max |dw| = {worst:.2e} "
+                     f"(target <= 1e-5)")
+    if args.only in (None, "throughput"):
+        together, alone = throughput(args.steps, args.tasks, args.threads)
+        seq_s = sum(r["rl_s"] for r in alone)
+        seq_n = sum(r["sessions"] for r in alone)
+        lines.append(f"throughput: 4 adapters at once {together['sessions'] / together['rl_s']:.1f} samples/s "
+                     f"({together['sessions']} in {together['rl_s']:.1f} s); 4 single-adapter runs "
+                     f"{seq_n / seq_s:.1f} samples/s ({seq_n} in {seq_s:.1f} s); "
+                     f"concurrent/sequential: {(together['sessions'] / together['rl_s']) / (seq_n / seq_s):.2f}x")
+        lines.append(f"memory: base {together['base_mb']:.1f} MB held once by the 4-adapter run's trainer and once by "
+                     f"its engine; its 4 adapters {together['adapter_mb']:.2f} MB; peak RSS {together['peak_rss_mb']:.0f}"
+                     f" MB (one single-adapter run: {alone[0]['peak_rss_mb']:.0f} MB)")
+    if args.only in (None, "engine"):
+        rates = engine(args.model_size, args.device, args.batch, args.new_tokens, 32, args.repeats)
+        base, one, mixed = rates["base"], rates["one adapter"], rates["4 adapters mixed"]
+        lines.append(f"engine ({args.model_size}, {args.device}, batch {args.batch}): base {base:.0f} tok/s, one adapter "
+                     f"{one:.0f} tok/s, 4 adapters mixed {mixed:.0f} tok/s; mixed slowdown vs one adapter "
+                     f"{one / mixed:.2f}x (target <= 1.3x), one adapter vs base {base / one:.2f}x")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
