@@ -19,10 +19,12 @@ from miles.tiny import make_tiny_model
 BASE = "__base__"  # peft's name for "no adapter" in adapter_names
 
 
-@pytest.fixture(scope="module")
-def served():
+@pytest.fixture(scope="module", params=[False, True], ids=["grouped", "gathered"])
+def served(request):
+    """`static=True` decodes as a captured CUDA graph does (each row gathers its slot's matrices); eager steps
+    and every prefill group the rows by adapter."""
     base, peft_model = peft_model_with_adapters()
-    decoder = LoraDecoder(copy.deepcopy(base), max_slots=6, max_adapters=4, max_rank=8)
+    decoder = LoraDecoder(copy.deepcopy(base), max_slots=6, max_adapters=4, max_rank=8, static=request.param)
     for version, name in enumerate(RANKS):
         decoder.bank.load(name, adapter_weights(peft_model, name), version)
     return peft_model, decoder

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import test_megatron_train
 import torch
 import yaml
 
@@ -23,6 +24,8 @@ from miles.trainers.losses import LossConfig
 from miles.trainers.protocol import Trainer
 from miles.trainers.trainer_config import AlgorithmConfig
 from miles.trajectory import Trajectory, TrajectoryBatch, TrajectoryMeta
+
+megatron_process = test_megatron_train.megatron_process  # the module-scoped world of one
 
 CONFIG = {
     "seed": 0, "steps": 2,
@@ -108,18 +111,6 @@ def test_collective_trainer_is_a_trainer():
     assert methods == set(COLLECTIVE_METHODS)  # every protocol call reaches the worker ranks
 
 
-@pytest.fixture(scope="module")
-def megatron_process():
-    """World size 1 over gloo, with the CPU layer active only for this module's in-process Megatron test."""
-    from miles.trainers.megatron import compat
-    from miles.trainers.megatron.parallel import destroy_parallel, initialize_parallel
-
-    with compat.cpu_compat():
-        initialize_parallel(1, 1, seed=0)
-        try:
-            yield
-        finally:
-            destroy_parallel()
 
 
 def test_megatron_trainer_is_a_trainer_exports_a_snapshot_and_keeps_a_reference(megatron_process):

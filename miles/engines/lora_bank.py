@@ -6,10 +6,11 @@ The decoder fuses q/k/v and gate/up into one matmul each; the bank stacks adapte
 parts side by side and `B [S, out, P*R]` their `lora_B` block-diagonally, with the adapter's scaling folded in,
 ranks below R zero-padded and slot 0 (the base) all zeros. A token of slot s then gets ``B[s] (A[s] x)``:
 
-* in a decode step (one token per row) by two batched matmuls over the rows' gathered slots (the BGMV pattern
-  of punica and SGLang's LoRA backends): rows of any mix of adapters and the base in one forward, at a cost
-  that does not grow with the number of adapters, with no host synchronisation (so it is CUDA-graph safe);
-* in a prefill (several tokens per row) by two matmuls per adapter present, over that adapter's rows.
+* in a decode step replayed by a CUDA graph, by two batched matmuls over the rows' gathered slots (the BGMV
+  pattern of punica and SGLang's LoRA backends): rows of any mix of adapters and the base in one forward,
+  with no host-side grouping, so one captured graph is right for any mix;
+* otherwise (prefills, eager decode steps) by two matmuls per adapter present, over that adapter's rows,
+  grouped on the host: a gathered matrix pair per row costs several times the base model's step.
 
 The engine says which adapter each cache slot decodes (`LoraBank.select`). Capacity is fixed when the bank is
 made (`max_adapters` of rank at most `max_rank`); the stacked tensors are allocated when the first adapter
@@ -166,26 +167,37 @@ class LoraBank:
         """True when a row in cache slots `first_slot ..` (`rows` of them) decodes under an adapter."""
         return any(self._host[first_slot:first_slot + rows])
 
-    def delta(self, key: int, x: torch.Tensor, first_slot: int, rows: int, seq: int) -> torch.Tensor | None:
+    def delta(self, key: int, x: torch.Tensor, first_slot: int, rows: int, seq: int, *,
+              gathered: bool = False) -> torch.Tensor | None:
         """The adapters' term for projection `key` of input `x` (`[rows * seq, in]`, token-major, row r in
-        cache slot `first_slot + r`), or None for a projection no adapter targets."""
+        cache slot `first_slot + r`), or None for a projection no adapter targets.
+
+        With `gathered` (decode steps only: one token per row) every row gathers its slot's matrices for two
+        batched matmuls, with no host-side grouping (what a captured CUDA graph needs). Otherwise the rows are
+        grouped by adapter on the host and each adapter present runs two matmuls over its rows, which costs
+        far less than gathering a matrix pair per row.
+        """
         proj = self.projections.get(key)
         if proj is None or proj.a is None:
             return None
-        if seq == 1:  # decode: gathered slots, two batched matmuls, no host synchronisation
+        if gathered and seq == 1:
             idx = self.rows[first_slot:first_slot + rows]
             h = torch.bmm(x.unsqueeze(1), proj.a.index_select(0, idx).transpose(1, 2))
             return torch.bmm(h, proj.b.index_select(0, idx).transpose(1, 2)).squeeze(1)
-        out = x.new_zeros((x.shape[0], proj.out_features))
         by_slot: dict[int, list[int]] = {}
         for r in range(rows):
             by_slot.setdefault(self._host[first_slot + r], []).append(r)
+        if len(by_slot) == 1 and BASE_SLOT not in by_slot:  # every row under one adapter
+            slot = next(iter(by_slot))
+            return F.linear(F.linear(x, proj.a[slot]), proj.b[slot])
+        out = x.new_zeros((x.shape[0], proj.out_features))
         for slot, members in by_slot.items():
             if slot == BASE_SLOT:
                 continue
-            tokens = (torch.tensor(members, device=x.device)[:, None] * seq
-                      + torch.arange(seq, device=x.device)).reshape(-1)
-            out[tokens] = F.linear(F.linear(x[tokens], proj.a[slot]), proj.b[slot])
+            tokens = torch.tensor(members, device=x.device)
+            if seq > 1:
+                tokens = (tokens[:, None] * seq + torch.arange(seq, device=x.device)).reshape(-1)
+            out.index_copy_(0, tokens, F.linear(F.linear(x.index_select(0, tokens), proj.a[slot]), proj.b[slot]))
         return out
 
 
@@ -237,5 +249,5 @@ class LoraDecoder(Decoder):
         out = F.linear(x, weight, bias)
         if self._call is None:
             return out
-        delta = self.bank.delta(id(weight), x, *self._call)
+        delta = self.bank.delta(id(weight), x, *self._call, gathered=self.static)
         return out if delta is None else out + delta
