@@ -118,6 +118,8 @@ class EmbeddedEngine(RolloutEngine):
             raise ValueError(f"max_batch_size ({max_batch_size}) and prefill_tokens ({prefill_tokens}) must be >= 1")
         self.engine_id = engine_id
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # "cuda": the current device, by index
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.model = model.to(self.device).eval()
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size

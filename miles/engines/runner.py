@@ -102,6 +102,8 @@ class DecodeBatch:
         """Make the cache hold `length` positions per slot (dropping graphs when its buffers move)."""
         if self.cache.ensure(length):
             self._graphs.clear()
+            if self.graphs_enabled:  # a pool whose graphs are all gone cannot take new captures: start another
+                self._pool = torch.cuda.graph_pool_handle()
 
     # ------------------------------------------------------------------ stepping
     def _step(self, rows: int, length: int, mode: SampleMode) -> torch.Tensor:
