@@ -95,15 +95,15 @@ class DecodeBatch:
             self.positions[start:end] = 0
 
     def drop_graphs(self) -> None:
-        """Forget the captured CUDA graphs (the forward pass changed: LoRA adapters were enabled)."""
+        """Forget the captured CUDA graphs (the forward pass or the cache's buffers changed)."""
         self._graphs.clear()
+        if self.graphs_enabled:  # a pool whose graphs are all gone takes no new capture: start another
+            self._pool = torch.cuda.graph_pool_handle()
 
     def grow(self, length: int) -> None:
         """Make the cache hold `length` positions per slot (dropping graphs when its buffers move)."""
         if self.cache.ensure(length):
-            self._graphs.clear()
-            if self.graphs_enabled:  # a pool whose graphs are all gone cannot take new captures: start another
-                self._pool = torch.cuda.graph_pool_handle()
+            self.drop_graphs()
 
     # ------------------------------------------------------------------ stepping
     def _step(self, rows: int, length: int, mode: SampleMode) -> torch.Tensor:
