@@ -8,7 +8,10 @@ while the trainer trains, and weight updates land while they do. Three pieces:
   may start only once the engines hold version `first_version + g // groups_per_version - max_staleness`
   or newer: a group is then trained at most `max_staleness` versions after it started, when the trainer
   takes groups in start order. With `max_staleness: 0` the next version's groups start only after it
-  landed: the synchronous loop. Groups that come back to be run again (`requeue`) are admitted again.
+  landed: the synchronous loop. A group the trainer turned away as too stale (`replace`) frees its place:
+  one more group is admitted on top of the bound, its task run again or the next one. (Without that, every
+  dropped group would shrink the window for good, and after `max_staleness * groups_per_version` drops the
+  trainer would wait for a group the bound never admits.)
 - **Tasks.** `TaskFeed` hands out the training tasks in cursor order, each with its cursor position, skipping
   the positions an earlier run already trained on; requeued positions come first.
 - **Weight updates.** `update_weights(apply, inflight)`: with `continue`, new turns wait while the turns in
@@ -75,7 +78,7 @@ class RolloutManager:
         self.first_version = first_version
         self.version = first_version
         self.admitted = 0  # groups started (requeued ones count again)
-        self._credit = 0  # requeued groups: admitted on top of the bound
+        self._credit = 0  # groups turned away as too stale: admitted on top of the bound
         self._changed = asyncio.Event()
 
     @property
@@ -88,9 +91,11 @@ class RolloutManager:
         self.version = max(self.version, int(version))
         self._wake()
 
-    def requeue(self, position: int) -> None:
-        """Run the task at `position` again (its group was too stale); it is admitted on top of the bound."""
-        self.feed.requeue(position)
+    def replace(self, position: int, *, rerun: bool) -> None:
+        """The group of the task at `position` was too stale to train: admit one more group on top of the
+        bound, running that task again when `rerun`, else the next task."""
+        if rerun:
+            self.feed.requeue(position)
         self._credit += 1
         self._wake()
 

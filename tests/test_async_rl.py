@@ -32,7 +32,7 @@ from miles.sessions.scheduler import SessionScheduler
 from miles.trainers.async_rollout import AsyncRollout, group_staleness
 from miles.trainers.metrics_log import read_metrics
 from miles.trainers.rollout_process import Finished
-from miles.trainers.train_config import load_train_config
+from miles.trainers.train_config import ASYNC_TIS_CAP, load_train_config
 from miles.trajectory import Trajectory, TrajectoryBatch, TurnSpan
 
 REPO = Path(__file__).resolve().parents[1]
@@ -97,9 +97,12 @@ async def test_the_manager_admits_groups_only_within_the_staleness_bound():
         manager.set_version(4)
         await asyncio.sleep(0.3)
         assert sorted(got) == [0, 1, 2, 3, 4, 5]
-        manager.requeue(2)  # too stale at the trainer: run again, on top of the bound
+        manager.replace(2, rerun=True)  # too stale at the trainer: run again, on top of the bound
         await asyncio.sleep(0.3)
         assert sorted(got) == [0, 1, 2, 2, 3, 4, 5]
+        manager.replace(4, rerun=False)  # dropped: the next task takes its place
+        await asyncio.sleep(0.3)
+        assert sorted(got) == [0, 1, 2, 2, 3, 4, 5, 6]
     finally:
         consumer.cancel()
         await asyncio.gather(consumer, return_exceptions=True)
@@ -117,13 +120,16 @@ class _FakeProcess:
     def __init__(self, groups: list[Finished]) -> None:
         self.groups = deque(groups)
         self.requeued: list[int] = []
+        self.replaced: list[int] = []
         self.buffered = 0
 
     async def next_group(self) -> Finished:
         return self.groups.popleft()
 
-    def requeue(self, position: int) -> None:
-        self.requeued.append(position)
+    def requeue(self, position: int, *, rerun: bool) -> None:
+        self.replaced.append(position)
+        if rerun:
+            self.requeued.append(position)
 
 
 @settings(max_examples=60, deadline=None)
@@ -145,6 +151,7 @@ def test_no_group_over_the_bound_is_ever_trained_on(versions, bound, stale):
     skipped = [g.position for g in groups[:groups.index(fresh[1]) + 1] if g not in fresh]
     assert taken.metrics["stale_groups_dropped"] == len(skipped)
     assert taken.metrics["staleness_max"] <= bound
+    assert rollout.process.replaced == skipped  # type: ignore[attr-defined]  # every drop frees its place
     if stale == "regenerate":
         assert rollout.process.requeued == skipped  # type: ignore[attr-defined]
     else:
@@ -245,3 +252,41 @@ def test_a_killed_rollout_process_is_a_named_error_and_resume_loses_no_step(tmp_
     kept = {r.session_id for r in records}
     if dropped.exists():  # sessions redone after the resume: their first tries are kept aside, not lost
         assert not kept & {json.loads(line)["session_id"] for line in dropped.read_text().splitlines()}
+
+
+@pytest.mark.slow
+def test_the_rollout_process_leaves_with_a_killed_trainer(tmp_path):
+    proc = _train(tmp_path / "run", "steps=50", "rollout.tasks_per_step=2", "rollout.scheduler.group_size=4",
+                  "async.enabled=true", "async.max_staleness=1", wait=False)
+    try:
+        deadline = time.monotonic() + 300
+        while (pid := _rollout_pid(proc.pid)) is None:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+            time.sleep(0.2)
+        proc.kill()  # SIGKILL: no cleanup runs in the trainer
+        proc.wait()
+        deadline = time.monotonic() + 60
+        while Path(f"/proc/{pid}").exists() and "zombie" not in _state(pid):
+            assert time.monotonic() < deadline, "the rollout process outlived its trainer"
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _state(pid: int) -> str:
+    try:
+        return (Path(f"/proc/{pid}") / "status").read_text()
+    except OSError:
+        return "zombie"
+
+
+def test_stale_samples_get_importance_weights_by_default():
+    def cap(*sets: str) -> float | None:
+        return load_train_config(None, list(sets)).algorithm.loss.tis_cap
+
+    assert cap("async.enabled=true", "async.max_staleness=2") == ASYNC_TIS_CAP
+    assert cap("async.enabled=true", "async.max_staleness=0") is None  # the synchronous loop's loss
+    assert cap("async.enabled=false") is None
+    assert cap("async.enabled=true", "algorithm.loss.tis_cap=5") == 5.0
+    assert cap("async.enabled=true", "algorithm.loss.icepop=[0.5,2.0]") is None

@@ -87,9 +87,9 @@ class AsyncRollout:
             stale = group_staleness(group.records, trainer_version)
             if stale > self.acfg.max_staleness:
                 dropped += 1
-                if self.acfg.stale == "regenerate":
-                    self.process.requeue(group.position)
-                else:
+                rerun = self.acfg.stale == "regenerate"
+                self.process.requeue(group.position, rerun=rerun)
+                if not rerun:
                     self._consume(group.position)
                 continue
             self._consume(group.position)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import multiprocessing
 import os
 import queue
 import threading
@@ -55,9 +56,11 @@ class Hold:
 
 @dataclass(frozen=True)
 class Requeue:
-    """Run the task at cursor `position` again (its group was over the staleness bound)."""
+    """The group of the task at cursor `position` was over the staleness bound: start another group in its
+    place, running that task again when `rerun` (`async.stale: regenerate`), else the next task."""
 
     position: int
+    rerun: bool = True
 
 
 @dataclass(frozen=True)
@@ -159,7 +162,7 @@ async def _serve(cfg: TrainConfig, start: RolloutStart, inbox: Any, outbox: Any)
             if isinstance(msg, Stop):
                 return
             if isinstance(msg, Requeue):
-                manager.requeue(msg.position)
+                manager.replace(msg.position, rerun=msg.rerun)
             elif isinstance(msg, Hold):
                 held = scheduler.router.held()
                 await held.__aenter__()
@@ -206,9 +209,16 @@ async def _serve(cfg: TrainConfig, start: RolloutStart, inbox: Any, outbox: Any)
 
 
 def _forward(inbox: Any, loop: asyncio.AbstractEventLoop, messages: asyncio.Queue[Any]) -> None:
-    """Hand the trainer's messages to the event loop, one by one (a blocking queue read in its own thread)."""
+    """Hand the trainer's messages to the event loop, one by one (a blocking queue read in its own thread).
+    A trainer process that died without a word (SIGKILL, SIGTERM) counts as a `Stop`: no orphan keeps running."""
+    parent = multiprocessing.parent_process()  # None in a Ray actor: Ray ends the actor with its owner
     while True:
-        msg = inbox.get()
+        try:
+            msg = inbox.get(timeout=1.0)
+        except queue.Empty:
+            if parent is None or parent.is_alive():
+                continue
+            msg = Stop()
         loop.call_soon_threadsafe(messages.put_nowait, msg)
         if isinstance(msg, Stop):
             return
@@ -331,9 +341,10 @@ class RolloutProcess:
         self.inbox.put(Hold(version))
         await self.wait_acked(version)
 
-    def requeue(self, position: int) -> None:
-        """Ask the manager to run the task at `position` again."""
-        self.inbox.put(Requeue(position))
+    def requeue(self, position: int, *, rerun: bool) -> None:
+        """Tell the manager the group of `position` was too stale: start another in its place, running that
+        task again when `rerun`."""
+        self.inbox.put(Requeue(position, rerun))
 
     async def close(self, timeout_s: float = 60.0) -> None:
         """Stop the manager (its running sessions are aborted and recorded) and wait for it to exit."""

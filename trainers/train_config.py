@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -194,6 +195,12 @@ def _check_backend_sections(cfg: TrainConfig) -> None:
                                                    f"remove it, or set backend: {other}")
 
 
+#: `algorithm.loss.tis_cap` of an asynchronous run with `max_staleness > 0` that sets neither it nor `icepop`:
+#: without an importance weight against the rollout policy, stale samples train the current policy as if they
+#: were its own (the main job at `max_staleness: 2` collapsed in 15 steps that way).
+ASYNC_TIS_CAP = 2.0
+
+
 @dataclass
 class AsyncConfig:
     """Fully asynchronous RL (the `async:` section): a rollout manager process streams finished groups while
@@ -208,6 +215,8 @@ class AsyncConfig:
       (no turn starts until the new ones are in), `pause` swaps the weights between decode steps (a turn can
       then span versions; each token's version is recorded).
     - `rollout_threads`: torch threads of the rollout process (its engines); the trainer keeps the rest.
+    - With `max_staleness > 0` and neither `algorithm.loss.tis_cap` nor `icepop` set, the loss weighs each
+      token by ``min(exp(logp_proximal - logp_rollout), ASYNC_TIS_CAP)``.
     - `manager_timeout_s`: how long the trainer waits for the next group before it gives up.
     """
 
@@ -307,6 +316,9 @@ class TrainConfig:
         except ValueError as exc:
             raise ConfigError("rollout.scheduler", str(exc)) from exc
         _check_backend_sections(self)
+        loss = self.algorithm.loss
+        if self.asynchronous.enabled and self.asynchronous.max_staleness > 0 and not loss.needs_rollout_logprobs:
+            self.algorithm = dataclasses.replace(self.algorithm, loss=dataclasses.replace(loss, tis_cap=ASYNC_TIS_CAP))
 
     @property
     def sampling(self) -> SamplingParams:
