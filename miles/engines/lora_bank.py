@@ -9,8 +9,10 @@ ranks below R zero-padded and slot 0 (the base) all zeros. A token of slot s the
 * in a decode step replayed by a CUDA graph, by two batched matmuls over the rows' gathered slots (the BGMV
   pattern of punica and SGLang's LoRA backends): rows of any mix of adapters and the base in one forward,
   with no host-side grouping, so one captured graph is right for any mix;
-* otherwise (prefills, eager decode steps) by two matmuls per adapter present, over that adapter's rows,
-  grouped on the host: a gathered matrix pair per row costs several times the base model's step.
+* otherwise (prefills, eager decode steps) from the loaded adapters packed side by side at their largest
+  rank: two matmuls over all of them, each row keeping only its own adapter's block in between (one block
+  when every row shares an adapter). A gathered matrix pair per row costs several times the base model's
+  step on a CPU.
 
 The engine says which adapter each cache slot decodes (`LoraBank.select`). Capacity is fixed when the bank is
 made (`max_adapters` of rank at most `max_rank`); the stacked tensors are allocated when the first adapter
@@ -67,6 +69,9 @@ class LoraBank:
         self.dtype, self.device = dtype, torch.device(device)
         self._module = {path: (key, i) for key, p in projections.items() for i, (path, _) in enumerate(p.parts)}
         self._served: dict[str, ServedAdapter] = {}
+        self._ranks: dict[int, int] = {}  # adapter slot -> its rank
+        self._packed: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None  # see `_pack`
+        self._order: dict[int, int] = {}  # adapter slot -> its place in the packed matrices
         self._loads = 0
         self.rows = torch.zeros(max_slots, dtype=torch.long, device=self.device)  # adapter slot per cache slot
         self._host = [BASE_SLOT] * max_slots
@@ -134,6 +139,8 @@ class LoraBank:
                                                                                                    self.dtype))
         self._loads += 1
         self._served[name] = ServedAdapter(slot, int(version), self._loads)
+        self._ranks[slot] = r
+        self._packed = None
         return self._served[name]
 
     def unload(self, name: str) -> None:
@@ -142,6 +149,8 @@ class LoraBank:
         if served is None:
             raise AdapterError(f"no LoRA adapter {name!r} is loaded (loaded: {sorted(self._served) or 'none'})")
         self._clear(served.slot)
+        self._ranks.pop(served.slot, None)
+        self._packed = None
 
     def _allocate(self) -> None:
         slots, rank = self.max_adapters + 1, self.max_rank
@@ -173,9 +182,10 @@ class LoraBank:
         cache slot `first_slot + r`), or None for a projection no adapter targets.
 
         With `gathered` (decode steps only: one token per row) every row gathers its slot's matrices for two
-        batched matmuls, with no host-side grouping (what a captured CUDA graph needs). Otherwise the rows are
-        grouped by adapter on the host and each adapter present runs two matmuls over its rows, which costs
-        far less than gathering a matrix pair per row.
+        batched matmuls, with no host-side work (what a captured CUDA graph needs). Otherwise the loaded
+        adapters are packed side by side at their largest rank (`_pack`): rows of one adapter take its block of
+        the packed matrices, and a mix of adapters (and the base) takes two matmuls over all of them, each row
+        keeping only its own adapter's block in between.
         """
         proj = self.projections.get(key)
         if proj is None or proj.a is None:
@@ -184,21 +194,38 @@ class LoraBank:
             idx = self.rows[first_slot:first_slot + rows]
             h = torch.bmm(x.unsqueeze(1), proj.a.index_select(0, idx).transpose(1, 2))
             return torch.bmm(h, proj.b.index_select(0, idx).transpose(1, 2)).squeeze(1)
-        by_slot: dict[int, list[int]] = {}
-        for r in range(rows):
-            by_slot.setdefault(self._host[first_slot + r], []).append(r)
-        if len(by_slot) == 1 and BASE_SLOT not in by_slot:  # every row under one adapter
-            slot = next(iter(by_slot))
-            return F.linear(F.linear(x, proj.a[slot]), proj.b[slot])
-        out = x.new_zeros((x.shape[0], proj.out_features))
-        for slot, members in by_slot.items():
-            if slot == BASE_SLOT:
-                continue
-            tokens = torch.tensor(members, device=x.device)
-            if seq > 1:
-                tokens = (tokens[:, None] * seq + torch.arange(seq, device=x.device)).reshape(-1)
-            out.index_copy_(0, tokens, F.linear(F.linear(x.index_select(0, tokens), proj.a[slot]), proj.b[slot]))
-        return out
+        slots = self._host[first_slot:first_slot + rows]
+        present = set(slots)
+        if present == {BASE_SLOT} or not self._ranks:
+            return None
+        if self._packed is None:
+            self._pack()
+        a, b = self._packed[key]
+        n, width = len(self._order), a.shape[0] // max(len(self._order), 1)
+        if len(present) == 1 and BASE_SLOT not in present:  # every row under one adapter: its block only
+            j = self._order[slots[0]]
+            return F.linear(F.linear(x, a[j * width:(j + 1) * width]), b[:, j * width:(j + 1) * width])
+        place = torch.tensor([self._order.get(slot, -1) for slot in slots])
+        keep = (place[:, None] == torch.arange(n)).to(device=x.device, dtype=x.dtype)  # [rows, n]
+        if seq > 1:
+            keep = keep.repeat_interleave(seq, dim=0)
+        h = F.linear(x, a).view(-1, n, width) * keep[:, :, None]
+        return F.linear(h.view(-1, n * width), b)
+
+    def _pack(self) -> None:
+        """For every projection, the loaded adapters side by side at the largest loaded rank r: ``a [n*P*r, in]``
+        (each adapter's P parts' `lora_A`) and ``b [out, n*P*r]`` (their `lora_B`, scaled)."""
+        slots = sorted(self._ranks)
+        self._order = {slot: j for j, slot in enumerate(slots)}
+        r = max(self._ranks.values(), default=1)
+        packed = {}
+        for key, p in self.projections.items():
+            parts, rank = len(p.parts), self.max_rank
+            a = p.a[slots].view(len(slots), parts, rank, p.in_features)[:, :, :r]
+            b = p.b[slots].view(len(slots), p.out_features, parts, rank)[..., :r]
+            packed[key] = (a.reshape(-1, p.in_features).contiguous(),
+                           b.permute(1, 0, 2, 3).reshape(p.out_features, -1).contiguous())
+        self._packed = packed
 
 
 def decoder_projections(decoder: Decoder, model: Any) -> dict[int, Projection]:
