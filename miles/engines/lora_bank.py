@@ -201,7 +201,8 @@ class LoraBank:
         if self._packed is None:
             self._pack()
         a, b = self._packed[key]
-        n, width = len(self._order), a.shape[0] // max(len(self._order), 1)
+        n = len(self._order)
+        width = a.shape[0] // n
         if len(present) == 1 and BASE_SLOT not in present:  # every row under one adapter: its block only
             j = self._order[slots[0]]
             return F.linear(F.linear(x, a[j * width:(j + 1) * width]), b[:, j * width:(j + 1) * width])
