@@ -3,12 +3,13 @@
 Sequences are packed padding-free into micro-batches of at most ``micro_batch_tokens`` tokens: one row of
 concatenated sequences whose ``position_ids`` restart at 0 for each sequence. Packing modes:
 
-- ``packed`` (the ``auto`` choice for sdpa/eager/flash models): position ids only; transformers (>= 4.54)
-  turns them into varlen flash calls, or for sdpa into a block-diagonal ``L x L`` mask (correct, but
-  quadratic in the packed length);
-- ``varlen``: the model's attention is switched to `miles.trainers.varlen_attention` (per-sequence causal
-  SDPA; plain sdpa everywhere else), so no cross-sequence attention and no ``L x L`` mask;
-- ``padded``: right-padded micro-batches with an attention mask (the fallback for other models).
+- ``packed``: position ids only; transformers (>= 4.54) turns them into varlen flash calls, or for sdpa into a
+  block-diagonal ``L x L`` mask (correct, but quadratic in the packed length);
+- ``varlen`` (``auto`` on a CPU): the model's attention is switched to `miles.trainers.varlen_attention`
+  (causal SDPA over the row's sequences bucketed by length; plain sdpa everywhere else), so no cross-sequence
+  attention and no ``L x L`` mask;
+- ``padded`` (``auto`` on a GPU, and for models without custom attention functions): right-padded
+  micro-batches with an attention mask.
 
 With a world size above 1 every rank calls `train_step` with the same full batch; the trainer computes
 advantages on the whole batch (groups may span ranks), takes its own share of the sequences, and
