@@ -8,10 +8,10 @@ while the trainer trains, and weight updates land while they do. Three pieces:
   may start only once the engines hold version `first_version + g // groups_per_version - max_staleness`
   or newer: a group is then trained at most `max_staleness` versions after it started, when the trainer
   takes groups in start order. With `max_staleness: 0` the next version's groups start only after it
-  landed: the synchronous loop. A group the trainer turned away as too stale (`replace`) frees its place:
-  one more group is admitted on top of the bound, its task run again or the next one. (Without that, every
-  dropped group would shrink the window for good, and after `max_staleness * groups_per_version` drops the
-  trainer would wait for a group the bound never admits.)
+  landed: the synchronous loop. A group the trainer turned away as too stale, or took in a step that
+  trained nothing (no new weights came of it), frees its place (`replace`): one more group is admitted on top
+  of the bound, its task run again or the next one. (Without that, such groups would shrink the window for
+  good, and the trainer would end up waiting for a group the bound never admits.)
 - **Tasks.** `TaskFeed` hands out the training tasks in cursor order, each with its cursor position, skipping
   the positions an earlier run already trained on; requeued positions come first.
 - **Weight updates.** `update_weights(apply, inflight)`: with `continue`, new turns wait while the turns in
@@ -92,8 +92,9 @@ class RolloutManager:
         self._wake()
 
     def replace(self, position: int, *, rerun: bool) -> None:
-        """The group of the task at `position` was too stale to train: admit one more group on top of the
-        bound, running that task again when `rerun`, else the next task."""
+        """The group of the task at `position` takes no place under the bound any more (too stale to train,
+        or it trained nothing): admit one more group on top of the bound, running that task again when
+        `rerun`, else the next task."""
         if rerun:
             self.feed.requeue(position)
         self._credit += 1

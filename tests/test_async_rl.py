@@ -290,3 +290,14 @@ def test_stale_samples_get_importance_weights_by_default():
     assert cap("async.enabled=false") is None
     assert cap("async.enabled=true", "algorithm.loss.tis_cap=5") == 5.0
     assert cap("async.enabled=true", "algorithm.loss.icepop=[0.5,2.0]") is None
+
+
+def test_groups_of_a_step_that_trained_nothing_free_their_places():
+    cfg = load_train_config(None, ["rollout.tasks_per_step=2", "async.enabled=true", "async.max_staleness=1"])
+    groups = [Finished(records=[_record(5)], position=p, engine_idle_s=0.0) for p in (7, 8, 9)]
+    rollout = AsyncRollout(cfg, http=False, push=None)  # type: ignore[arg-type]
+    rollout.process = _FakeProcess(groups)  # type: ignore[assignment]
+    asyncio.run(rollout.collect(5))
+    assert rollout.process.replaced == []  # type: ignore[attr-defined]
+    rollout.untrained()
+    assert rollout.process.replaced == [7, 8] and rollout.process.requeued == []  # type: ignore[attr-defined]

@@ -57,6 +57,7 @@ class AsyncRollout:
         self.consumed = set(consumed)
         self.process: RolloutProcess | None = None
         self.spawn = spawn  # how the rollout process starts (a child process; a Ray actor on a Ray cluster)
+        self._taken: list[int] = []  # positions of the groups the last `collect` kept
         self._engine_idle_s = 0.0  # the rollout process's engine idle seconds, as last reported
         self._idle_mark = 0.0  # ... at the end of the previous step
         self._clock = time.monotonic()
@@ -80,6 +81,7 @@ class AsyncRollout:
         kept: list[SessionRecord] = []
         staleness: list[int] = []
         groups = 0
+        self._taken = []
         while groups < self.cfg.rollout.tasks_per_step:
             tw = time.monotonic()
             group = await self.process.next_group()
@@ -93,6 +95,7 @@ class AsyncRollout:
                     self._consume(group.position)
                 continue
             self._consume(group.position)
+            self._taken.append(group.position)
             kept.extend(group.records)
             staleness.extend(trainer_version - (r.trajectory.oldest_weight_version or trainer_version)
                              for r in group.records)
@@ -111,6 +114,15 @@ class AsyncRollout:
         }
         metrics.update({f"staleness_hist_{k}": float(v) for k, v in sorted(hist.items())})
         return StepRollout(kept, metrics)
+
+    def untrained(self) -> None:
+        """The groups of the last `collect` trained nothing (every one without a reward spread): no new weights
+        came of them, so they aged no group; free their places under the bound (else a few such steps in a
+        row would leave the trainer waiting for groups the bound never admits)."""
+        assert self.process is not None
+        for position in self._taken:
+            self.process.requeue(position, rerun=False)
+        self._taken = []
 
     async def publish(self, version: int, state_dict: Callable[[], dict[str, torch.Tensor]]) -> float:
         """Hand weights `version` to the engines (under `async.inflight`); returns the seconds it took here."""

@@ -304,6 +304,8 @@ class TrainLoop:
             row["sync_s"] = time.perf_counter() - t2
         else:
             self.trainer.step += 1
+            if self.async_rollout is not None:
+                self.async_rollout.untrained()
         row["step_s"] = time.perf_counter() - t0
         row["samples_per_s"] = len(trajs) / row["step_s"]
         row["trained_tokens_per_s"] = float(sum(len(t) for t in trajs)) / row["step_s"]

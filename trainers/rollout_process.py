@@ -56,8 +56,9 @@ class Hold:
 
 @dataclass(frozen=True)
 class Requeue:
-    """The group of the task at cursor `position` was over the staleness bound: start another group in its
-    place, running that task again when `rerun` (`async.stale: regenerate`), else the next task."""
+    """The group of the task at cursor `position` takes no place under the staleness bound any more (it was
+    over the bound, or it trained nothing): start another group in its place, running that task again when
+    `rerun` (`async.stale: regenerate`), else the next task."""
 
     position: int
     rerun: bool = True
@@ -342,8 +343,8 @@ class RolloutProcess:
         await self.wait_acked(version)
 
     def requeue(self, position: int, *, rerun: bool) -> None:
-        """Tell the manager the group of `position` was too stale: start another in its place, running that
-        task again when `rerun`."""
+        """Tell the manager the group of `position` takes no place under the bound any more (too stale, or it
+        trained nothing): start another in its place, running that task again when `rerun`."""
         self.inbox.put(Requeue(position, rerun))
 
     async def close(self, timeout_s: float = 60.0) -> None:
