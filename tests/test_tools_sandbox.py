@@ -28,6 +28,7 @@ from miles.tools import (
     run_python_sandboxed,
     sandbox_backend,
 )
+from miles.tools.sandbox_bwrap import runtime_mounts
 from miles.types import ToolCall
 
 REPO = Path(__file__).resolve().parents[1]
@@ -162,7 +163,8 @@ def test_bwrap_refuses_reads_outside_its_directory(bwrap):
         secret.flush()
         targets = ["/etc/passwd", "/proc/1/environ", "/proc/self/environ", str(REPO / "README.md"),
                    str(Path(__file__).resolve()), secret.name]
-        code = (f"import os\nprint(sorted(os.listdir(os.path.dirname(os.getcwd()))) == [os.path.basename(os.getcwd())])\n"
+        code = ("import os\nprint(os.path.dirname(os.getcwd()), os.path.basename(os.getcwd()), "
+                "*sorted(os.listdir(os.path.dirname(os.getcwd()))))\n"
                 f"for path in {targets!r}:\n"
                 "    try:\n        print(path, open(path).read()[:20])\n"
                 "    except OSError as exc:\n        print(path, 'refused', type(exc).__name__)\n")
@@ -170,7 +172,11 @@ def test_bwrap_refuses_reads_outside_its_directory(bwrap):
         audit = run_python_sandboxed(code, backend="audit")
     assert res.returncode == 0 and res.backend == "bwrap", res.stderr
     lines = res.stdout.splitlines()
-    assert lines[0] == "True"  # other runs' directories (and whatever else is in /tmp) are not visible
+    parent, own, *seen = lines[0].split(" ")
+    # Beside its own directory, the parent shows only where the read-only runtime is mounted (a virtualenv
+    # under /tmp, say): other runs' directories, and whatever else is there on the host, are not visible.
+    runtime = {m.dest[len(parent) + 1:].split("/")[0] for m in runtime_mounts() if m.dest.startswith(parent + "/")}
+    assert own in seen and set(seen) - {own} <= runtime, (seen, runtime)
     assert lines[1:] == [f"{path} refused FileNotFoundError" for path in targets]
     # The same reads under the audit backend succeed: the refusal above is bwrap's doing.
     assert f"{secret.name} home secret" in audit.stdout and "/etc/passwd refused" not in audit.stdout
