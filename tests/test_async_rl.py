@@ -191,9 +191,9 @@ def test_max_staleness_0_reproduces_the_synchronous_loop_on_the_main_job(tmp_pat
         # Same tokens, trained the same way; the rollout logprobs of two engine processes may differ in the last
         # float bits (batch composition), which the mismatch metrics and the importance weights see. The
         # on-policy loss is a mean of O(1) terms that cancels to ~1e-9, so it gets an absolute tolerance;
-        # the gradient norm (O(0.1)) is the sharp check.
+        # the gradient norm (O(0.1)) is the sharp check (to 1e-5: the rollout logprobs enter the PPO ratio).
         for key in ("grad_norm", "clip_frac", "entropy", "mismatch_kl"):
-            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), (key, a[key], b[key])
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-9), (key, a[key], b[key])
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-7)
         assert b["staleness_max"] == 0
     assert any(r["loss"] != 0 for r in sync)  # the runs learned something to compare

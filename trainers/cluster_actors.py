@@ -184,7 +184,7 @@ class TrainerRankActor:
 
     def run(self, cfg: TrainConfig, env: dict[str, str], resume: bool) -> Any:
         """Join the process group described by `env` (torchrun's variables) and train."""
-        from miles.trainers.distributed import stop_workers
+        from miles.trainers.distributed import leave_process_group, stop_workers
         from miles.trainers.factory import run_worker
         from miles.trainers.loop import TrainLoop
 
@@ -197,6 +197,8 @@ class TrainerRankActor:
             cfg = dataclasses.replace(cfg, sync=dataclasses.replace(cfg.sync, master_address=self.host))
         loop = TrainLoop(cfg, resume=resume)
         try:
-            return asyncio.run(loop.run())
+            summary = asyncio.run(loop.run())
         finally:
             stop_workers(getattr(loop, "trainer", None))
+        leave_process_group()
+        return summary

@@ -229,6 +229,14 @@ def serve_trainer_commands(trainer: Trainer, channel: CommandChannel) -> int:
         done += 1
 
 
+def leave_process_group() -> None:
+    """Destroy this rank's process group at the end of a multi-rank run (no-op otherwise): a gloo group with
+    peers left to the interpreter's exit can abort the process ("terminate called without an active
+    exception"). A world of one stays: in-process callers may still use it."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.destroy_process_group()
+
+
 def stop_workers(trainer: Any) -> None:
     """Release the workers if `trainer` is a `CollectiveTrainer` (no-op otherwise)."""
     if isinstance(trainer, CollectiveTrainer):

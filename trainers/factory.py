@@ -19,6 +19,7 @@ from .distributed import (
     DEFAULT_COMMAND_TIMEOUT_S,
     CollectiveTrainer,
     init_distributed,
+    leave_process_group,
     open_channel,
     serve_trainer_commands,
     weights_fingerprint,
@@ -144,6 +145,7 @@ def run_worker(cfg: TrainConfig, *, timeout_s: float = DEFAULT_COMMAND_TIMEOUT_S
     del model  # the trainer holds what it needs
     done = serve_trainer_commands(trainer, channel)
     log.info("rank %d: served %d trainer commands", dist.get_rank(), done)
+    leave_process_group()
     return done
 
 

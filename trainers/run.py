@@ -56,7 +56,7 @@ def run_loop(cfg: TrainConfig, args: argparse.Namespace, *, resume: bool) -> int
     """Run one `TrainLoop` and print its table. With several ranks (``parallel.tp * pp * dp > 1``, either
     backend) the launcher spawns them with torchrun, worker ranks serve trainer commands, and rank 0 runs the
     loop, releasing the workers when it ends (also on an error)."""
-    from miles.trainers.distributed import stop_workers
+    from miles.trainers.distributed import leave_process_group, stop_workers
     from miles.trainers.factory import cli_argv, dispatch_ranks
 
     if cfg.cluster.kind == "ray":  # the roles run as Ray actors; this process places and watches them
@@ -72,6 +72,7 @@ def run_loop(cfg: TrainConfig, args: argparse.Namespace, *, resume: bool) -> int
         return 1
     finally:
         stop_workers(getattr(loop, "trainer", None))
+    leave_process_group()
     print(format_summary(summary, cfg))
     return 0
 
