@@ -11,6 +11,7 @@ the input embedding) and causal attention FLOPs ``6 * layers * seq_len * heads *
 
     python benchmarks/megatron.py                # on the GPU machine
     python benchmarks/megatron.py --tiny         # a seconds-long CPU check
+    python benchmarks/megatron.py --profile      # + where one step's GPU time goes, per backend
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import re
 import sys
 import time
 import warnings
@@ -88,6 +90,45 @@ def time_trainer(trainer, batches, warmup: int) -> float:
     return (time.perf_counter() - t0) / (len(batches) - warmup)
 
 
+KERNEL_KINDS = (  # first match wins; kernel names of cuBLAS/cuDNN/flash/PyTorch on Hopper
+    ("matmul", re.compile(r"gemm|nvjet|cutlass|xmma|wgmma|matmul|splitk", re.I)),
+    ("attention", re.compile(r"flash|fmha|attention|sdpa|cudnn", re.I)),
+    ("optimizer", re.compile(r"adam|multi_tensor|foreach", re.I)),
+    ("softmax/logprob", re.compile(r"softmax|logsumexp|cross_entropy|nll|log_prob", re.I)),
+    ("norm", re.compile(r"norm", re.I)),
+    ("copy/cast", re.compile(r"memcpy|memset|copy|cast|convert|cat|fill", re.I)),
+    ("reduce", re.compile(r"reduce|sum|mean|max|min", re.I)),
+    ("elementwise", re.compile(r"elementwise|vectorized|unrolled|pointwise|silu|mul|add|exp|neg", re.I)),
+)
+
+
+def profile_step(trainer, batch) -> None:
+    """One more `train_step` under the torch profiler: its wall time, GPU-busy time by kernel kind, top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        trainer.train_step(batch)
+        _sync()
+        wall_us = (time.perf_counter() - t0) * 1e6
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_kind: dict[str, float] = {}
+    by_name: dict[str, float] = {}
+    for e in kernels:
+        us = e.time_range.elapsed_us()
+        kind = next((k for k, rx in KERNEL_KINDS if rx.search(e.name)), "other")
+        by_kind[kind] = by_kind.get(kind, 0.0) + us
+        by_name[e.name] = by_name.get(e.name, 0.0) + us
+    busy = sum(by_kind.values())
+    print(f"  profile: step {wall_us / 1e3:.1f} ms wall, GPU kernels {busy / 1e3:.1f} ms "
+          f"({100 * busy / wall_us:.0f}% busy, {len(kernels)} kernels)")
+    for kind, us in sorted(by_kind.items(), key=lambda kv: -kv[1]):
+        print(f"    {kind:>16}: {us / 1e3:8.1f} ms  {100 * us / wall_us:5.1f}% of the step")
+    for name, us in sorted(by_name.items(), key=lambda kv: -kv[1])[:10]:
+        print(f"    {us / 1e3:8.1f} ms  {name[:110]}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="a tiny fp32 config that runs in seconds on CPU")
@@ -104,6 +145,7 @@ def main() -> None:
     p.add_argument("--backends", default="megatron,torch")
     p.add_argument("--micro-batch-tokens", type=int, default=None, help="default: the whole batch")
     p.add_argument("--torch-packing", default="auto", help="the torch backend's packing mode")
+    p.add_argument("--profile", action="store_true", help="profile one more step per backend (GPU kernels)")
     args = p.parse_args()
     if args.tiny:
         args.layers, args.hidden, args.ffn, args.heads, args.kv_heads, args.vocab = 2, 64, 128, 4, 2, 512
@@ -141,6 +183,8 @@ def main() -> None:
         mfu = fpt * tokens / dt / PEAK_FLOPS
         print(f"{backend:>9}: {dt:.4f} s/step  {tokens / dt:,.0f} tokens/s  MFU {100 * mfu:.1f}%"
               + ("" if on_gpu else "  (MFU vs an H200 peak; meaningless on CPU)"))
+        if args.profile:
+            profile_step(trainer, batches[-1])
         del trainer
         gc.collect()
         if on_gpu:
