@@ -130,6 +130,29 @@ async def test_abort_running_and_waiting_requests():
         await eng.close()
 
 
+async def test_requests_cancelled_then_closed_leave_no_unretrieved_errors():
+    """A run that stops cancels its sessions and closes the engine: the requests' 'engine is closed' errors go to
+    nobody, and must not be reported as never-retrieved future exceptions."""
+    import gc
+
+    loop = asyncio.get_running_loop()
+    reported: list[dict] = []
+    loop.set_exception_handler(lambda _loop, context: reported.append(context))
+    eng = EmbeddedEngine(small_qwen2(0), max_batch_size=1)
+    tasks = [asyncio.create_task(eng.generate([1, 2 + i], SamplingParams(max_new_tokens=1500))) for i in range(3)]
+    await asyncio.sleep(0.3)
+    for t in tasks:
+        t.cancel()
+    await asyncio.sleep(0)  # the cancelled generate calls run their except branch
+    await eng.close()
+    for _ in range(5):
+        await asyncio.sleep(0.01)  # the decode thread's settle callbacks run here
+    del tasks
+    gc.collect()
+    loop.set_exception_handler(None)
+    assert [c["message"] for c in reported] == []
+
+
 async def test_update_weights_from_state_dict_and_disk(engine, tmp_path):
     params = SamplingParams(temperature=0.0, max_new_tokens=8)
     before = await engine.generate([1, 2, 3], params, session_id="s")

@@ -58,6 +58,11 @@ from miles.engines.sampling import RowSampling, SampleMode, SamplingTensors, sam
 logger = logging.getLogger(__name__)
 
 
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
 @dataclass
 class _Request:
     rid: str
@@ -211,6 +216,7 @@ class EmbeddedEngine(RolloutEngine):
         try:
             return await asyncio.shield(req.future)
         except asyncio.CancelledError:
+            req.future.add_done_callback(_retrieve)  # nobody awaits it now: an abort or close error is expected
             await self.abort(req.rid)
             raise
 
