@@ -231,6 +231,33 @@ def step_floor_ms(size: str, device: str, batch_size: int, length: int = 256, st
         return (time.perf_counter() - t0) / steps * 1e3
 
 
+def profile(size: str, device: str, b: int, args: argparse.Namespace, vocab: int) -> None:
+    """Where the time of the bare decode step and of a whole engine run at batch `b` goes."""
+    from gpu_profile import profile_region
+
+    model = fresh_model(size, device, 0)
+    with torch.inference_mode():
+        decoder = Decoder(model)
+        batch = DecodeBatch(decoder, decoder.new_cache(b, 512), b)
+        rows = [RowSampling(1.0, key=i) for i in range(b)]
+        batch.join(0, torch.ones(b, dtype=torch.long, device=device), [128] * b, rows, [1] * b)
+        mode = SampleMode.of(rows)
+        for _ in range(3):
+            batch.step(b, 256, mode)
+
+        def steps() -> None:
+            for _ in range(20):
+                batch.step(b, 256, mode)
+
+        profile_region(steps, label=f"20 bare decode steps at batch {b}")
+    engine = EmbeddedEngine(model, device=device, max_batch_size=b)
+    new_tokens = [args.new_tokens] * args.turns
+    asyncio.run(run_engine(engine, make_workload(b, 64, 16, new_tokens, vocab, seed=b + 1), "warm"))
+    w = make_workload(b, 64, 16, new_tokens, vocab, seed=b)
+    profile_region(lambda: asyncio.run(run_engine(engine, w, "timed")), label=f"one engine run at batch {b}")
+    asyncio.run(engine.close())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
@@ -242,6 +269,8 @@ def main() -> None:
                     help="largest |engine - HF| logprob allowed in check 2, a tenth of it on average (bf16 kernels "
                          "round apart; the 0.5B shape in bf16 on a CPU measured max 0.047, mean 0.004)")
     ap.add_argument("--bandwidth-tbs", type=float, default=4.3)
+    ap.add_argument("--profile", action="store_true",
+                    help="then profile 20 bare decode steps and one engine run at the first batch size")
     args = ap.parse_args()
     device, size = args.device, args.model_size
     t_start = time.perf_counter()
@@ -297,6 +326,8 @@ def main() -> None:
     for b, gen_rate, eng_rate, ms, floor, limit in rows:
         print(f"{b:>4} {gen_rate:>13.0f} t/s {eng_rate:>6.0f} t/s {eng_rate / gen_rate:>10.2f}x {ms:>15.2f} "
               f"{floor:>13.2f} {limit:>10.0f} {100 * eng_rate / limit:>10.2f}%")
+    if args.profile:
+        profile(size, device, int(args.batches.split(",")[0]), args, vocab)
     sys.exit(0 if all(c.ok for c in checks) else 1)
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import re
 import sys
 import time
 import warnings
@@ -79,6 +78,16 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def _sibling(name: str):
+    """A helper module beside this file (not importable by name: this folder is off sys.path, see above)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, os.path.join(_HERE, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def time_trainer(trainer, batches, warmup: int) -> float:
     for b in batches[:warmup]:
         trainer.train_step(b)
@@ -88,45 +97,6 @@ def time_trainer(trainer, batches, warmup: int) -> float:
         trainer.train_step(b)
     _sync()
     return (time.perf_counter() - t0) / (len(batches) - warmup)
-
-
-KERNEL_KINDS = (  # first match wins; kernel names of cuBLAS/cuDNN/flash/PyTorch on Hopper
-    ("matmul", re.compile(r"gemm|nvjet|cutlass|xmma|wgmma|matmul|splitk", re.I)),
-    ("attention", re.compile(r"flash|fmha|attention|sdpa|cudnn", re.I)),
-    ("optimizer", re.compile(r"adam|multi_tensor|foreach", re.I)),
-    ("softmax/logprob", re.compile(r"softmax|logsumexp|cross_entropy|nll|log_prob", re.I)),
-    ("norm", re.compile(r"norm", re.I)),
-    ("copy/cast", re.compile(r"memcpy|memset|copy|cast|convert|cat|fill", re.I)),
-    ("reduce", re.compile(r"reduce|sum|mean|max|min", re.I)),
-    ("elementwise", re.compile(r"elementwise|vectorized|unrolled|pointwise|silu|mul|add|exp|neg", re.I)),
-)
-
-
-def profile_step(trainer, batch) -> None:
-    """One more `train_step` under the torch profiler: its wall time, GPU-busy time by kernel kind, top kernels."""
-    from torch.profiler import ProfilerActivity, profile
-
-    _sync()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        t0 = time.perf_counter()
-        trainer.train_step(batch)
-        _sync()
-        wall_us = (time.perf_counter() - t0) * 1e6
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    by_kind: dict[str, float] = {}
-    by_name: dict[str, float] = {}
-    for e in kernels:
-        us = e.time_range.elapsed_us()
-        kind = next((k for k, rx in KERNEL_KINDS if rx.search(e.name)), "other")
-        by_kind[kind] = by_kind.get(kind, 0.0) + us
-        by_name[e.name] = by_name.get(e.name, 0.0) + us
-    busy = sum(by_kind.values())
-    print(f"  profile: step {wall_us / 1e3:.1f} ms wall, GPU kernels {busy / 1e3:.1f} ms "
-          f"({100 * busy / wall_us:.0f}% busy, {len(kernels)} kernels)")
-    for kind, us in sorted(by_kind.items(), key=lambda kv: -kv[1]):
-        print(f"    {kind:>16}: {us / 1e3:8.1f} ms  {100 * us / wall_us:5.1f}% of the step")
-    for name, us in sorted(by_name.items(), key=lambda kv: -kv[1])[:10]:
-        print(f"    {us / 1e3:8.1f} ms  {name[:110]}")
 
 
 def main() -> None:
@@ -184,7 +154,7 @@ def main() -> None:
         print(f"{backend:>9}: {dt:.4f} s/step  {tokens / dt:,.0f} tokens/s  MFU {100 * mfu:.1f}%"
               + ("" if on_gpu else "  (MFU vs an H200 peak; meaningless on CPU)"))
         if args.profile:
-            profile_step(trainer, batches[-1])
+            _sibling("gpu_profile").profile_region(lambda t=trainer: t.train_step(batches[-1]), label=f"one {backend} train_step")
         del trainer
         gc.collect()
         if on_gpu:
