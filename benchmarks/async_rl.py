@@ -10,7 +10,7 @@ Reported per variant: trained samples/s over the RL phase, the trainer's idle ra
 groups over step time), the rollout engines' idle ratio, and the staleness of the trained samples.
 
     python benchmarks/async_rl.py                       # CPU, tiny 1m model
-    python benchmarks/async_rl.py --device cuda --model-size 0.5b --steps 20 --tasks-per-step 32
+    python benchmarks/async_rl.py --device cuda --model-size 25m --steps 10 --tasks-per-step 32 --threads 8
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def run_variant(args: argparse.Namespace, name: str, sets: list[str], threads: i
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu")
-    p.add_argument("--model-size", default="1m")
+    p.add_argument("--model-size", default="1m", help="a tiny model size (the largest: 25m)")
     p.add_argument("--steps", type=int, default=14)
     p.add_argument("--warmup-steps", type=int, default=2, help="steps left out of the figures")
     p.add_argument("--tasks-per-step", type=int, default=8)
