@@ -215,6 +215,34 @@ def _rollout_pid(trainer_pid: int) -> int | None:
     return None
 
 
+DEAD_PEER_SCRIPT = """
+import os, socket, sys, time
+from multiprocessing import resource_sharer
+if sys.argv[1] == "quiet":
+    from miles.trainers.rollout_process import _quiet_dead_peer_handshakes
+    _quiet_dead_peer_handshakes()
+resource_sharer.DupFd(os.open(os.devnull, os.O_RDONLY))  # starts the descriptor-serving thread
+peer = socket.socket(socket.AF_UNIX)
+peer.connect(resource_sharer._resource_sharer._address)
+peer.close()  # a peer that dies in the middle of the handshake
+time.sleep(0.5)
+try:
+    raise ValueError("other errors still reach stderr")
+except ValueError:
+    sys.excepthook(*sys.exc_info())
+"""
+
+
+@pytest.mark.parametrize("mode", ["quiet", "default"])
+def test_a_dead_peer_in_a_descriptor_handshake_prints_no_traceback(mode):
+    """Killing the rollout process while the trainer hands it a shared tensor's descriptor made the trainer's
+    `multiprocessing.resource_sharer` thread print a traceback beside the one-line error; other errors print."""
+    proc = subprocess.run([sys.executable, "-c", DEAD_PEER_SCRIPT, mode], capture_output=True, text=True,
+                          timeout=60)
+    assert "other errors still reach stderr" in proc.stderr
+    assert ("resource_sharer.py" in proc.stderr) == (mode == "default"), proc.stderr
+
+
 @pytest.mark.slow
 def test_a_killed_rollout_process_is_a_named_error_and_resume_loses_no_step(tmp_path):
     out = tmp_path / "run"

@@ -18,8 +18,11 @@ import logging
 import multiprocessing
 import os
 import queue
+import sys
 import threading
 import time
+import traceback
+import types
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -251,6 +254,31 @@ class _IdleClock:
 
 
 # ---- the trainer's handle -----------------------------------------------------------------------------
+def _dead_peer_handshake(exc_type: type[BaseException], tb: types.TracebackType | None) -> bool:
+    """Whether an error comes from handing a shared tensor's file descriptor (`multiprocessing.resource_sharer`,
+    whose serving thread reports it through `sys.excepthook` and goes on) to a process that died meanwhile."""
+    frames = traceback.extract_tb(tb) if tb is not None else []
+    return issubclass(exc_type, (ConnectionError, EOFError)) and any(
+        f.filename.endswith(os.path.join("multiprocessing", "resource_sharer.py")) for f in frames)
+
+
+def _quiet_dead_peer_handshakes() -> None:
+    """Keep a dead rollout process's unfinished descriptor handshakes out of stderr (its death is reported
+    as one line of its own); every other error still reaches the previous hook. Installed once per process."""
+    previous = sys.excepthook
+    if getattr(previous, "quiets_dead_peers", False):
+        return
+
+    def hook(exc_type: type[BaseException], exc: BaseException, tb: types.TracebackType | None) -> None:
+        if _dead_peer_handshake(exc_type, tb):
+            log.debug("a descriptor handshake with a dead process failed: %r", exc)
+        else:
+            previous(exc_type, exc, tb)
+
+    hook.quiets_dead_peers = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
+
+
 class RolloutProcess:
     """Starts the rollout process and talks to it: `next_group()`, `publish()`, `hold()`, `requeue()`, `close()`.
 
@@ -261,6 +289,7 @@ class RolloutProcess:
         import torch.multiprocessing as mp
 
         ctx = mp.get_context("spawn")
+        _quiet_dead_peer_handshakes()
         self.timeout_s = cfg.asynchronous.manager_timeout_s
         self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
         self.process = ctx.Process(target=rollout_main, args=(cfg, start, self.inbox, self.outbox),
