@@ -130,6 +130,40 @@ async def test_abort_running_and_waiting_requests():
         await eng.close()
 
 
+def _fraction_for(model, positions: int, slots: int) -> float:
+    """The kv_cache_fraction of the host's RAM that holds `positions` positions for `slots` slots."""
+    import os
+
+    cfg = model.config
+    kv_heads = cfg.num_key_value_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    per_position = cfg.num_hidden_layers * 2 * kv_heads * head_dim * 4 * slots
+    return (positions + 0.5) * per_position / (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+async def test_a_kv_cache_sized_from_a_memory_fraction_is_allocated_once_and_bounds_the_context():
+    model = small_qwen2(0)
+    eng = EmbeddedEngine(model, max_batch_size=4, kv_cache_fraction=_fraction_for(model, 48, 4))
+    try:
+        assert eng.max_context == 48
+        r = await eng.generate(list(range(3, 13)), SamplingParams(temperature=0.0, max_new_tokens=100))
+        assert r.finish_reason is FinishReason.LENGTH and len(r.output_ids) == 48 - 10  # the context is full
+        assert eng._batch.cache.capacity == 48  # allocated whole at the first request, never grown
+        with pytest.raises(InvalidRequestError, match="does not fit the context of 48"):
+            await eng.generate(list(range(3, 53)), SamplingParams(max_new_tokens=2))
+    finally:
+        await eng.close()
+
+
+def test_a_kv_cache_fraction_that_holds_nothing_names_the_fix():
+    model = small_qwen2(0)
+    with pytest.raises(ValueError, match="GiB holds 1 positions per slot for 4 slots.*raise it or lower max_batch_size"):
+        EmbeddedEngine(model, max_batch_size=4, kv_cache_fraction=_fraction_for(model, 1, 4))
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match="must be in"):
+            EmbeddedEngine(model, kv_cache_fraction=bad)
+
+
 async def test_requests_cancelled_then_closed_leave_no_unretrieved_errors():
     """A run that stops cancels its sessions and closes the engine: the requests' 'engine is closed' errors go to
     nobody, and must not be reported as never-retrieved future exceptions."""

@@ -22,12 +22,24 @@ MAIN_JOB = str(REPO / "configs" / "calculator.yaml")
     (["--config", MAIN_JOB, "--set", "model.init_from=/no/such/folder"], "model.init_from: '/no/such/folder'"),
     (["--config", MAIN_JOB, "--set", "model.chat_template=/no/such.jinja"], "model.chat_template"),
     (["--config", MAIN_JOB, "--set", "env.id=Calculatr-v0"], "env.id"),
+    (["--config", MAIN_JOB, "--set", "engine.kv_cache_fraction=1.5"], "engine.kv_cache_fraction: must be in (0, 1]"),
 ])
 def test_setup_mistakes_are_one_line(args, expected, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(REPO)
     assert main(["train", *args, "--output-dir", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and expected in err and "Traceback" not in err, err
+    assert not (tmp_path / "run" / "sessions.jsonl").exists()
+
+
+def test_a_kv_cache_fraction_that_holds_nothing_is_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    assert main(["train", "--config", MAIN_JOB, "--set", "engine.kv_cache_fraction=0.0000000000001",
+                 "--output-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err  # after the warm start's loading bar, which transformers prints
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith(
+        "miles train: config error: engine.kv_cache_fraction: 1e-13 of ") and "raise it or lower max_batch_size" in err
     assert not (tmp_path / "run" / "sessions.jsonl").exists()
 
 
@@ -47,3 +59,23 @@ def test_the_console_script_prints_no_traceback(tmp_path):
     assert proc.stderr.strip().splitlines() == [
         f"miles train: config error: model.init_from: 'relative/warm-start' is not a folder (relative paths "
         f"start at the working directory, {tmp_path}); give the warm start's folder"]
+
+
+def test_the_main_job_on_a_kv_cache_sized_from_a_memory_fraction_ends_long_sessions_context_full(tmp_path, monkeypatch):
+    """`engine.kv_cache_fraction` bounds the embedded engine's context to what fits: sessions that outgrow it end
+    `context_full` (a named reason) instead of failing in the engine, and the run goes on."""
+    import json
+    import os
+
+    from transformers import AutoConfig
+
+    monkeypatch.chdir(REPO)
+    cfg = AutoConfig.from_pretrained(REPO / "checkpoints" / "calculator-sft-1m")
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    per_position = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * 4 * 64  # float32, 64 slots
+    fraction = 60.5 * per_position / (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    out = tmp_path / "run"
+    assert main(["train", "--config", MAIN_JOB, "--output-dir", str(out), "--set", "steps=2", "--set",
+                 "max_seconds=null", "--set", "eval.num_tasks=8", "--set", f"engine.kv_cache_fraction={fraction:.20f}"]) == 0
+    ends = [json.loads(line)["termination"] for line in (out / "sessions.jsonl").read_text().splitlines()]
+    assert "context_full" in ends and "engine_error" not in ends, ends

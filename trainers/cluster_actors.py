@@ -130,6 +130,7 @@ class EngineActor:
         engine = WeightGatedEngine(build_policy(cfg.model, tito.tokenizer), tokenizer=tito.tokenizer,
                                    device="cuda" if ray.get_gpu_ids() else cfg.engine.device,
                                    max_batch_size=cfg.engine.max_batch_size, engine_id=f"ray-engine-{self.index}",
+                                   kv_cache_fraction=cfg.engine.kv_cache_fraction,
                                    model_path=cfg.model.init_from or cfg.model.name)
         self._server = serve_in_thread(engine, host=host, port=port)
         return self._server.url

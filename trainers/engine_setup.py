@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from miles.config import ConfigError
 from miles.engine import RolloutEngine
 from miles.engines.attach import ServerFacts, attach
 from miles.sessions.config import SchedulerConfig
@@ -58,10 +59,14 @@ async def build_engine_set(cfg: EngineConfig, model: torch.nn.Module, tokenizer:
     if cfg.kind == "embedded":
         from miles.engines.embedded import EmbeddedEngine
 
-        engines: list[RolloutEngine] = [
-            EmbeddedEngine(copy.deepcopy(model).eval(), tokenizer=tokenizer, device=cfg.device,
-                           max_batch_size=cfg.max_batch_size, engine_id=f"embedded-{i}")
-            for i in range(cfg.num_engines)]
+        try:
+            engines: list[RolloutEngine] = [
+                EmbeddedEngine(copy.deepcopy(model).eval(), tokenizer=tokenizer, device=cfg.device,
+                               max_batch_size=cfg.max_batch_size, engine_id=f"embedded-{i}",
+                               kv_cache_fraction=cfg.kv_cache_fraction)
+                for i in range(cfg.num_engines)]
+        except ValueError as exc:  # a cache that holds (almost) nothing
+            raise ConfigError("engine.kv_cache_fraction", str(exc)) from None
         return EngineSet(rollout=engines, workers=engines, is_http=False)
     facts = await attach(list(cfg.urls), tokenizer, tokenizer_name)
     if cfg.kind == "router":

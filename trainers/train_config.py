@@ -72,7 +72,9 @@ class ModelConfig:
 class EngineConfig:
     """Where rollouts run: the embedded engine (default), SGLang servers by URL, or the real sglang-router.
 
-    - `embedded`: `num_engines` in-process engines on `device`, each batching up to `max_batch_size` requests;
+    - `embedded`: `num_engines` in-process engines on `device`, each batching up to `max_batch_size` requests,
+      with a KV cache that grows on demand, or is sized once to `kv_cache_fraction` of the device's memory (the
+      context length is then what fits, and sessions end `context_full` beyond it);
     - `sglang`: the servers at `urls` (SGLang or `miles rollout`), spread by the scheduler's router;
     - `router`: the real sglang-router in front of the servers at `urls` (the workers; weight sync reaches each
       one directly). `miles train` starts the router, or uses the one at `router_url` (e.g. the router that
@@ -85,8 +87,15 @@ class EngineConfig:
     num_engines: int = 1
     max_batch_size: int = 64
     device: str = "cpu"
+    kv_cache_fraction: float | None = None
 
     def __post_init__(self) -> None:
+        if self.kv_cache_fraction is not None:
+            if self.kind != "embedded":
+                raise ConfigError("kv_cache_fraction", "sizes the embedded engine's KV cache; SGLang servers take "
+                                  "theirs from `miles rollout --mem-fraction`")
+            if not 0 < self.kv_cache_fraction <= 1:
+                raise ConfigError("kv_cache_fraction", f"must be in (0, 1], got {self.kv_cache_fraction}")
         if self.kind != "embedded" and not self.urls:
             raise ConfigError("urls", f"engine kind {self.kind!r} needs the servers' URLs (`miles rollout` "
                               "prints them)")

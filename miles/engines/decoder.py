@@ -155,10 +155,11 @@ class Decoder:
                 layer.qkv_bias.copy_(_cat_bias(qkv))
             torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight], out=layer.gate_up_weight)
 
-    def new_cache(self, slots: int, max_len: int) -> SlotCache:
-        """A `SlotCache` shaped for this model."""
+    def new_cache(self, slots: int, max_len: int, *, initial_len: int | None = None) -> SlotCache:
+        """A `SlotCache` shaped for this model (`initial_len` positions allocated now; default: the cache's own)."""
+        extra = {} if initial_len is None else {"initial_len": initial_len}
         return SlotCache(layers=len(self.layers), slots=slots, kv_heads=self.kv_heads, head_dim=self.head_dim,
-                         max_len=max_len, dtype=self.dtype, device=self.device)
+                         max_len=max_len, dtype=self.dtype, device=self.device, **extra)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """Every projection of the forward pass (the hook for per-row adapters)."""

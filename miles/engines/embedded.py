@@ -58,6 +58,28 @@ from miles.engines.sampling import RowSampling, SampleMode, SamplingTensors, sam
 logger = logging.getLogger(__name__)
 
 
+def kv_positions(model: Any, device: torch.device, fraction: float, slots: int) -> int:
+    """Positions per slot that a KV cache of `slots` slots fits in `fraction` of `device`'s memory. Raises
+    `ValueError` (one line naming the fix) for a fraction outside (0, 1] or one that leaves under 2 positions."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"kv_cache_fraction must be in (0, 1], got {fraction}")
+    cfg = model.config
+    heads = int(cfg.num_attention_heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    dtype = next(model.parameters()).dtype
+    per_position = int(cfg.num_hidden_layers) * 2 * kv_heads * head_dim * dtype.itemsize * slots
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+    else:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    positions = int(fraction * total // per_position)
+    if positions < 2:
+        raise ValueError(f"{fraction} of {total / 2**30:.1f} GiB holds {positions} positions per slot for {slots} "
+                         f"slots ({per_position} bytes per position); raise it or lower max_batch_size")
+    return positions
+
+
 def _retrieve(future: asyncio.Future[Any]) -> None:
     if not future.cancelled():
         future.exception()
@@ -109,6 +131,9 @@ class EmbeddedEngine(RolloutEngine):
             larger groups of joining requests are prefilled in chunks.
         max_loras: the most LoRA adapters served at once (SGLang's `--max-loras-per-batch`).
         max_lora_rank: the largest LoRA rank it takes (SGLang's `--max-lora-rank`).
+        kv_cache_fraction: size the KV cache once, to this share of the device's memory (the GPU's total, or the
+            host's RAM on a CPU), for `max_batch_size` slots: the context length becomes what fits (at most the
+            model's), and the cache never grows. None: start small and grow on demand up to the model's context.
 
     Raises `UnsupportedModelError` for a model outside `miles.engines.decoder.SUPPORTED_MODEL_TYPES`.
     The model may still be moved or cast (`engine.model.to(...)`) until the first request.
@@ -117,7 +142,7 @@ class EmbeddedEngine(RolloutEngine):
     def __init__(self, model: Any, *, tokenizer: Any = None, device: str = "cpu", max_batch_size: int = 64,
                  engine_id: str = "embedded-0", stop_at_eos: bool = True, max_cached_sessions: int = 1024,
                  model_path: str = "", cuda_graphs: bool = True, prefill_tokens: int = 8192, max_loras: int = 8,
-                 max_lora_rank: int = 64) -> None:
+                 max_lora_rank: int = 64, kv_cache_fraction: float | None = None) -> None:
         check_supported(model)
         if max_batch_size < 1 or prefill_tokens < 1:
             raise ValueError(f"max_batch_size ({max_batch_size}) and prefill_tokens ({prefill_tokens}) must be >= 1")
@@ -137,6 +162,10 @@ class EmbeddedEngine(RolloutEngine):
         cfg = model.config
         self.vocab_size = int(cfg.vocab_size)
         self.max_context = int(getattr(cfg, "max_position_embeddings", 0) or 1 << 30)
+        self._preallocate = kv_cache_fraction is not None
+        if kv_cache_fraction is not None:
+            self.max_context = min(self.max_context, kv_positions(self.model, self.device, kv_cache_fraction,
+                                                                  max_batch_size))
         eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         if eos is None:
             eos = getattr(cfg, "eos_token_id", None)
@@ -426,7 +455,8 @@ class EmbeddedEngine(RolloutEngine):
             static = self.cuda_graphs and self.device.type == "cuda"  # graphs: the adapter math is always in
             self._decoder = LoraDecoder(self.model, max_slots=self.max_batch_size, max_adapters=self.max_loras,
                                         max_rank=self.max_lora_rank, static=static)
-            cache = self._decoder.new_cache(self.max_batch_size, min(self.max_context, self._decoder.max_positions))
+            length = min(self.max_context, self._decoder.max_positions)
+            cache = self._decoder.new_cache(self.max_batch_size, length, initial_len=length if self._preallocate else None)
             self._batch = DecodeBatch(self._decoder, cache, self.max_batch_size, cuda_graphs=self.cuda_graphs)
         return self._batch
 
