@@ -151,8 +151,9 @@ class LaunchSpec:
             raise ConfigError("--tp" if self.tp > 1 else "--pp", "the embedded engine runs on one device; use "
                               "--engine sglang for tensor or pipeline parallelism (--dp N starts N servers)")
         if self.mem_fraction is not None:
-            raise ConfigError("--mem-fraction", "is an SGLang setting (its static KV pool); the embedded engine has "
-                              "none: drop it or use --engine sglang")
+            raise ConfigError("--mem-fraction", "is an SGLang setting (its static pool); an embedded server's KV "
+                              "cache grows on demand (`engine.kv_cache_fraction` sizes it for the engines `miles "
+                              "train` runs itself): drop it or use --engine sglang")
         if self.sglang_args:
             raise ConfigError("--", f"SGLang flags {' '.join(self.sglang_args)!r} need --engine sglang")
         try:
