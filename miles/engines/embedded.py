@@ -63,12 +63,10 @@ def kv_positions(model: Any, device: torch.device, fraction: float, slots: int) 
     `ValueError` (one line naming the fix) for a fraction outside (0, 1] or one that leaves under 2 positions."""
     if not 0 < fraction <= 1:
         raise ValueError(f"kv_cache_fraction must be in (0, 1], got {fraction}")
-    cfg = model.config
-    heads = int(cfg.num_attention_heads)
-    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
-    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
-    dtype = next(model.parameters()).dtype
-    per_position = int(cfg.num_hidden_layers) * 2 * kv_heads * head_dim * dtype.itemsize * slots
+    cfg, layers = model.config, model.model.layers  # the shapes `Decoder.new_cache` gives the cache
+    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+    head_dim = int(layers[0].self_attn.head_dim)
+    per_position = len(layers) * 2 * kv_heads * head_dim * model.model.embed_tokens.weight.dtype.itemsize * slots
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
     else:
