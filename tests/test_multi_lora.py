@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import importlib.util
+import json
 import re
 import subprocess
 import sys
@@ -102,6 +103,51 @@ def test_each_step_trains_and_syncs_only_the_adapters_with_their_own_versions(tr
     assert sorted(evals) == sorted([(a, s) for a in ("mul", "addsub") for s in ("start", "final")])
 
 
+@pytest.fixture(scope="module")
+def pipelined(tmp_path_factory):
+    """Three steps without checkpoints or evaluations between them: every adapter's next sessions start ahead."""
+    out = tmp_path_factory.mktemp("runs") / "pipelined"
+    return out, run(config(out, steps=3, checkpoint={"every": 0, "keep": 1}))
+
+
+def test_an_adapter_rolls_out_its_next_step_while_the_step_goes_on_and_stays_on_policy(pipelined):
+    out, summary = pipelined
+    assert summary.steps_done == 3
+    records = read_sessions(out / "sessions.jsonl").records
+    assert len(records) == 3 * (1 + 2) * GROUP and {r.termination.value for r in records} == {"done"}
+    assert len({r.session_id for r in records}) == len(records)
+    rows = read_metrics(out / "metrics.jsonl")
+    step_end = [r["time"] for r in rows if r["kind"] == "train"]
+    pushed = {(r["adapter"], r["version"]): r["time"] for r in rows if r["kind"] == "sync" and "adapter" in r}
+    early = 0
+    for name in ("mul", "addsub"):
+        mine = [r for r in records if r.policy_id == name]
+        for k in range(3):  # step k's sessions: all of version k of their own adapter, started after its push
+            step_k = [r for r in mine if set(r.weight_versions) == {k}]
+            assert len(step_k) == len(mine) // 3, (name, k)
+            assert min(r.started_at for r in step_k) >= pushed[(name, k)] - 1e-3
+            if k:
+                early += min(r.started_at for r in step_k) < step_end[k - 1]
+    assert early >= 1  # some adapter's step k+1 began before step k ended
+
+
+def test_sessions_started_ahead_of_a_step_that_does_not_run_are_recorded_once_and_not_consumed(tmp_path,
+                                                                                           monkeypatch):
+    monkeypatch.setattr(TrainLoop, "_runs_ahead", lambda self, step, t_start: True)  # as if the budget ran out
+    out = tmp_path / "settled"
+    run(config(out, steps=2, checkpoint={"every": 0, "keep": 1}))
+    records = read_sessions(out / "sessions.jsonl").records
+    assert len({r.session_id for r in records}) == len(records)
+    trained = [r for r in records if set(r.weight_versions) <= {0, 1}]  # steps 0 and 1: versions 0 and 1
+    ahead = [r for r in records if r not in trained]  # started on version 2, for a step 3 that never ran
+    assert len(trained) == 2 * (1 + 2) * GROUP and {r.termination.value for r in trained} == {"done"}
+    assert 0 < len(ahead) <= (1 + 2) * GROUP and all(set(r.weight_versions) <= {2, None} for r in ahead)
+    assert {r.termination.value for r in ahead} <= {"done", "aborted"}
+    ckpt = sorted((out / "checkpoints").glob("step_*"))[-1]
+    cursor = json.loads((ckpt / "meta.json").read_text())["data_cursor"]["adapters"]
+    assert {n: c["position"] for n, c in cursor.items()} == {"mul": 2 * 1, "addsub": 2 * 2}
+
+
 def test_prometheus_labels_carry_the_adapter(trained):
     text = generate_latest(process_metrics().registry).decode()
     for name in ("mul", "addsub"):
@@ -169,7 +215,7 @@ def test_resume_continues_cursors_and_adapter_versions(tmp_path, trained):
     run(config(out, steps=2), resume=True)
     rows = read_metrics(out / "metrics.jsonl")
     versions = [(r["adapter"], r["version"]) for r in rows if r["kind"] == "sync" and "adapter" in r]
-    assert versions[-2:] == [("mul", 2), ("addsub", 2)]
+    assert sorted(versions[-2:]) == [("addsub", 2), ("mul", 2)]  # pushed as each adapter's update ends
     full = read_sessions(full_out / "sessions.jsonl").records
     resumed = read_sessions(out / "sessions.jsonl").records
 

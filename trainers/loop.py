@@ -258,8 +258,6 @@ class TrainLoop:
             for record in taken.records:
                 self.session_metrics.observe(record)
             return taken.records, taken.metrics
-        if self.lora is not None:  # every adapter's share of the step, at once
-            return await self.lora.rollout(), {}
         tasks = [{"task": self.train_tasks[i]} for i in self.cursor.next(self.cfg.rollout.tasks_per_step)]
         groups = await self.scheduler.run(tasks, num_groups=self.cfg.rollout.tasks_per_step)
         return [r for g in groups for r in g.records], {}
@@ -267,24 +265,38 @@ class TrainLoop:
     async def _update_engines(self) -> None:
         """The trained weights to the engines: a sync (synchronous loop), or a publish to the rollout process
         that returns while rollouts go on."""
-        if self.lora is not None:  # only the adapters that trained
-            await self.lora.sync()
-            return
         if self.async_rollout is None:
             await self._sync()
             return
         self.version += 1
         await self.async_rollout.publish(self.version, self.trainer.hf_state_dict)
 
-    async def _rl_step(self, step: int) -> dict[str, Any]:
+    def _to_train(self, records: list[SessionRecord]) -> list[Trajectory]:
+        """The trajectories of `records` that train: finished (or timed-out, per `rollout.on_timeout`), and
+        with `rollout.drop_zero_std_groups` only groups whose rewards differ."""
+        trajs = trainable(records, on_timeout=self.cfg.rollout.on_timeout)
+        return split_by_reward_spread(trajs)[0] if self.cfg.rollout.drop_zero_std_groups else trajs
+
+    def _runs_ahead(self, step: int, t_start: float) -> bool:
+        """Whether the sessions of step `step + 1` may start during step `step`: it is a step of this run, no
+        evaluation or checkpoint comes before it, and the time budget is not spent."""
+        cfg, nxt = self.cfg, step + 1
+        return (nxt < cfg.steps and not (cfg.eval.every and nxt % cfg.eval.every == 0)
+                and not (cfg.checkpoint.every and nxt % cfg.checkpoint.every == 0)
+                and (cfg.max_seconds is None or time.perf_counter() - t_start < cfg.max_seconds))
+
+    async def _rl_step(self, step: int, t_start: float) -> dict[str, Any]:
         cfg = self.cfg
         t0 = time.perf_counter()
-        records, extra = await self._rollout()
-        t_rollout = time.perf_counter() - t0
-        trajs = trainable(records, on_timeout=cfg.rollout.on_timeout)
-        informative, num_groups, flat = split_by_reward_spread(trajs)
-        if cfg.rollout.drop_zero_std_groups:
-            trajs = informative
+        if self.lora is not None:  # every adapter on its own pipeline; updates and pushes happen inside
+            done = await self.lora.step(self._to_train, ahead=self._runs_ahead(step, t_start))
+            records, extra, trajs = done.records, {}, done.trained
+            t_rollout = time.perf_counter() - t0 - done.train_s  # the step's time outside the updates
+        else:
+            records, extra = await self._rollout()
+            t_rollout = time.perf_counter() - t0
+            trajs = self._to_train(records)
+        num_groups, flat = split_by_reward_spread(trainable(records, on_timeout=cfg.rollout.on_timeout))[1:]
         row: dict[str, Any] = {
             "rollout_reward_mean": float(np.mean([r.reward for r in records])) if records else 0.0,
             "rollout_success_rate": (float(np.mean([bool(r.final_info.get("success")) for r in records]))
@@ -294,7 +306,12 @@ class TrainLoop:
             "rollout_zero_std_group_frac": flat / num_groups if num_groups else 0.0,
             "generated_tokens": sum(t.num_generated for t in trajs), "rollout_s": t_rollout, **extra,
         }
-        if trajs:
+        if self.lora is not None:
+            if trajs:
+                row.update({k: v for k, v in done.metrics.items() if k != "step"}, train_s=done.train_s,
+                           sync_s=done.sync_s,
+                           num_tokens=float(sum(len(t) for t in trajs)), num_sequences=float(len(trajs)))
+        elif trajs:
             t1 = time.perf_counter()
             metrics = self.trainer.train_step(TrajectoryBatch.from_trajectories(trajs))
             row["train_s"] = time.perf_counter() - t1
@@ -384,7 +401,7 @@ class TrainLoop:
                 if cfg.max_seconds is not None and time.perf_counter() - t_start > cfg.max_seconds:
                     self.echo(f"[train] time budget of {cfg.max_seconds:.0f} s reached after {step} steps")
                     break
-                row = await self._rl_step(step)
+                row = await self._rl_step(step, t_start)
                 step += 1
                 self.echo(f"[step {step}/{cfg.steps}] reward {row['rollout_reward_mean']:.3f}  "
                           f"success {row['rollout_success_rate']:.1%}  {row['step_s']:.1f} s")
@@ -392,6 +409,8 @@ class TrainLoop:
                     await self._evaluate(f"step{step}")
                 if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
                     self._checkpoint()
+            if self.lora is not None:  # sessions started ahead for a step that will not run
+                await self.lora.settle()
             self.summary.steps_done = step
             self.summary.seconds["rl"] = time.perf_counter() - t_rl
             if self.async_rollout is not None:  # running sessions are aborted and recorded; then checkpoint

@@ -140,15 +140,27 @@ class MultiLoraTrainer:
         groups = self._by_policy(batch)
         metrics: dict[str, float] = {}
         for name, indices in groups.items():
-            with self._active(name):
-                result = self.trainers[name].train_step(self._part(batch, indices))
-            metrics.update({f"{name}/{k}": v for k, v in result.items()})
-        self.last_trained = tuple(groups)
-        self.step += 1
+            metrics.update(self.train_adapter(name, self._part(batch, indices)))
+        metrics.update(self.end_step(tuple(groups)))
         metrics.update(num_tokens=float(batch.token_ids.numel()), num_sequences=float(batch.num_sequences),
-                       adapters_trained=float(len(groups)), step=float(self.step),
                        step_time_s=time.perf_counter() - t0)
         return metrics
+
+    def train_adapter(self, name: str, batch: TrajectoryBatch) -> dict[str, float]:
+        """One RL update of adapter `name` alone, on `batch` (all of its sequences must be `name`'s); metrics
+        as `NAME/<metric>`. A step made of such updates ends with `end_step`."""
+        if set(self._by_policy(validate_batch(batch))) != {name}:
+            raise ValueError(f"train_adapter({name!r}) got sequences of other policies")
+        with self._active(name):
+            result = self.trainers[name].train_step(batch)
+        return {f"{name}/{k}": v for k, v in result.items()}
+
+    def end_step(self, trained: tuple[str, ...]) -> dict[str, float]:
+        """Close a step in which the adapters `trained` were updated (what to sync); returns `step` and
+        `adapters_trained`."""
+        self.last_trained = trained
+        self.step += 1
+        return {"adapters_trained": float(len(trained)), "step": float(self.step)}
 
     def sft_step(self, batch: TrajectoryBatch) -> dict[str, float]:
         """One supervised step of every adapter with sequences in `batch`, on its own sequences; metrics as

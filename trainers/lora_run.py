@@ -1,20 +1,25 @@
 """The multi-adapter side of `TrainLoop` (a run with `adapters:`): per adapter its env, tasks and data cursor,
 its scheduler, evaluation, sync and metrics.
 
-Every adapter's scheduler shares the loop's router, so in one step the sessions of all adapters run at once and
-the engines decode their rows together, each row under its own adapter. After the step only the adapters that
-trained are pushed to the engines, each under its own version counter (`WeightSync.push_adapter`).
+Every adapter's scheduler shares the loop's router, so the sessions of all adapters run at once and the engines
+decode their rows together, each row under its own adapter. Within a step each adapter runs its own pipeline:
+its sessions, its update (one adapter at a time, in a worker thread, so the other adapters' sessions go on), and
+the push of its new weights (only adapters that trained, each under its own version counter:
+`WeightSync.push_adapter`). An adapter's sessions of the next step may start as soon as its weights are pushed,
+while other adapters still roll out or train; each adapter still trains on exactly its own on-policy groups.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
 from miles.engine import RolloutEngine
 from miles.envs import EnvRecipe, Task
@@ -25,6 +30,7 @@ from miles.sessions.recorder import Recorder
 from miles.sessions.records import SessionRecord
 from miles.sessions.router import Router
 from miles.sessions.scheduler import SessionScheduler
+from miles.trajectory import Trajectory, TrajectoryBatch
 from miles.weight_sync import WeightSync
 
 from .checkpoint import Checkpoint
@@ -74,6 +80,32 @@ class AdapterPart:
         return self.config.name
 
 
+def _with_threads(threads: int, fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)` on a worker thread that uses `threads` torch threads."""
+    torch.set_num_threads(threads)
+    return fn(*args)
+
+
+@dataclass(frozen=True)
+class AdapterStep:
+    """One step of every adapter: all their sessions, the trajectories trained, the updates' metrics
+    (`NAME/<metric>`, plus `step` and `adapters_trained`), and the seconds spent in updates and in pushes."""
+
+    records: list[SessionRecord]
+    trained: list[Trajectory]
+    metrics: dict[str, float]
+    train_s: float
+    sync_s: float
+
+
+@dataclass(frozen=True)
+class _Ahead:
+    """An adapter's sessions started for its next step, and its cursor position before them."""
+
+    position: int
+    rollout: asyncio.Task[list[SessionRecord]]
+
+
 class AdapterRun:
     """Rollouts, evaluation, sync, metrics and data cursors of every adapter of a run (see the module doc)."""
 
@@ -83,6 +115,8 @@ class AdapterRun:
         self.parts = list(parts)
         self.cfg, self.trainer, self.weight_sync, self.engines = cfg, trainer, sync, list(engines)
         self.tokenizer, self.eval_recorder, self.metrics_log, self.echo = tokenizer, eval_recorder, metrics_log, echo
+        self._ahead: dict[str, _Ahead] = {}
+        self._updating = asyncio.Lock()  # one adapter's update at a time: they share the peft model
 
     @classmethod
     def build(cls, cfg: TrainConfig, *, trainer: MultiLoraTrainer, sync: WeightSync,
@@ -129,31 +163,84 @@ class AdapterRun:
         for name in self.names:
             await self._push(name, None if versions is None else versions.get(name))
 
-    async def sync(self) -> None:
-        """Push the adapters the last train step updated, and only those."""
-        for name in self.trainer.last_trained:
-            await self._push(name, None)
-
-    async def _push(self, name: str, version: int | None) -> None:
+    async def _push(self, name: str, version: int | None, step: int | None = None) -> float:
+        t0 = time.perf_counter()
         report = await self.weight_sync.push_adapter(name, self.trainer.adapter_weights(name), version=version)
-        self.metrics_log.write("sync", self.trainer.step, adapter=name, version=report.version, method=report.method,
-                               seconds=report.seconds, drain_seconds=report.drain_seconds, mb=report.num_bytes / 1e6)
+        self.metrics_log.write("sync", self.trainer.step if step is None else step, adapter=name,
+                               version=report.version, method=report.method, seconds=report.seconds,
+                               drain_seconds=report.drain_seconds, mb=report.num_bytes / 1e6)
         self._part(name).metrics.observe_sync(report)
+        return time.perf_counter() - t0
 
     def _part(self, name: str) -> AdapterPart:
         return next(p for p in self.parts if p.name == name)
 
     # ---- a step ----------------------------------------------------------------------------------------
-    async def rollout(self) -> list[SessionRecord]:
-        """This step's sessions: every adapter's share of tasks, all running at once."""
-        async def one(part: AdapterPart) -> list[SessionRecord]:
-            tasks = [{"task": part.train_tasks[i]} for i in part.cursor.next(part.tasks_per_step)]
+    def _start_rollout(self, part: AdapterPart) -> _Ahead:
+        position = part.cursor.position
+        tasks = [{"task": part.train_tasks[i]} for i in part.cursor.next(part.tasks_per_step)]
+
+        async def run() -> list[SessionRecord]:
             groups = await part.scheduler.run(tasks, num_groups=part.tasks_per_step)
             return [r for g in groups for r in g.records]
 
+        return _Ahead(position, asyncio.get_running_loop().create_task(run()))
+
+    async def step(self, select: Callable[[list[SessionRecord]], list[Trajectory]], *,
+                   ahead: bool) -> AdapterStep:
+        """One step of every adapter, each on its own pipeline (see the module doc): its sessions (started
+        ahead by the previous step, or now), `select(records)` (the trajectories to train on), its update and
+        the push of its new weights. With `ahead`, each adapter's sessions of the next step start right after
+        its push; `settle()` takes them back if that step does not run. An update runs on a worker thread with
+        the process's torch threads, or one fewer (at least one) while sessions are in flight: in-process
+        engines then decode beside it."""
+        step = self.trainer.step + 1
+        threads_all = torch.get_num_threads()
+        threads_beside = max(1, threads_all - 1)  # while sessions are in flight, the engines decode beside it
+
+        async def one(part: AdapterPart) -> tuple[list[SessionRecord], list[Trajectory], dict[str, float],
+                                                 float, float]:
+            pending = self._ahead.pop(part.name, None) or self._start_rollout(part)
+            records = await pending.rollout
+            trajs = select(records)
+            metrics: dict[str, float] = {}
+            train_s = sync_s = 0.0
+            if trajs:
+                batch = TrajectoryBatch.from_trajectories(trajs)
+                async with self._updating:
+                    t0 = time.perf_counter()
+                    threads = threads_all if part.scheduler.router.inflight == 0 else threads_beside
+                    metrics = await asyncio.to_thread(_with_threads, threads, self.trainer.train_adapter,
+                                                      part.name, batch)
+                    train_s = time.perf_counter() - t0
+                sync_s = await self._push(part.name, None, step)
+            if ahead:
+                self._ahead[part.name] = self._start_rollout(part)
+            return records, trajs, metrics, train_s, sync_s
+
         async with asyncio.TaskGroup() as tg:
             runs = [tg.create_task(one(p)) for p in self.parts]
-        return [r for run in runs for r in run.result()]
+        results = [r.result() for r in runs]
+        metrics: dict[str, float] = {}
+        for *_, m, _, _ in results:
+            metrics.update(m)
+        metrics.update(self.trainer.end_step(tuple(p.name for p, r in zip(self.parts, results, strict=True)
+                                                   if r[1])))
+        return AdapterStep(records=[x for r in results for x in r[0]], trained=[t for r in results for t in r[1]],
+                           metrics=metrics, train_s=sum(r[3] for r in results), sync_s=sum(r[4] for r in results))
+
+    async def settle(self) -> None:
+        """Take back the sessions started ahead for a step that will not run now (the run ends, or evaluates
+        or checkpoints first): they are aborted (and recorded as such), and each adapter's cursor returns to
+        where they began, so a checkpoint or a resumed run trains those tasks."""
+        ahead, self._ahead = self._ahead, {}
+        for name, pending in ahead.items():
+            pending.rollout.cancel()
+            try:
+                await pending.rollout
+            except asyncio.CancelledError:
+                pass
+            self._part(name).cursor.position = pending.position
 
     def observe(self, records: Sequence[SessionRecord], row: dict[str, Any]) -> None:
         """Add each adapter's rollout reward, success and session count to the step's `row` (as `NAME/...`,
@@ -213,5 +300,6 @@ class AdapterRun:
         await self.start({n: int(s["version"]) for n, s in saved.items() if s.get("version") is not None})
 
     async def aclose(self) -> None:
+        await self.settle()
         for part in self.parts:
             await part.scheduler.aclose()
