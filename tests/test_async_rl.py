@@ -329,3 +329,28 @@ def test_groups_of_a_step_that_trained_nothing_free_their_places():
     assert rollout.process.replaced == []  # type: ignore[attr-defined]
     rollout.untrained()
     assert rollout.process.replaced == [7, 8] and rollout.process.requeued == []  # type: ignore[attr-defined]
+
+
+@pytest.mark.slow
+def test_the_rollout_process_stops_at_once_with_finished_groups_the_trainer_never_read(tmp_path):
+    from miles.trainers.rollout_process import RolloutProcess, RolloutStart
+
+    cfg = load_train_config(str(REPO / "configs" / "calculator.yaml"),
+                            [f"output_dir={tmp_path}", "async.enabled=true", "async.max_staleness=2"])
+
+    async def go() -> tuple[int | None, float, int]:
+        process = RolloutProcess(cfg, RolloutStart())
+        await process.ready()
+        process.publish(1, None)  # the engines keep the warm start they loaded
+        await process.wait_acked(1)
+        deadline = time.monotonic() + 120
+        while process.buffered < 2 * cfg.rollout.tasks_per_step and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)  # groups pile up unread (more than a pipe holds)
+        buffered = process.buffered
+        t0 = time.monotonic()
+        await process.close(timeout_s=30)
+        return process.process.exitcode, time.monotonic() - t0, buffered
+
+    exitcode, seconds, buffered = asyncio.run(go())
+    assert buffered >= 2 * cfg.rollout.tasks_per_step
+    assert exitcode == 0 and seconds < 30  # it left on Stop, not on the terminate after the timeout

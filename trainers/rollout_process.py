@@ -360,6 +360,17 @@ class RolloutProcess:
         while self.acked < version:
             await self._receive(self.timeout_s)
 
+    def _drain_until_exit(self, timeout_s: float) -> None:
+        """Read, and drop, what the manager still sends until it exits (up to `timeout_s`): a process cannot
+        exit while its queue holds messages the pipe has no room for, and nobody would read them any more."""
+        end = time.monotonic() + timeout_s
+        while self.process.is_alive() and time.monotonic() < end:
+            try:
+                self.outbox.get(True, 0.1)
+            except queue.Empty:
+                pass
+        self.process.join(max(0.0, end - time.monotonic()))
+
     def publish(self, version: int, state_dict: dict[str, torch.Tensor] | None) -> None:
         """Send weights `version` (see `Weights`); returns at once, `wait_acked` waits for them to land."""
         if state_dict is not None:
@@ -380,7 +391,7 @@ class RolloutProcess:
         """Stop the manager (its running sessions are aborted and recorded) and wait for it to exit."""
         if self.process.is_alive():
             self.inbox.put(Stop())
-            await asyncio.to_thread(self.process.join, timeout_s)
+            await asyncio.to_thread(self._drain_until_exit, timeout_s)
         if self.process.is_alive():
             self.process.terminate()
             await asyncio.to_thread(self.process.join, 10.0)
