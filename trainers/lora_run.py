@@ -12,6 +12,7 @@ while other adapters still roll out or train; each adapter still trains on exact
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
@@ -88,8 +89,9 @@ def _with_threads(threads: int, fn: Callable[..., Any], *args: Any) -> Any:
 
 @dataclass(frozen=True)
 class AdapterStep:
-    """One step of every adapter: all their sessions, the trajectories trained, the updates' metrics
-    (`NAME/<metric>`, plus `step` and `adapters_trained`), and the seconds spent in updates and in pushes."""
+    """A step of one adapter, or of all of them: the sessions, the trajectories trained, the updates' metrics
+    (`NAME/<metric>`; for all, also `step` and `adapters_trained`), and the seconds spent in updates and in
+    pushes."""
 
     records: list[SessionRecord]
     trained: list[Trajectory]
@@ -198,8 +200,7 @@ class AdapterRun:
         threads_all = torch.get_num_threads()
         threads_beside = max(1, threads_all - 1)  # while sessions are in flight, the engines decode beside it
 
-        async def one(part: AdapterPart) -> tuple[list[SessionRecord], list[Trajectory], dict[str, float],
-                                                 float, float]:
+        async def one(part: AdapterPart) -> AdapterStep:
             pending = self._ahead.pop(part.name, None) or self._start_rollout(part)
             records = await pending.rollout
             trajs = select(records)
@@ -216,30 +217,27 @@ class AdapterRun:
                 sync_s = await self._push(part.name, None, step)
             if ahead:
                 self._ahead[part.name] = self._start_rollout(part)
-            return records, trajs, metrics, train_s, sync_s
+            return AdapterStep(records, trajs, metrics, train_s, sync_s)
 
         async with asyncio.TaskGroup() as tg:
             runs = [tg.create_task(one(p)) for p in self.parts]
-        results = [r.result() for r in runs]
+        done = [r.result() for r in runs]
         metrics: dict[str, float] = {}
-        for *_, m, _, _ in results:
-            metrics.update(m)
-        metrics.update(self.trainer.end_step(tuple(p.name for p, r in zip(self.parts, results, strict=True)
-                                                   if r[1])))
-        return AdapterStep(records=[x for r in results for x in r[0]], trained=[t for r in results for t in r[1]],
-                           metrics=metrics, train_s=sum(r[3] for r in results), sync_s=sum(r[4] for r in results))
+        for d in done:
+            metrics.update(d.metrics)
+        metrics.update(self.trainer.end_step(tuple(p.name for p, d in zip(self.parts, done, strict=True) if d.trained)))
+        return AdapterStep(records=[r for d in done for r in d.records], trained=[t for d in done for t in d.trained],
+                           metrics=metrics, train_s=sum(d.train_s for d in done), sync_s=sum(d.sync_s for d in done))
 
     async def settle(self) -> None:
-        """Take back the sessions started ahead for a step that will not run now (the run ends, or evaluates
-        or checkpoints first): they are aborted (and recorded as such), and each adapter's cursor returns to
-        where they began, so a checkpoint or a resumed run trains those tasks."""
+        """Take back the sessions started ahead for a step that will not run (the run ends before it): those
+        still running are aborted; every one is recorded once and none trains; each adapter's cursor returns to
+        where they began, so the final checkpoint, and a run resumed from it, count those tasks as not done."""
         ahead, self._ahead = self._ahead, {}
         for name, pending in ahead.items():
             pending.rollout.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await pending.rollout
-            except asyncio.CancelledError:
-                pass
             self._part(name).cursor.position = pending.position
 
     def observe(self, records: Sequence[SessionRecord], row: dict[str, Any]) -> None:
