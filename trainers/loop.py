@@ -290,13 +290,17 @@ class TrainLoop:
         t0 = time.perf_counter()
         if self.lora is not None:  # every adapter on its own pipeline; updates and pushes happen inside
             done = await self.lora.step(self._to_train, ahead=self._runs_ahead(step, t_start))
-            records, extra, trajs = done.records, {}, done.trained
+            records, extra = done.records, {}
             t_rollout = time.perf_counter() - t0 - done.train_s  # the step's time outside the updates
         else:
             records, extra = await self._rollout()
             t_rollout = time.perf_counter() - t0
-            trajs = self._to_train(records)
-        num_groups, flat = split_by_reward_spread(trainable(records, on_timeout=cfg.rollout.on_timeout))[1:]
+        finished = trainable(records, on_timeout=cfg.rollout.on_timeout)
+        informative, num_groups, flat = split_by_reward_spread(finished)
+        if self.lora is not None:
+            trajs = done.trained
+        else:
+            trajs = informative if cfg.rollout.drop_zero_std_groups else finished
         row: dict[str, Any] = {
             "rollout_reward_mean": float(np.mean([r.reward for r in records])) if records else 0.0,
             "rollout_success_rate": (float(np.mean([bool(r.final_info.get("success")) for r in records]))
