@@ -202,6 +202,20 @@ def test_max_staleness_0_reproduces_the_synchronous_loop_on_the_main_job(tmp_pat
     assert all(asynced[sid] == ids for sid, ids in trained.items())
 
 
+@pytest.mark.slow
+def test_an_async_run_can_take_the_ratio_against_the_rollout_policy(tmp_path):
+    proc = _train(tmp_path, "steps=6", "rollout.tasks_per_step=4", "rollout.scheduler.group_size=4",
+                  "async.enabled=true", "async.max_staleness=2", "algorithm.loss.ratio_to=rollout",
+                  "algorithm.loss.dual_clip_c=3.0")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [r for r in _rows(tmp_path) if "approx_kl" in r]
+    assert "tis_weight_mean" not in rows[0]  # no second importance weight on top of the ratio
+    # against the trainer's own weights one optimizer step has ratio 1 (approx_kl exactly 0); against the
+    # rollout policy a stale batch's ratio is its importance weight
+    stale = [r for r in rows if r["staleness_max"] >= 1]
+    assert stale and all(r["approx_kl"] > 1e-6 for r in stale), [(r["staleness_max"], r["approx_kl"]) for r in rows]
+
+
 def _rollout_pid(trainer_pid: int) -> int | None:
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -318,6 +332,7 @@ def test_stale_samples_get_importance_weights_by_default():
     assert cap("async.enabled=false") is None
     assert cap("async.enabled=true", "algorithm.loss.tis_cap=5") == 5.0
     assert cap("async.enabled=true", "algorithm.loss.icepop=[0.5,2.0]") is None
+    assert cap("async.enabled=true", "algorithm.loss.ratio_to=rollout") is None  # the ratio is the weight
 
 
 def test_groups_of_a_step_that_trained_nothing_free_their_places():

@@ -141,6 +141,33 @@ def test_icepop_masks_tokens_outside_the_band():
     assert _metrics(out)["icepop_masked_frac"] == pytest.approx(2 / 3)
 
 
+def test_the_ratio_against_the_rollout_policy_clips_tokens_that_already_moved():
+    # one optimizer step: old == current (ratio 1 against the proximal policy); since the rollout the tokens'
+    # probabilities moved by factors 1.5, 0.5, 1.1, 0.7 (advantages +1, +1, -1, -1)
+    x = _inputs([0.0] * 4, [1, 1, -1, -1], rollout_shift=[math.log(1.5), math.log(0.5), math.log(1.1), math.log(0.7)])
+    out = policy_loss(x, LossConfig(ratio_to="rollout"))
+    assert out.loss.item() == pytest.approx((-1.2 - 0.5 + 1.1 + 0.8) / 4)
+    out.loss.backward()
+    assert x.logprobs.grad.tolist() == pytest.approx([0.0, -0.5 / 4, 1.1 / 4, 0.0])
+    m = _metrics(out)
+    assert m["clip_frac"] == pytest.approx(0.5)
+    rs = np.array([1.5, 0.5, 1.1, 0.7])
+    assert m["approx_kl"] == pytest.approx(float(np.mean(rs - 1 - np.log(rs))))
+    # against the proximal policy the same tokens all count, each with weight 1
+    x = _inputs([0.0] * 4, [1, 1, -1, -1], rollout_shift=[math.log(1.5), math.log(0.5), math.log(1.1), math.log(0.7)])
+    policy_loss(x, LossConfig()).loss.backward()
+    assert x.logprobs.grad.tolist() == pytest.approx([-0.25, -0.25, 0.25, 0.25])
+
+
+def test_the_ratio_against_the_rollout_policy_takes_no_other_importance_weight():
+    for kwargs in ({"tis_cap": 2.0}, {"icepop": (0.5, 2.0)}):
+        with pytest.raises(ConfigError) as e:
+            LossConfig(ratio_to="rollout", **kwargs)
+        assert e.value.key == "ratio_to"
+    with pytest.raises(ValueError, match="rollout_logprobs"):
+        policy_loss(_inputs([0.0], [1.0]), LossConfig(ratio_to="rollout"))
+
+
 def test_off_policy_correction_needs_rollout_logprobs():
     with pytest.raises(ValueError, match="rollout_logprobs"):
         policy_loss(_inputs([0.0], [1.0]), LossConfig(tis_cap=2.0))
@@ -211,8 +238,23 @@ def test_logprob_mismatch_metric():
     ({"policy_loss": "dpo"}, "policy_loss"),
     ({"tis_cap": 0.0}, "tis_cap"),
     ({"kl_estimator": "k2"}, "kl_estimator"),
+    ({"ratio_to": "behaviour"}, "ratio_to"),
 ])
 def test_loss_config_validation_names_the_key(kwargs, key):
     with pytest.raises(ConfigError) as e:
         LossConfig(**kwargs)
     assert e.value.key == key
+
+
+@pytest.mark.parametrize("ratio_to,forward_pass", [("proximal", True), ("rollout", False)])
+def test_several_optimizer_steps_recompute_old_logprobs_only_for_a_proximal_ratio(ratio_to, forward_pass):
+    from miles.trainers.step import RLStep
+    from miles.trainers.trainer_config import AlgorithmConfig
+
+    def step(**kwargs):
+        algo = AlgorithmConfig(loss=LossConfig(ratio_to=ratio_to), **kwargs)
+        return RLStep(batch=None, temperature=1.0, token_counts=None, adv_seq=None, adv_tok=None, algorithm=algo)
+
+    assert step(num_mini_batches=2).needs_old_logprobs is forward_pass
+    assert step(ppo_epochs=2).needs_old_logprobs is forward_pass
+    assert step().needs_old_logprobs is False  # one optimizer step: the current logprobs are the old ones

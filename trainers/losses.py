@@ -20,11 +20,13 @@ from .errors import ConfigError
 from .metrics import logprob_mismatch_sums
 
 PolicyLoss = Literal["ppo", "gspo"]
+RatioTo = Literal["proximal", "rollout"]
 Aggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 POLICY_LOSSES: tuple[str, ...] = ("ppo", "gspo")
 AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
                                  "seq-mean-token-sum-norm")
 KL_ESTIMATORS: tuple[str, ...] = ("k1", "k3")
+RATIO_TO: tuple[str, ...] = ("proximal", "rollout")
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,12 @@ class LossConfig:
     - ``dual_clip_c``: for negative advantages the loss is capped at ``-A * c`` (c > 1); ``None`` disables.
     - ``aggregation``: ``token-mean``, ``seq-mean-token-sum``, ``seq-mean-token-mean`` or
       ``seq-mean-token-sum-norm`` (sum over tokens / (num_seqs * ``norm_length``), Dr.GRPO's constant).
+    - ``ratio_to``: what the clipped ratio is taken against. ``proximal`` (decoupled PPO): the trainer's policy
+      before this update (``old_logprobs``; for one optimizer step per batch the ratio is then 1 and nothing
+      clips), with ``tis_cap``/``icepop`` weighing the rollout policy's tokens. ``rollout`` (PPO's own off-policy
+      form): the policy that sampled the tokens (``rollout_logprobs``), so a token whose probability already
+      moved past the clip range since it was sampled, in its advantage's direction, adds no gradient; the ratio
+      is then the importance weight itself, and ``tis_cap``/``icepop`` must stay unset.
     - ``tis_cap``: truncated importance sampling, weight ``min(exp(old - rollout), cap)``; ``None`` disables.
     - ``icepop``: ``(low, high)``; tokens whose ``exp(old - rollout)`` falls outside are dropped; ``None`` disables.
     - ``kl_coef`` / ``kl_estimator``: KL penalty to a reference policy (``k1`` or ``k3``); 0 disables.
@@ -53,6 +61,7 @@ class LossConfig:
     kl_coef: float = 0.0
     kl_estimator: Literal["k1", "k3"] = "k3"
     entropy_coef: float = 0.0
+    ratio_to: RatioTo = "proximal"
 
     def __post_init__(self) -> None:
         if self.policy_loss not in POLICY_LOSSES:
@@ -73,6 +82,11 @@ class LossConfig:
             if len(self.icepop) != 2 or not 0 <= self.icepop[0] < self.icepop[1]:
                 raise ConfigError("icepop", f"must be [low, high] with 0 <= low < high, got {self.icepop}")
             object.__setattr__(self, "icepop", (float(self.icepop[0]), float(self.icepop[1])))
+        if self.ratio_to not in RATIO_TO:
+            raise ConfigError("ratio_to", f"must be one of {RATIO_TO}, got {self.ratio_to!r}")
+        if self.ratio_to == "rollout" and (self.tis_cap is not None or self.icepop is not None):
+            raise ConfigError("ratio_to", "with ratio_to: rollout the ratio is already the importance weight of "
+                              "the rollout policy; set tis_cap and icepop to null")
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ConfigError("kl_estimator", f"must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}")
         if self.kl_coef < 0:
@@ -80,7 +94,7 @@ class LossConfig:
 
     @property
     def needs_rollout_logprobs(self) -> bool:
-        return self.tis_cap is not None or self.icepop is not None
+        return self.tis_cap is not None or self.icepop is not None or self.ratio_to == "rollout"
 
 
 @dataclass
@@ -150,6 +164,16 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
     raise ValueError(f"unknown kl estimator {estimator!r}; expected one of {KL_ESTIMATORS}")
 
 
+def ratio_reference(inputs: LossInputs, config: LossConfig) -> torch.Tensor:
+    """The logprobs the ratio is taken against: ``old_logprobs``, or ``rollout_logprobs`` for ``ratio_to:
+    rollout``."""
+    if config.ratio_to == "proximal":
+        return inputs.old_logprobs
+    if inputs.rollout_logprobs is None:
+        raise ValueError("ratio_to: rollout needs rollout_logprobs")
+    return inputs.rollout_logprobs.to(inputs.logprobs.dtype)
+
+
 def policy_ratio(inputs: LossInputs, config: LossConfig) -> torch.Tensor:
     """Per-token importance ratio: the token ratio (PPO) or the sequence's geometric-mean ratio (GSPO).
 
@@ -157,7 +181,7 @@ def policy_ratio(inputs: LossInputs, config: LossConfig) -> torch.Tensor:
     and its gradient is that of ``exp(logp_t)`` scaled by the sequence ratio (GSPO-token form), which with
     ``seq-mean-token-mean`` aggregation gives exactly the sequence-level GSPO gradient.
     """
-    log_ratio = inputs.logprobs - inputs.old_logprobs
+    log_ratio = inputs.logprobs - ratio_reference(inputs, config)
     if config.policy_loss == "ppo":
         return torch.exp(log_ratio)
     mask = inputs.loss_mask.to(log_ratio.dtype)
@@ -191,12 +215,12 @@ def policy_loss(inputs: LossInputs, config: LossConfig, *, num_tokens: float | N
         pg = torch.where(adv < 0, torch.minimum(pg, pg3), pg)
         _add("dual_clip_frac", dual.to(mask.dtype))
 
-    log_ratio = (inputs.logprobs - inputs.old_logprobs).detach()
+    log_ratio = (inputs.logprobs - ratio_reference(inputs, config)).detach()
     _add("approx_kl", torch.exp(log_ratio) - 1 - log_ratio)
     _add("ratio_mean", ratio)
 
     keep = torch.ones_like(mask)
-    if config.needs_rollout_logprobs:
+    if config.tis_cap is not None or config.icepop is not None:
         if inputs.rollout_logprobs is None:
             raise ValueError("tis_cap / icepop need rollout_logprobs")
         is_ratio = torch.exp((inputs.old_logprobs - inputs.rollout_logprobs).detach())

@@ -63,9 +63,12 @@ class RLStep:
     algorithm: AlgorithmConfig
 
     @property
-    def multi_step(self) -> bool:
-        """More than one optimizer step per batch: the old logprobs then come from a forward-only pass."""
-        return self.algorithm.num_mini_batches > 1 or self.algorithm.ppo_epochs > 1
+    def needs_old_logprobs(self) -> bool:
+        """Whether the old (proximal) logprobs need a forward-only pass: with more than one optimizer step per
+        batch they differ from the current ones, unless the ratio is taken against the rollout policy
+        (`LossConfig.ratio_to`)."""
+        return ((self.algorithm.num_mini_batches > 1 or self.algorithm.ppo_epochs > 1)
+                and self.algorithm.loss.ratio_to == "proximal")
 
     def mini_batches(self) -> Iterator[MiniBatch]:
         """``ppo_epochs`` passes over ``num_mini_batches`` even splits, skipping those with no trained token."""

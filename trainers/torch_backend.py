@@ -131,7 +131,7 @@ class TorchTrainer:
         rl = prepare_rl_step(batch, self.algorithm, self.config.temperature)
         batch, temperature = rl.batch, rl.temperature
         metrics = MetricAccumulator()
-        old_lp = self._logprobs_of(self.model, batch, temperature) if rl.multi_step else None
+        old_lp = self._logprobs_of(self.model, batch, temperature) if rl.needs_old_logprobs else None
         ref_lp = self._logprobs_of(self.ref_model, batch, temperature) if self.ref_model is not None else None
         grad_norms, losses, lrs, passes = [], [], [], 0
         self.model.train()

@@ -182,7 +182,7 @@ class MegatronTrainer:
         if self._in_sft:
             self._begin_rl()
         rl = prepare_rl_step(batch, self.algorithm, self.config.temperature)
-        old_lp = self._logprobs_of(self.ddp, rl.batch, rl.temperature) if rl.multi_step else None
+        old_lp = self._logprobs_of(self.ddp, rl.batch, rl.temperature) if rl.needs_old_logprobs else None
         ref_lp = self._logprobs_of(self.ref_model, rl.batch, rl.temperature) if self.ref_model is not None else None
         metrics = MetricAccumulator()
         grad_norms, losses, lrs, passes = [], [], [], 0
