@@ -78,6 +78,7 @@ class RolloutManager:
         self.first_version = first_version
         self.version = first_version
         self.admitted = 0  # groups started (requeued ones count again)
+        self._running: dict[int, int] = {}  # group index -> the engines' version when it was admitted
         self._credit = 0  # groups turned away as too stale: admitted on top of the bound
         self._changed = asyncio.Event()
 
@@ -100,10 +101,18 @@ class RolloutManager:
         self._credit += 1
         self._wake()
 
+    @property
+    def oldest_running(self) -> int | None:
+        """The engines' version when the oldest group still running was admitted (None when none runs): no
+        token of it is older, so a trainer at version `v` must take it before `v` passes it by more than
+        `max_staleness`."""
+        return min(self._running.values(), default=None)
+
     async def admit(self) -> None:
         """Wait until one more group may start, then count it."""
         while self.admitted >= self.allowed:
             await self._changed.wait()
+        self._running[self.admitted] = self.version
         self.admitted += 1
 
     async def stream(self) -> AsyncIterator[tuple[Group, int]]:
@@ -112,6 +121,7 @@ class RolloutManager:
         gen = self.scheduler.run_groups(self.feed, admit=self.admit)
         try:
             async for group in gen:
+                self._running.pop(group.index, None)
                 yield group, self.feed.positions[group.index]
         finally:
             await gen.aclose()

@@ -158,6 +158,62 @@ def test_no_group_over_the_bound_is_ever_trained_on(versions, bound, stale):
         assert rollout.data_cursor()["position"] == (groups.index(fresh[1]) + 1)  # trained or dropped
 
 
+class _SlowSessions(InstantEngine):
+    """Answers at once, except to the sessions in `slow`, which take `slow_s` (a long-tail group)."""
+
+    def __init__(self, slow: set[str], slow_s: float, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.slow, self.slow_s = slow, slow_s
+
+    async def generate(self, input_ids: list[int], sampling_params: SamplingParams, **kwargs: Any) -> Any:
+        if kwargs.get("session_id") in self.slow:
+            await asyncio.sleep(self.slow_s)
+        return await super().generate(input_ids, sampling_params, **kwargs)
+
+
+class _InProcessManager:
+    """What the rollout process sends, from a `RolloutManager` in this process."""
+
+    def __init__(self, manager: RolloutManager) -> None:
+        self.manager, self.stream, self.buffered = manager, manager.stream(), 0
+
+    async def next_group(self) -> Finished:
+        group, position = await anext(self.stream)
+        return Finished(records=group.records, position=position, engine_idle_s=0.0,
+                        oldest_running=self.manager.oldest_running)
+
+    def requeue(self, position: int, *, rerun: bool) -> None:
+        self.manager.replace(position, rerun=rerun)
+
+
+async def test_a_long_tail_group_is_trained_late_not_dropped_as_stale():
+    reply = tito().tokenizer.encode("The answer is 3.") + [tito().stop_token_ids[0]]
+    engine = _SlowSessions({"t-s0", "t-s1"}, 0.5, respond=lambda ids, sid, k: reply, weight_version=1)
+    sched = SessionScheduler(engine, tokenizer=tito(), env_factory=AddEnv, run_id="t", config=SchedulerConfig(
+        group_size=2, progress=False, session=SessionConfig(sampling=SamplingParams(max_new_tokens=8))))
+    tasks = AddEnv().tasks.take(8)
+    manager = RolloutManager(sched, TaskFeed(lambda p: tasks[p % 8]), groups_per_version=2, max_staleness=1,
+                             first_version=1)
+    cfg = load_train_config(None, ["rollout.tasks_per_step=2", "async.enabled=true", "async.max_staleness=1"])
+    rollout = AsyncRollout(cfg, http=False, push=None)  # type: ignore[arg-type]
+    rollout.process = _InProcessManager(manager)  # type: ignore[assignment]
+    version, late, trained = 1, 0.0, []
+    try:
+        for _ in range(5):
+            taken = await rollout.collect(version)
+            assert taken.metrics["stale_groups_dropped"] == 0, version
+            assert taken.metrics["staleness_max"] <= 1
+            late += taken.metrics["late_groups"]
+            trained += [r.session_id for r in taken.records]
+            version += 1
+            engine._version = version
+            manager.set_version(version)
+    finally:
+        await rollout.process.stream.aclose()  # type: ignore[attr-defined]
+        await sched.aclose()
+    assert {"t-s0", "t-s1"} <= set(trained) and late >= 1
+
+
 # ---- through `miles train` -----------------------------------------------------------------------------
 def _train(out: Path, *sets: str, resume: bool = False, config: str = "configs/calculator.yaml",
            wait: bool = True) -> subprocess.CompletedProcess[str] | subprocess.Popen[str]:

@@ -2,8 +2,10 @@
 those within the staleness bound, and afterwards hands the new weights back while rollouts go on.
 
 A group's staleness is the trainer's weight version minus the oldest version among its generated tokens (the
-largest over its samples). Groups over `async.max_staleness` are dropped, or run again with
-`async.stale: regenerate`. Because the rollout process admits groups under the same bound, few ever are.
+largest over its samples). The rollout process admits groups under `async.max_staleness`, and a step waits for
+a group still running that would be over it at the next version (each finished group reports the oldest
+version a running group was admitted under), so no group goes over the bound by finishing late. Groups over
+it all the same (HTTP engines whose versions lag) are dropped, or run again with `async.stale: regenerate`.
 
 Which tasks were trained on is kept as cursor positions: everything below `position`, plus `consumed` above
 it (groups finish out of order). A checkpoint stores both, so a resumed run neither repeats nor skips a task.
@@ -74,7 +76,9 @@ class AsyncRollout:
         self._clock = time.monotonic()
 
     async def collect(self, trainer_version: int) -> StepRollout:
-        """`tasks_per_step` groups within the staleness bound, in the order they finished."""
+        """`tasks_per_step` groups within the staleness bound, in the order they finished; and then, while a
+        group still running was admitted `max_staleness` or more versions ago, the groups that finish until it
+        has (it would be over the bound at the next version: a long-tail group is trained late, not dropped)."""
         assert self.process is not None
         t0 = time.monotonic()
         waited, dropped = 0.0, 0
@@ -82,10 +86,13 @@ class AsyncRollout:
         staleness: list[int] = []
         groups = 0
         self._taken = []
-        while groups < self.cfg.rollout.tasks_per_step:
+        oldest_running: int | None = None
+        while groups < self.cfg.rollout.tasks_per_step or (
+                oldest_running is not None and trainer_version - oldest_running >= self.acfg.max_staleness):
             tw = time.monotonic()
             group = await self.process.next_group()
             waited += time.monotonic() - tw
+            oldest_running = group.oldest_running
             stale = group_staleness(group.records, trainer_version)
             if stale > self.acfg.max_staleness:
                 dropped += 1
@@ -110,6 +117,7 @@ class AsyncRollout:
             "trainer_wait_s": waited, "collect_s": now - t0, "rollout_idle_ratio": idle_share,
             "staleness_mean": float(sum(staleness) / len(staleness)) if staleness else 0.0,
             "staleness_max": float(max(staleness, default=0)), "stale_groups_dropped": float(dropped),
+            "late_groups": float(max(0, groups - self.cfg.rollout.tasks_per_step)),
             "buffer_groups": float(self.process.buffered),
         }
         metrics.update({f"staleness_hist_{k}": float(v) for k, v in sorted(hist.items())})

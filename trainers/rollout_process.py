@@ -80,12 +80,14 @@ class Ready:
 
 @dataclass(frozen=True)
 class Finished:
-    """A finished group: its sessions' records, its task's cursor position, and the seconds the engines have
-    been idle since the process started (cumulative)."""
+    """A finished group: its sessions' records, its task's cursor position, the seconds the engines have
+    been idle since the process started (cumulative), and the version the oldest group still running was
+    admitted under (None when none runs; `RolloutManager.oldest_running`)."""
 
     records: list[SessionRecord]
     position: int
     engine_idle_s: float
+    oldest_running: int | None = None
     buffered_at: float = field(default_factory=time.monotonic)
 
 
@@ -193,7 +195,8 @@ async def _serve(cfg: TrainConfig, start: RolloutStart, inbox: Any, outbox: Any)
     async def stream() -> None:
         await first_weights.wait()
         async for group, position in manager.stream():
-            outbox.put(Finished(records=group.records, position=position, engine_idle_s=idle.total))
+            outbox.put(Finished(records=group.records, position=position, engine_idle_s=idle.total,
+                                oldest_running=manager.oldest_running))
 
     streaming = asyncio.create_task(stream())
     idle.start()
