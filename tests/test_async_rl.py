@@ -32,7 +32,7 @@ from miles.sessions.scheduler import SessionScheduler
 from miles.trainers.async_rollout import AsyncRollout, group_staleness
 from miles.trainers.metrics_log import read_metrics
 from miles.trainers.rollout_process import Finished
-from miles.trainers.train_config import ASYNC_TIS_CAP, load_train_config
+from miles.trainers.train_config import ASYNC_DUAL_CLIP_C, ASYNC_TIS_CAP, load_train_config
 from miles.trajectory import Trajectory, TrajectoryBatch, TurnSpan
 
 REPO = Path(__file__).resolve().parents[1]
@@ -259,13 +259,12 @@ def test_max_staleness_0_reproduces_the_synchronous_loop_on_the_main_job(tmp_pat
 
 
 @pytest.mark.slow
-def test_an_async_run_can_take_the_ratio_against_the_rollout_policy(tmp_path):
+def test_an_async_run_takes_the_ratio_against_the_rollout_policy(tmp_path):
     proc = _train(tmp_path, "steps=6", "rollout.tasks_per_step=4", "rollout.scheduler.group_size=4",
-                  "async.enabled=true", "async.max_staleness=2", "algorithm.loss.ratio_to=rollout",
-                  "algorithm.loss.dual_clip_c=3.0")
+                  "async.enabled=true", "async.max_staleness=2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [r for r in _rows(tmp_path) if "approx_kl" in r]
-    assert "tis_weight_mean" not in rows[0]  # no second importance weight on top of the ratio
+    assert "tis_weight_mean" not in rows[0] and "dual_clip_frac" in rows[0]  # no second weight; dual clip on
     # against the trainer's own weights one optimizer step has ratio 1 (approx_kl exactly 0); against the
     # rollout policy a stale batch's ratio is its importance weight
     stale = [r for r in rows if r["staleness_max"] >= 1]
@@ -379,16 +378,18 @@ def _state(pid: int) -> str:
         return "zombie"
 
 
-def test_stale_samples_get_importance_weights_by_default():
-    def cap(*sets: str) -> float | None:
-        return load_train_config(None, list(sets)).algorithm.loss.tis_cap
+def test_stale_samples_are_weighed_against_the_rollout_policy_by_default():
+    def loss(*sets: str) -> tuple[str | None, float | None, float | None]:
+        lc = load_train_config(None, list(sets)).algorithm.loss
+        return lc.ratio_to, lc.tis_cap, lc.dual_clip_c
 
-    assert cap("async.enabled=true", "async.max_staleness=2") == ASYNC_TIS_CAP
-    assert cap("async.enabled=true", "async.max_staleness=0") is None  # the synchronous loop's loss
-    assert cap("async.enabled=false") is None
-    assert cap("async.enabled=true", "algorithm.loss.tis_cap=5") == 5.0
-    assert cap("async.enabled=true", "algorithm.loss.icepop=[0.5,2.0]") is None
-    assert cap("async.enabled=true", "algorithm.loss.ratio_to=rollout") is None  # the ratio is the weight
+    assert loss("async.enabled=true", "async.max_staleness=2") == ("rollout", None, ASYNC_DUAL_CLIP_C)
+    assert loss("async.enabled=true", "async.max_staleness=2", "algorithm.loss.dual_clip_c=5") == ("rollout", None, 5)
+    assert loss("async.enabled=true", "async.max_staleness=0") == (None, None, None)  # the synchronous loop's loss
+    assert loss("async.enabled=false") == (None, None, None)
+    assert loss("async.enabled=true", "algorithm.loss.ratio_to=proximal") == ("proximal", ASYNC_TIS_CAP, None)
+    assert loss("async.enabled=true", "algorithm.loss.tis_cap=5") == (None, 5.0, None)
+    assert loss("async.enabled=true", "algorithm.loss.icepop=[0.5,2.0]") == (None, None, None)
 
 
 def test_groups_of_a_step_that_trained_nothing_free_their_places():

@@ -102,7 +102,10 @@ class AsyncRollout:
                     self._consume(group.position)
                 continue
             self._consume(group.position)
-            self._taken.append(group.position)
+            if groups < self.cfg.rollout.tasks_per_step:
+                self._taken.append(group.position)
+            else:  # a late group: the step takes more than its share, so it frees a place for another
+                self.process.requeue(group.position, rerun=False)
             kept.extend(group.records)
             staleness.extend(trainer_version - (r.trajectory.oldest_weight_version or trainer_version)
                              for r in group.records)
@@ -126,7 +129,8 @@ class AsyncRollout:
     def untrained(self) -> None:
         """The groups of the last `collect` trained nothing (every one without a reward spread): no new weights
         came of them, so they aged no group; free their places under the bound (else a few such steps in a
-        row would leave the trainer waiting for groups the bound never admits)."""
+        row would leave the trainer waiting for groups the bound never admits). Late groups freed theirs when
+        they were taken."""
         assert self.process is not None
         for position in self._taken:
             self.process.requeue(position, rerun=False)

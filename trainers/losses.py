@@ -38,7 +38,9 @@ class LossConfig:
     - ``dual_clip_c``: for negative advantages the loss is capped at ``-A * c`` (c > 1); ``None`` disables.
     - ``aggregation``: ``token-mean``, ``seq-mean-token-sum``, ``seq-mean-token-mean`` or
       ``seq-mean-token-sum-norm`` (sum over tokens / (num_seqs * ``norm_length``), Dr.GRPO's constant).
-    - ``ratio_to``: what the clipped ratio is taken against. ``proximal`` (decoupled PPO): the trainer's policy
+    - ``ratio_to``: what the clipped ratio is taken against (``None``: ``proximal``; an asynchronous run with
+      ``max_staleness > 0`` that sets none of ``ratio_to``, ``tis_cap``, ``icepop`` gets ``rollout``, with
+      ``dual_clip_c`` 3 unless set). ``proximal`` (decoupled PPO): the trainer's policy
       before this update (``old_logprobs``; for one optimizer step per batch the ratio is then 1 and nothing
       clips), with ``tis_cap``/``icepop`` weighing the rollout policy's tokens. ``rollout`` (PPO's own off-policy
       form): the policy that sampled the tokens (``rollout_logprobs``), so a token whose probability already
@@ -61,7 +63,7 @@ class LossConfig:
     kl_coef: float = 0.0
     kl_estimator: Literal["k1", "k3"] = "k3"
     entropy_coef: float = 0.0
-    ratio_to: RatioTo = "proximal"
+    ratio_to: RatioTo | None = None
 
     def __post_init__(self) -> None:
         if self.policy_loss not in POLICY_LOSSES:
@@ -82,7 +84,7 @@ class LossConfig:
             if len(self.icepop) != 2 or not 0 <= self.icepop[0] < self.icepop[1]:
                 raise ConfigError("icepop", f"must be [low, high] with 0 <= low < high, got {self.icepop}")
             object.__setattr__(self, "icepop", (float(self.icepop[0]), float(self.icepop[1])))
-        if self.ratio_to not in RATIO_TO:
+        if self.ratio_to is not None and self.ratio_to not in RATIO_TO:
             raise ConfigError("ratio_to", f"must be one of {RATIO_TO}, got {self.ratio_to!r}")
         if self.ratio_to == "rollout" and (self.tis_cap is not None or self.icepop is not None):
             raise ConfigError("ratio_to", "with ratio_to: rollout the ratio is already the importance weight of "
@@ -167,7 +169,7 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
 def ratio_reference(inputs: LossInputs, config: LossConfig) -> torch.Tensor:
     """The logprobs the ratio is taken against: ``old_logprobs``, or ``rollout_logprobs`` for ``ratio_to:
     rollout``."""
-    if config.ratio_to == "proximal":
+    if config.ratio_to != "rollout":
         return inputs.old_logprobs
     if inputs.rollout_logprobs is None:
         raise ValueError("ratio_to: rollout needs rollout_logprobs")

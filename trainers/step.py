@@ -68,7 +68,7 @@ class RLStep:
         batch they differ from the current ones, unless the ratio is taken against the rollout policy
         (`LossConfig.ratio_to`)."""
         return ((self.algorithm.num_mini_batches > 1 or self.algorithm.ppo_epochs > 1)
-                and self.algorithm.loss.ratio_to == "proximal")
+                and self.algorithm.loss.ratio_to != "rollout")
 
     def mini_batches(self) -> Iterator[MiniBatch]:
         """``ppo_epochs`` passes over ``num_mini_batches`` even splits, skipping those with no trained token."""

@@ -204,10 +204,13 @@ def _check_backend_sections(cfg: TrainConfig) -> None:
                                                    f"remove it, or set backend: {other}")
 
 
-#: `algorithm.loss.tis_cap` of an asynchronous run with `max_staleness > 0` that sets neither it nor `icepop`:
-#: without an importance weight against the rollout policy, stale samples train the current policy as if they
-#: were its own (the main job at `max_staleness: 2` collapsed in 15 steps that way).
+#: `algorithm.loss.tis_cap` of an asynchronous run with `max_staleness > 0` whose loss takes the ratio against
+#: the proximal policy and sets neither it nor `icepop`: without an importance weight against the rollout
+#: policy, stale samples train the current policy as if they were its own (the main job at `max_staleness: 2`
+#: collapsed in 15 steps that way).
 ASYNC_TIS_CAP = 2.0
+#: `algorithm.loss.dual_clip_c` of an asynchronous run that takes the ratio against the rollout policy by default.
+ASYNC_DUAL_CLIP_C = 3.0
 
 
 @dataclass
@@ -224,8 +227,10 @@ class AsyncConfig:
       (no turn starts until the new ones are in), `pause` swaps the weights between decode steps (a turn can
       then span versions; each token's version is recorded).
     - `rollout_threads`: torch threads of the rollout process (its engines); the trainer keeps the rest.
-    - With `max_staleness > 0` and neither `algorithm.loss.tis_cap` nor `icepop` set, the loss weighs each
-      token by ``min(exp(logp_proximal - logp_rollout), ASYNC_TIS_CAP)``.
+    - With `max_staleness > 0` and none of `algorithm.loss.ratio_to`, `tis_cap`, `icepop` set, the loss takes
+      the PPO ratio against the rollout policy (`ratio_to: rollout`, dual clip `ASYNC_DUAL_CLIP_C`); with
+      `ratio_to: proximal` and neither `tis_cap` nor `icepop`, it weighs each token by
+      ``min(exp(logp_proximal - logp_rollout), ASYNC_TIS_CAP)``.
     - `manager_timeout_s`: how long the trainer waits for the next group before it gives up.
     """
 
@@ -327,7 +332,11 @@ class TrainConfig:
         _check_backend_sections(self)
         loss = self.algorithm.loss
         if self.asynchronous.enabled and self.asynchronous.max_staleness > 0 and not loss.needs_rollout_logprobs:
-            self.algorithm = dataclasses.replace(self.algorithm, loss=dataclasses.replace(loss, tis_cap=ASYNC_TIS_CAP))
+            if loss.ratio_to is None:
+                loss = dataclasses.replace(loss, ratio_to="rollout", dual_clip_c=loss.dual_clip_c or ASYNC_DUAL_CLIP_C)
+            else:
+                loss = dataclasses.replace(loss, tis_cap=ASYNC_TIS_CAP)
+            self.algorithm = dataclasses.replace(self.algorithm, loss=loss)
 
     @property
     def sampling(self) -> SamplingParams:
