@@ -7,8 +7,10 @@ synchronous loop runs with `--threads` torch threads and with half as many (the 
 tiny model can run faster on fewer threads), the asynchronous one gives the rollout process and the trainer
 half each.
 
-Reported per variant: trained samples/s over the RL phase, the trainer's idle ratio (time waiting for
-groups over step time), the rollout engines' idle ratio, and the staleness of the trained samples.
+Reported per variant: trained samples/s and trained tokens/s over the RL phase (tokens/s as well, since a loop
+that left the long sessions out would gain samples/s), the trainer's idle ratio (time waiting for groups over
+step time), the rollout engines' idle ratio, the staleness of the trained samples, the groups dropped as stale
+and the late groups (taken beyond a step's share so as not to go over the bound).
 
     python benchmarks/async_rl.py                       # CPU, tiny 1m model
     python benchmarks/async_rl.py --device cuda --model-size 25m --steps 10 --tasks-per-step 32 --threads 8
@@ -63,14 +65,16 @@ def run_variant(args: argparse.Namespace, name: str, sets: list[str], threads: i
     summary = json.loads((out / "summary.json").read_text())
     wall = sum(r["step_s"] for r in train)
     samples = sum(r["trained_sessions"] for r in train)
+    tokens = sum(r["trained_tokens_per_s"] * r["step_s"] for r in train)
     stale = [r.get("staleness_mean", 0.0) for r in train]
     return {
-        "variant": name, "samples_per_s": samples / wall, "step_s": wall / len(train),
+        "variant": name, "samples_per_s": samples / wall, "tokens_per_s": tokens / wall, "step_s": wall / len(train),
         "trainer_idle": float(np.mean([r.get("trainer_idle_ratio", r["rollout_s"] / r["step_s"]) for r in train])),
         "rollout_idle": float(np.mean([r.get("rollout_idle_ratio", 1 - r["rollout_s"] / r["step_s"])
                                        for r in train])),
         "staleness_mean": float(np.mean(stale)), "staleness_max": max(r.get("staleness_max", 0.0) for r in train),
-        "stale_dropped": sum(r.get("stale_groups_dropped", 0) for r in train), "rl_s": summary["seconds"]["rl"],
+        "stale_dropped": sum(r.get("stale_groups_dropped", 0) for r in train),
+        "late": sum(r.get("late_groups", 0) for r in train), "rl_s": summary["seconds"]["rl"],
     }
 
 
@@ -94,15 +98,16 @@ def main() -> None:
         for s in args.staleness:
             results.append(run_variant(args, f"async-s{s}", ["async.enabled=true", f"async.max_staleness={s}",
                                                              f"async.rollout_threads={half}"], half, work))
-    print(f"{'variant':<10}{'samples/s':>11}{'s/step':>9}{'trainer idle':>14}{'rollout idle':>14}"
-          f"{'staleness mean/max':>20}{'stale dropped':>15}")
+    print(f"{'variant':<10}{'samples/s':>11}{'tokens/s':>10}{'s/step':>8}{'trainer idle':>14}{'rollout idle':>14}"
+          f"{'staleness mean/max':>20}{'stale dropped':>15}{'late groups':>13}")
     for r in results:
-        print(f"{r['variant']:<10}{r['samples_per_s']:>11.2f}{r['step_s']:>9.2f}{r['trainer_idle']:>14.1%}"
-              f"{r['rollout_idle']:>14.1%}{r['staleness_mean']:>11.2f} / {r['staleness_max']:<6.0f}"
-              f"{r['stale_dropped']:>15.0f}")
+        print(f"{r['variant']:<10}{r['samples_per_s']:>11.2f}{r['tokens_per_s']:>10.0f}{r['step_s']:>8.2f}"
+              f"{r['trainer_idle']:>14.1%}{r['rollout_idle']:>14.1%}{r['staleness_mean']:>11.2f} / "
+              f"{r['staleness_max']:<6.0f}{r['stale_dropped']:>15.0f}{r['late']:>13.0f}")
     base = max(syncs, key=lambda r: r["samples_per_s"])
     best = max(results[len(syncs):], key=lambda r: r["samples_per_s"])
     print(f"best sync: {base['variant']}; best async: {best['variant']}")
+    print(f"async/sync trained tokens/s: {best['tokens_per_s'] / base['tokens_per_s']:.2f}x (same variants)")
     print(f"async/sync throughput: {best['samples_per_s'] / base['samples_per_s']:.2f}x")
 
 

@@ -14,7 +14,7 @@ it (groups finish out of order). A checkpoint stores both, so a resumed run neit
 from __future__ import annotations
 
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from miles.sessions.records import SessionRecord
-from miles.trainers.rollout_process import RolloutProcess, RolloutStart
+from miles.trainers.rollout_process import Finished, RolloutProcess, RolloutStart
 from miles.trainers.train_config import TrainConfig
 
 
@@ -59,7 +59,9 @@ class AsyncRollout:
         self.consumed = set(consumed)
         self.process: RolloutProcess | None = None
         self.spawn = spawn  # how the rollout process starts (a child process; a Ray actor on a Ray cluster)
-        self._taken: list[int] = []  # positions of the groups the last `collect` kept
+        self._taken: list[int] = []  # positions of the groups the last `collect` kept as its share
+        self._deferred: deque[Finished] = deque()  # finished groups left for the next step
+        self._oldest_running: int | None = None  # as the rollout process last reported it
         self._engine_idle_s = 0.0  # the rollout process's engine idle seconds, as last reported
         self._idle_mark = 0.0  # ... at the end of the previous step
         self._clock = time.monotonic()
@@ -76,23 +78,37 @@ class AsyncRollout:
         self._clock = time.monotonic()
 
     async def collect(self, trainer_version: int) -> StepRollout:
-        """`tasks_per_step` groups within the staleness bound, in the order they finished; and then, while a
-        group still running was admitted `max_staleness` or more versions ago, the groups that finish until it
-        has (it would be over the bound at the next version: a long-tail group is trained late, not dropped)."""
+        """`tasks_per_step` groups within the staleness bound, in the order they finished (those left from the
+        previous step first). Then, while a group still running was admitted `max_staleness` or more versions
+        ago (it may be over the bound at the next version), the groups that finish until it has. Of the groups
+        beyond the step's share, those that would be over the bound at the next version join this step as late
+        groups (a long-tail group is trained late, not dropped); the others wait for the next step."""
         assert self.process is not None
         t0 = time.monotonic()
-        waited, dropped = 0.0, 0
+        waited, dropped, late = 0.0, 0, 0
         kept: list[SessionRecord] = []
         staleness: list[int] = []
-        groups = 0
+        deferred: list[Finished] = []
         self._taken = []
-        oldest_running: int | None = None
-        while groups < self.cfg.rollout.tasks_per_step or (
-                oldest_running is not None and trainer_version - oldest_running >= self.acfg.max_staleness):
-            tw = time.monotonic()
-            group = await self.process.next_group()
-            waited += time.monotonic() - tw
-            oldest_running = group.oldest_running
+
+        def lagging() -> bool:
+            return self._oldest_running is not None and trainer_version - self._oldest_running >= self.acfg.max_staleness
+
+        def take(group: Finished) -> None:
+            self._consume(group.position)
+            kept.extend(group.records)
+            staleness.extend(trainer_version - (r.trajectory.oldest_weight_version or trainer_version)
+                             for r in group.records)
+
+        while len(self._taken) < self.cfg.rollout.tasks_per_step or lagging():
+            if self._deferred:
+                group = self._deferred.popleft()
+            else:
+                tw = time.monotonic()
+                group = await self.process.next_group()
+                waited += time.monotonic() - tw
+                self._oldest_running = group.oldest_running
+                self._engine_idle_s = max(self._engine_idle_s, group.engine_idle_s)
             stale = group_staleness(group.records, trainer_version)
             if stale > self.acfg.max_staleness:
                 dropped += 1
@@ -100,17 +116,21 @@ class AsyncRollout:
                 self.process.requeue(group.position, rerun=rerun)
                 if not rerun:
                     self._consume(group.position)
-                continue
-            self._consume(group.position)
-            if groups < self.cfg.rollout.tasks_per_step:
+            elif len(self._taken) < self.cfg.rollout.tasks_per_step:
                 self._taken.append(group.position)
-            else:  # a late group: the step takes more than its share, so it frees a place for another
+                take(group)
+            else:
+                deferred.append(group)
+        # the groups left for the next step that would be over the bound there join this one as late groups,
+        # each freeing its place (the step takes more than its share)
+        backlog, self._deferred = [*deferred, *self._deferred], deque()
+        for group in backlog:
+            if group_staleness(group.records, trainer_version) == self.acfg.max_staleness:
+                late += 1
                 self.process.requeue(group.position, rerun=False)
-            kept.extend(group.records)
-            staleness.extend(trainer_version - (r.trajectory.oldest_weight_version or trainer_version)
-                             for r in group.records)
-            groups += 1
-            self._engine_idle_s = max(self._engine_idle_s, group.engine_idle_s)
+                take(group)
+            else:
+                self._deferred.append(group)
         now = time.monotonic()
         wall, self._clock = now - self._clock, now
         idle, self._idle_mark = self._engine_idle_s - self._idle_mark, self._engine_idle_s
@@ -120,7 +140,7 @@ class AsyncRollout:
             "trainer_wait_s": waited, "collect_s": now - t0, "rollout_idle_ratio": idle_share,
             "staleness_mean": float(sum(staleness) / len(staleness)) if staleness else 0.0,
             "staleness_max": float(max(staleness, default=0)), "stale_groups_dropped": float(dropped),
-            "late_groups": float(max(0, groups - self.cfg.rollout.tasks_per_step)),
+            "late_groups": float(late),
             "buffer_groups": float(self.process.buffered),
         }
         metrics.update({f"staleness_hist_{k}": float(v) for k, v in sorted(hist.items())})
