@@ -258,9 +258,10 @@ def test_step_rows_feed_phases_idle_throughput_mfu_and_trainer_gauges():
                         ("miles_policy_approx_kl", 0.002), ("miles_rollout_zero_std_group_ratio", 0.25)):
         assert val(m, name, **ENV) == value, name
     run.observe_step({**row, "trainer_idle_ratio": 0.05, "rollout_idle_ratio": 0.1, "stale_groups_dropped": 2,
-                      "buffer_groups": 3})  # the async loop's own numbers win
+                      "late_groups": 4, "buffer_groups": 3})  # the async loop's own numbers win
     assert val(m, "miles_trainer_idle_ratio", **ENV) == 0.05 and val(m, "miles_rollout_idle_ratio", **ENV) == 0.1
     assert val(m, "miles_stale_groups_dropped_total", **ENV) == 2
+    assert val(m, "miles_late_groups_total", **ENV) == 4
     assert val(m, "miles_rollout_buffer_groups", **ENV) == 3
     run.observe_staleness([0, 1, 4])
     assert val(m, "miles_sample_staleness_count", **ENV) == 3

@@ -188,6 +188,9 @@ FAMILIES: tuple[Family, ...] = (
        "async", STALENESS_BUCKETS),
     Family("miles_stale_groups_dropped_total", "counter", "Groups dropped for exceeding the staleness bound.", S,
            "async"),
+    Family("miles_late_groups_total", "counter",
+           "Groups a step took beyond its share because they would have been over the staleness bound at the "
+           "next version (the long tail, trained late instead of dropped).", S, "async"),
     Family("miles_rollout_buffer_groups", "gauge", "Finished groups waiting in the rollout buffer.", S, "async"),
 )
 

@@ -95,8 +95,8 @@ class RunMetrics:
 
         Idle ratios: the row's `trainer_idle_ratio` / `rollout_idle_ratio` when it has them (the async loop);
         otherwise those of a synchronous step, where the trainer waits during the rollout and the engines
-        idle for the rest of the step. Hooks for the async loop: `stale_groups_dropped` (a count for this
-        step) and `buffer_groups` (the buffer depth).
+        idle for the rest of the step. Hooks for the async loop: `stale_groups_dropped` and `late_groups`
+        (counts for this step) and `buffer_groups` (the buffer depth).
         """
         v = {k: x for k, x in ((k, _number(x)) for k, x in row.items()) if x is not None}
         self._child("miles_steps_total").inc()
@@ -127,6 +127,8 @@ class RunMetrics:
             self._child("miles_rollout_zero_std_group_ratio").set(v["rollout_zero_std_group_frac"])
         if v.get("stale_groups_dropped"):
             self._child("miles_stale_groups_dropped_total").inc(v["stale_groups_dropped"])
+        if v.get("late_groups"):
+            self._child("miles_late_groups_total").inc(v["late_groups"])
         if "buffer_groups" in v:
             self._child("miles_rollout_buffer_groups").set(v["buffer_groups"])
         self.observe_train(row)
