@@ -397,6 +397,30 @@ def test_daemon_thread_pool_grows_bounded_and_shrinks():
         pool.submit(lambda: 1 / 0).result(timeout=10)
 
 
+
+def test_tool_boxes_share_one_pool_so_sessions_do_not_leave_a_thread_each():
+    """One env (and ToolBox) per session: a pool per box started a thread per session that idled 30 s
+    (2,400 live threads in a main-job process). All boxes share the process's pool."""
+
+    @tool
+    def square(x: int) -> int:
+        """Square x.
+
+        Args:
+            x: a number.
+        """
+        return x * x
+
+    async def sessions() -> None:
+        for i in range(60):
+            (result,) = await ToolBox([square]).execute([call("square", {"x": i})])
+            assert result.content == str(i * i)
+
+    asyncio.run(sessions())  # warms the pool up
+    before = threading.active_count()
+    asyncio.run(sessions())
+    assert threading.active_count() - before <= 2
+
 # ---- int parameters through the executor (hypothesis) -------------------------------------------------------
 
 @dataclass

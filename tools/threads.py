@@ -1,13 +1,16 @@
-"""A thread pool of daemon threads for sync tools.
+"""A thread pool of daemon threads for sync tools, and the one pool of the process (`tool_pool`).
 
 `concurrent.futures.ThreadPoolExecutor` joins its workers at interpreter exit, so one tool that hangs
 for ever would hang the whole process on exit. Here the workers are daemon threads, the pool grows when
 every worker is busy (a hung tool never starves the others) up to `max_workers`, and idle workers exit.
+Every `ToolBox` of a process shares `tool_pool()`: a pool per env (one per session) would start a thread
+for each session's first tool call and keep it idle for `idle_timeout_s`, thousands at a time.
 """
 
 from __future__ import annotations
 
 import contextvars
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -66,3 +69,25 @@ class DaemonThreadPool:
             del job, future
             with self._lock:
                 self._idle += 1
+
+
+TOOL_POOL_MAX_WORKERS = 256
+_tool_pool: DaemonThreadPool | None = None
+_tool_pool_lock = threading.Lock()
+
+
+def tool_pool() -> DaemonThreadPool:
+    """The process's pool for sync tools (made on first use; a forked child makes its own)."""
+    global _tool_pool
+    with _tool_pool_lock:
+        if _tool_pool is None:
+            _tool_pool = DaemonThreadPool(max_workers=TOOL_POOL_MAX_WORKERS, name="miles-tool")
+        return _tool_pool
+
+
+def _forget_tool_pool() -> None:
+    global _tool_pool, _tool_pool_lock
+    _tool_pool, _tool_pool_lock = None, threading.Lock()  # the parent's workers do not exist in a child
+
+
+os.register_at_fork(after_in_child=_forget_tool_pool)

@@ -14,7 +14,7 @@ from typing import Any
 
 from miles.tools.errors import ToolDefinitionError
 from miles.tools.spec import ArgumentConversionError, ToolSpec, build_spec, get_spec
-from miles.tools.threads import DaemonThreadPool
+from miles.tools.threads import tool_pool
 from miles.types import ToolCall, ToolErrorType, ToolResult
 
 
@@ -60,13 +60,12 @@ class ToolBox:
     `execute` never raises on a model's call: invalid JSON, an unknown tool, a schema violation
     (jsonschema Draft 2020-12), an exception in the tool, a timeout and oversize output each give a
     `ToolResult` with `error` set and a precise message as content. Parallel calls run concurrently:
-    async tools on the event loop, sync ones on daemon worker threads. A sync tool that overruns its
+    async tools on the event loop, sync ones on the process's daemon worker threads (`tool_pool`). A sync tool that overruns its
     timeout gets a timeout result at the deadline; its thread cannot be killed and finishes on its own.
     """
 
     def __init__(self, tools: Iterable[Callable[..., Any]], *, default_timeout_s: float = 10.0,
-                 max_output_chars: int = 4096, context: Mapping[str, Any] | None = None,
-                 max_workers: int = 64) -> None:
+                 max_output_chars: int = 4096, context: Mapping[str, Any] | None = None) -> None:
         if not default_timeout_s > 0:
             raise ValueError(f"default_timeout_s must be positive, got {default_timeout_s!r}")
         if max_output_chars < 1:
@@ -83,7 +82,6 @@ class ToolBox:
             if spec.name in self._tools:
                 raise ToolDefinitionError(f"duplicate tool name '{spec.name}'")
             self._tools[spec.name] = (spec, fn)
-        self._pool = DaemonThreadPool(max_workers=max_workers)
 
     @property
     def names(self) -> list[str]:
@@ -170,7 +168,7 @@ class ToolBox:
         if spec.is_async:
             future = asyncio.ensure_future(fn(*args, **kwargs))
         else:
-            future = asyncio.wrap_future(self._pool.submit(fn, *args, **kwargs))
+            future = asyncio.wrap_future(tool_pool().submit(fn, *args, **kwargs))
         done, _ = await asyncio.wait({future}, timeout=timeout)
         if not done:
             future.cancel()
