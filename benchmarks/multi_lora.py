@@ -13,7 +13,8 @@
   spread over 4 adapters (and the base alone for reference), same prompts, same tokens (EOS ignored).
 
     python benchmarks/multi_lora.py                                            # all three on the CPU
-    python benchmarks/multi_lora.py --only engine --device cuda --model-size 0.5b   # the GPU part (< 4 min)
+    python benchmarks/multi_lora.py --only engine --device cuda --model-size 0.5b   # the GPU engine part (< 4 min)
+    python benchmarks/multi_lora.py --only throughput --device cuda --threads 4      # training throughput on a GPU
 """
 
 from __future__ import annotations
@@ -108,13 +109,14 @@ def equivalence(steps: int, groups: int) -> float:
 
 
 # ------------------------------------------------------------------------------------------- throughput
-def run_config(adapters: list[int], steps: int, tasks: int, out: str) -> dict:
+def run_config(adapters: list[int], steps: int, tasks: int, out: str, device: str) -> dict:
     """One `miles train` run (in this process) with the adapters `adapters` (indices into OPERATORS)."""
     from miles.trainers.loop import TrainLoop
     from miles.trainers.train_config import load_train_config
 
     overrides = [f"output_dir={out}", f"steps={steps}", "max_seconds=null", "eval.num_tasks=4",
                  f"model.init_from={WARM_START}", "rollout.drop_zero_std_groups=false", "rollout.scheduler.progress=false",
+                 f"engine.device={device}", f"torch.device={device}",
                  "adapters=" + json.dumps([{"name": f"a{i}", "tasks_per_step": tasks, "lora": {"rank": 8, "alpha": 16},
                                             "env": {"id": "Calculator-v0", "num_train_tasks": 5000,
                                                     "kwargs": {"operators": OPERATORS[i], "held_out_fraction": 0.5}}}
@@ -131,19 +133,21 @@ def run_config(adapters: list[int], steps: int, tasks: int, out: str) -> dict:
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
-def child(adapters: list[int], steps: int, tasks: int, threads: int) -> dict:
+def child(adapters: list[int], steps: int, tasks: int, threads: int, device: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        proc = subprocess.run([sys.executable, __file__, "--child", ",".join(map(str, adapters)), "--steps", str(steps),
-                               "--tasks", str(tasks), "--out", tmp], capture_output=True, text=True, cwd=ROOT,
+        cmd = [sys.executable, __file__, "--child", ",".join(map(str, adapters)), "--steps", str(steps),
+               "--tasks", str(tasks), "--out", tmp, "--device", device]
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
                               env={**os.environ, "OMP_NUM_THREADS": str(threads)})
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr[-3000:])
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def throughput(steps: int, tasks: int, threads: list[int], rounds: int) -> dict[int, list[tuple[dict, list[dict]]]]:
+def throughput(steps: int, tasks: int, threads: list[int], rounds: int,
+               device: str) -> dict[int, list[tuple[dict, list[dict]]]]:
     """Per torch thread count, `rounds` rounds of: the 4-adapter run, then the 4 single-adapter runs."""
-    return {t: [(child([0, 1, 2, 3], steps, tasks, t), [child([i], steps, tasks, t) for i in range(4)])
+    return {t: [(child([0, 1, 2, 3], steps, tasks, t, device), [child([i], steps, tasks, t, device) for i in range(4)])
                 for _ in range(rounds)] for t in threads}
 
 
@@ -214,7 +218,8 @@ def main() -> None:
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child is not None:
-        print(json.dumps(run_config([int(i) for i in args.child.split(",")], args.steps, args.tasks, args.out)))
+        print(json.dumps(run_config([int(i) for i in args.child.split(",")], args.steps, args.tasks, args.out,
+                                    args.device)))
         return
     lines = []
     if args.only in (None, "equivalence"):
@@ -222,7 +227,7 @@ def main() -> None:
         lines.append(f"equivalence: 3 adapters together vs each alone, {args.steps} steps: max |dw| = {worst:.2e} "
                      f"(target <= 1e-5)")
     if args.only in (None, "throughput"):
-        runs = throughput(args.steps, args.tasks, args.threads, args.rounds)
+        runs = throughput(args.steps, args.tasks, args.threads, args.rounds, args.device)
         for t, rounds in runs.items():
             for i, (together, alone) in enumerate(rounds):
                 lines.append(f"throughput, {t} torch thread(s), round {i + 1}: 4 adapters at once "
