@@ -66,8 +66,11 @@ class OraclePolicy:
         raise NoOracleError(f"{type(self).__name__} does not implement act()")
 
 
+_TOOL_ERROR_NAMES = tuple(e.value for e in ToolErrorType)
+
+
 def _empty_tool_errors() -> dict[str, int]:
-    return {e.value: 0 for e in ToolErrorType}
+    return dict.fromkeys(_TOOL_ERROR_NAMES, 0)
 
 
 class Env(gymnasium.Env):

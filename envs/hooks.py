@@ -9,6 +9,7 @@ from `HOOK_ARGUMENTS`; the env supplies them when it calls the hook:
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -87,9 +88,21 @@ class BoundHook:
 
 def collect_hooks(obj: object) -> dict[str, list[BoundHook]]:
     """The bound hooks of an env instance grouped by kind, in definition order (base classes first)."""
+    grouped: dict[str, list[BoundHook]] = {"reward": [], "stop": [], "cleanup": []}
+    for attr, spec in _class_hooks(type(obj)):
+        grouped[spec.kind].append(BoundHook(spec, getattr(obj, attr)))
+    names = [h.spec.name for h in grouped["reward"]]
+    dupes = {n for n in names if names.count(n) > 1}
+    if dupes:
+        raise HookDefinitionError(f"{type(obj).__name__} has several reward components named {sorted(dupes)}")
+    return grouped
+
+
+@functools.cache
+def _class_hooks(cls: type) -> tuple[tuple[str, HookSpec], ...]:
+    """`cls`'s hook attributes and specs in definition order (scanned once per class)."""
     seen: dict[str, tuple[int, int, HookSpec]] = {}
-    mro = list(reversed(type(obj).__mro__))
-    for depth, klass in enumerate(mro):
+    for depth, klass in enumerate(reversed(cls.__mro__)):
         for order, (attr, value) in enumerate(vars(klass).items()):
             spec = getattr(value, "__miles_hook__", None)
             if isinstance(spec, HookSpec):
@@ -98,11 +111,4 @@ def collect_hooks(obj: object) -> dict[str, list[BoundHook]]:
                 seen[attr] = (prev[0], prev[1], spec) if prev else (depth, order, spec)
             elif attr in seen:
                 del seen[attr]  # overridden by a plain method: no longer a hook
-    grouped: dict[str, list[BoundHook]] = {"reward": [], "stop": [], "cleanup": []}
-    for attr, (_, _, spec) in sorted(seen.items(), key=lambda kv: kv[1][:2]):
-        grouped[spec.kind].append(BoundHook(spec, getattr(obj, attr)))
-    names = [h.spec.name for h in grouped["reward"]]
-    dupes = {n for n in names if names.count(n) > 1}
-    if dupes:
-        raise HookDefinitionError(f"{type(obj).__name__} has several reward components named {sorted(dupes)}")
-    return grouped
+    return tuple((attr, spec) for attr, (_, _, spec) in sorted(seen.items(), key=lambda kv: kv[1][:2]))
