@@ -75,6 +75,7 @@ class LoraBank:
         self._loads = 0
         self.rows = torch.zeros(max_slots, dtype=torch.long, device=self.device)  # adapter slot per cache slot
         self._host = [BASE_SLOT] * max_slots
+        self._mixes: dict[tuple[int, int, int], int | torch.Tensor | None] = {}  # see `_mix`
 
     # ---------------------------------------------------------------- adapters
     @property
@@ -140,7 +141,7 @@ class LoraBank:
         self._loads += 1
         self._served[name] = ServedAdapter(slot, int(version), self._loads)
         self._ranks[slot] = r
-        self._packed = None
+        self._packed, self._mixes = None, {}
         return self._served[name]
 
     def unload(self, name: str) -> None:
@@ -150,7 +151,7 @@ class LoraBank:
             raise AdapterError(f"no LoRA adapter {name!r} is loaded (loaded: {sorted(self._served) or 'none'})")
         self._clear(served.slot)
         self._ranks.pop(served.slot, None)
-        self._packed = None
+        self._packed, self._mixes = None, {}
 
     def _allocate(self) -> None:
         slots, rank = self.max_adapters + 1, self.max_rank
@@ -169,7 +170,7 @@ class LoraBank:
         """The adapter slot of cache slots `0 .. len(slots)-1` (the rest: the base), for the next forwards."""
         host = list(slots) + [BASE_SLOT] * (len(self._host) - len(slots))
         if host != self._host:
-            self._host = host
+            self._host, self._mixes = host, {}
             self.rows.copy_(torch.tensor(host, dtype=torch.long))
 
     def any_adapter(self, first_slot: int, rows: int) -> bool:
@@ -194,24 +195,40 @@ class LoraBank:
             idx = self.rows[first_slot:first_slot + rows]
             h = torch.bmm(x.unsqueeze(1), proj.a.index_select(0, idx).transpose(1, 2))
             return torch.bmm(h, proj.b.index_select(0, idx).transpose(1, 2)).squeeze(1)
+        mix = self._mix(first_slot, rows, seq)
+        if mix is None:
+            return None
+        a, b = self._packed[key]
+        width = a.shape[0] // len(self._order)
+        if isinstance(mix, int):  # every row under one adapter: its block only
+            return F.linear(F.linear(x, a[mix * width:(mix + 1) * width]), b[:, mix * width:(mix + 1) * width])
+        h = F.linear(x, a).view(-1, len(self._order), width) * mix[:, :, None]
+        return F.linear(h.view(-1, a.shape[0]), b)
+
+    def _mix(self, first_slot: int, rows: int, seq: int) -> int | torch.Tensor | None:
+        """How the rows of a forward take the packed adapters, worked out once per forward (not per projection):
+        None when no row has an adapter, the packed block of the one adapter all rows share, or else a
+        `[rows * seq, n]` mask keeping each token's own adapter's block."""
+        call = (first_slot, rows, seq)
+        if call in self._mixes:
+            return self._mixes[call]
         slots = self._host[first_slot:first_slot + rows]
         present = set(slots)
-        if present == {BASE_SLOT} or not self._ranks:
-            return None
-        if self._packed is None:
-            self._pack()
-        a, b = self._packed[key]
-        n = len(self._order)
-        width = a.shape[0] // n
-        if len(present) == 1 and BASE_SLOT not in present:  # every row under one adapter: its block only
-            j = self._order[slots[0]]
-            return F.linear(F.linear(x, a[j * width:(j + 1) * width]), b[:, j * width:(j + 1) * width])
-        place = torch.tensor([self._order.get(slot, -1) for slot in slots])
-        keep = (place[:, None] == torch.arange(n)).to(device=x.device, dtype=x.dtype)  # [rows, n]
-        if seq > 1:
-            keep = keep.repeat_interleave(seq, dim=0)
-        h = F.linear(x, a).view(-1, n, width) * keep[:, :, None]
-        return F.linear(h.view(-1, n * width), b)
+        mix: int | torch.Tensor | None = None
+        if present != {BASE_SLOT} and self._ranks:
+            if self._packed is None:
+                self._pack()
+            if len(present) == 1:
+                mix = self._order[slots[0]]
+            else:
+                place = torch.tensor([self._order.get(slot, -1) for slot in slots])
+                mix = (place[:, None] == torch.arange(len(self._order))).to(device=self.device, dtype=self.dtype)
+                if seq > 1:
+                    mix = mix.repeat_interleave(seq, dim=0)
+        if len(self._mixes) >= 64:  # prefills of many lengths under one row layout
+            self._mixes.clear()
+        self._mixes[call] = mix
+        return mix
 
     def _pack(self) -> None:
         """For every projection, the loaded adapters side by side at the largest loaded rank r: ``a [n*P*r, in]``
