@@ -88,6 +88,8 @@ def main() -> None:
     p.add_argument("--group-size", type=int, default=4)
     p.add_argument("--threads", type=int, default=2, help="torch threads of the whole machine")
     p.add_argument("--staleness", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--inflight", default=None, choices=["continue", "pause"],
+                   help="async.inflight of the asynchronous variants (default: the config's default)")
     args = p.parse_args()
     half = max(1, args.threads // 2)
     with tempfile.TemporaryDirectory() as tmp:
@@ -96,8 +98,10 @@ def main() -> None:
                  for t in sorted({args.threads, half}, reverse=True)]
         results = list(syncs)
         for s in args.staleness:
-            results.append(run_variant(args, f"async-s{s}", ["async.enabled=true", f"async.max_staleness={s}",
-                                                             f"async.rollout_threads={half}"], half, work))
+            sets = ["async.enabled=true", f"async.max_staleness={s}", f"async.rollout_threads={half}"]
+            if args.inflight:
+                sets.append(f"async.inflight={args.inflight}")
+            results.append(run_variant(args, f"async-s{s}", sets, half, work))
     print(f"{'variant':<10}{'samples/s':>11}{'tokens/s':>10}{'s/step':>8}{'trainer idle':>14}{'rollout idle':>14}"
           f"{'staleness mean/max':>20}{'stale dropped':>15}{'late groups':>13}")
     for r in results:
