@@ -215,6 +215,38 @@ async def test_a_long_tail_group_is_trained_late_not_dropped_as_stale():
     assert {"t-s0", "t-s1"} <= set(trained)
 
 
+
+@pytest.mark.parametrize("inflight", ["pause", "continue"])
+async def test_a_weight_update_meets_turns_in_flight_as_async_inflight_says(inflight):
+    """`pause` (the default) loads new weights while a turn decodes; `continue` first lets it finish."""
+    assert load_train_config(None, ["async.enabled=true"]).asynchronous.inflight == "pause"
+    reply = tito().tokenizer.encode("The answer is 3.") + [tito().stop_token_ids[0]]
+    engine = _SlowSessions({"t-s0"}, 0.5, respond=lambda ids, sid, k: reply, weight_version=1)
+    sched = SessionScheduler(engine, tokenizer=tito(), env_factory=AddEnv, run_id="t", config=SchedulerConfig(
+        group_size=1, progress=False, session=SessionConfig(sampling=SamplingParams(max_new_tokens=8))))
+    tasks = AddEnv().tasks.take(1)
+    manager = RolloutManager(sched, TaskFeed(lambda p: tasks[0]), groups_per_version=1, max_staleness=0,
+                             first_version=1)
+    stream = manager.stream()
+    first = asyncio.create_task(anext(stream))
+    in_flight_at_load: list[int] = []
+
+    async def load() -> None:
+        in_flight_at_load.append(sched.router.inflight)
+
+    try:
+        while sched.router.inflight == 0:
+            await asyncio.sleep(0.01)
+        await manager.update_weights(load, inflight)
+        assert in_flight_at_load == ([1] if inflight == "pause" else [0])
+        group, _ = await first
+        assert [r.termination.value for r in group.records] == ["done"]
+    finally:
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+        await stream.aclose()
+        await sched.aclose()
+
 # ---- through `miles train` -----------------------------------------------------------------------------
 def _train(out: Path, *sets: str, resume: bool = False, config: str = "configs/calculator.yaml",
            wait: bool = True) -> subprocess.CompletedProcess[str] | subprocess.Popen[str]:
