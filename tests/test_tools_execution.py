@@ -3,6 +3,7 @@
 import asyncio
 import enum
 import json
+import os
 import threading
 from dataclasses import dataclass
 from typing import Literal, Optional, TypedDict
@@ -420,6 +421,38 @@ def test_tool_boxes_share_one_pool_so_sessions_do_not_leave_a_thread_each():
     before = threading.active_count()
     asyncio.run(sessions())
     assert threading.active_count() - before <= 2
+
+
+def test_a_forked_child_runs_sync_tools_on_a_pool_of_its_own():
+    """The parent's pool workers do not exist in a forked child: a pool inherited as it is would queue the
+    child's calls for workers it believes idle, and every call would time out."""
+
+    @tool(timeout_s=2.0)
+    def double(x: int) -> int:
+        """Double x.
+
+        Args:
+            x: a number.
+        """
+        return 2 * x
+
+    box = ToolBox([double])
+    (warm,) = box.execute_sync([call("double", {"x": 1})])  # the parent's pool now has an idle worker
+    assert warm.content == "2"
+    pid = os.fork()
+    if pid == 0:
+        (result,) = box.execute_sync([call("double", {"x": 21})])
+        os._exit(0 if result.content == "42" else 1)
+    for _ in range(300):  # the child either answers or hangs: give it 30 s
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        threading.Event().wait(0.1)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child's tool call never ran")
+    assert os.waitstatus_to_exitcode(status) == 0
 
 # ---- int parameters through the executor (hypothesis) -------------------------------------------------------
 

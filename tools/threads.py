@@ -10,6 +10,7 @@ for each session's first tool call and keep it idle for `idle_timeout_s`, thousa
 from __future__ import annotations
 
 import contextvars
+import functools
 import os
 import queue
 import threading
@@ -72,22 +73,12 @@ class DaemonThreadPool:
 
 
 TOOL_POOL_MAX_WORKERS = 256
-_tool_pool: DaemonThreadPool | None = None
-_tool_pool_lock = threading.Lock()
 
 
+@functools.cache
 def tool_pool() -> DaemonThreadPool:
     """The process's pool for sync tools (made on first use; a forked child makes its own)."""
-    global _tool_pool
-    with _tool_pool_lock:
-        if _tool_pool is None:
-            _tool_pool = DaemonThreadPool(max_workers=TOOL_POOL_MAX_WORKERS, name="miles-tool")
-        return _tool_pool
+    return DaemonThreadPool(max_workers=TOOL_POOL_MAX_WORKERS, name="miles-tool")
 
 
-def _forget_tool_pool() -> None:
-    global _tool_pool, _tool_pool_lock
-    _tool_pool, _tool_pool_lock = None, threading.Lock()  # the parent's workers do not exist in a child
-
-
-os.register_at_fork(after_in_child=_forget_tool_pool)
+os.register_at_fork(after_in_child=tool_pool.cache_clear)  # the parent's workers do not exist in a child
