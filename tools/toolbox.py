@@ -60,8 +60,9 @@ class ToolBox:
     `execute` never raises on a model's call: invalid JSON, an unknown tool, a schema violation
     (jsonschema Draft 2020-12), an exception in the tool, a timeout and oversize output each give a
     `ToolResult` with `error` set and a precise message as content. Parallel calls run concurrently:
-    async tools on the event loop, sync ones on the process's daemon worker threads (`tool_pool`). A sync tool that overruns its
-    timeout gets a timeout result at the deadline; its thread cannot be killed and finishes on its own.
+    async tools on the event loop, sync ones on the process's daemon worker threads (`tool_pool`). A sync
+    tool that overruns its timeout gets a timeout result at the deadline; its thread cannot be killed and
+    finishes on its own.
     """
 
     def __init__(self, tools: Iterable[Callable[..., Any]], *, default_timeout_s: float = 10.0,
