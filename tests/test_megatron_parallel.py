@@ -89,11 +89,14 @@ def _worker() -> None:
 
     warnings.filterwarnings("ignore")
     family, tp, pp, alg, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], Path(sys.argv[5])
+    from miles.trainers.megatron.parallel import destroy_parallel
+
     roundtrip, metrics, updated, dp = megatron_step(family, tp, pp, alg)
     if int(os.environ["RANK"]) == 0:
         save_file({k: v.contiguous() for k, v in updated.items()}, str(out / "weights.safetensors"))
         (out / "result.json").write_text(json.dumps({"roundtrip": roundtrip, "metrics": metrics,
                                                      "dp": dp}))
+    destroy_parallel()  # a gloo group left to the interpreter's exit can abort a rank (SIGABRT, CI flake)
 
 
 def run_megatron(tmp_path: Path, family: str, tp: int, pp: int, nproc: int, alg: str = "ppo"):
