@@ -192,7 +192,7 @@ def test_torchrun_launch_helpers(monkeypatch):
         monkeypatch.delenv(key, raising=False)
     assert not launch.in_torchrun_worker()
     cmd = launch.torchrun_command(["-m", "miles.cli", "train", "--tp", "2"], 2, master_port=29999)
-    assert cmd[1:] == ["-m", "torch.distributed.run", "--master-port=29999", "--nproc-per-node", "2", "-m",
+    assert cmd[1:] == ["-m", "miles.trainers.launch", "--master-port=29999", "--nproc-per-node", "2", "-m",
                        "miles.cli", "train", "--tp", "2"]
     assert launch.relaunch_under_torchrun(1, ["train"]) is None  # one rank: stay in-process
     monkeypatch.setenv("RANK", "0")

@@ -51,9 +51,11 @@ def test_a_yaml_syntax_error_names_the_line(tmp_path, capsys):
     assert "is not valid YAML at line 3" in err and err.count("\n") == 1
 
 
-def test_the_console_script_prints_no_traceback(tmp_path):
+@pytest.mark.parametrize("ranks", [[], ["--dp", "2"]], ids=["one-process", "dp2"])
+def test_the_console_script_prints_no_traceback(ranks, tmp_path):
+    """With `--dp 2` too: the mistake is found before torchrun starts any rank."""
     proc = subprocess.run([sys.executable, "-m", "miles.cli", "train", "--config", MAIN_JOB, "--set",
-                           "model.init_from=relative/warm-start", "--output-dir", str(tmp_path / "r")],
+                           "model.init_from=relative/warm-start", "--output-dir", str(tmp_path / "r"), *ranks],
                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines() == [
@@ -79,3 +81,17 @@ def test_the_main_job_on_a_kv_cache_sized_from_a_memory_fraction_ends_long_sessi
                  "max_seconds=null", "--set", "eval.num_tasks=8", "--set", f"engine.kv_cache_fraction={fraction:.20f}"]) == 0
     ends = [json.loads(line)["termination"] for line in (out / "sessions.jsonl").read_text().splitlines()]
     assert "context_full" in ends and "engine_error" not in ends, ends
+
+
+def test_a_rank_that_fails_under_torchrun_is_one_line_after_its_own_output(tmp_path):
+    """`miles train --dp/--tp` runs its ranks under `miles.trainers.launch`: torchrun without its traceback."""
+    from miles.trainers.launch import torchrun_command
+
+    script = tmp_path / "rank.py"
+    script.write_text("import os, sys, time\n"
+                      "if os.environ['RANK'] == '1':\n    sys.exit('rank 1: the real error')\n"
+                      "time.sleep(120)\n")
+    proc = subprocess.run(torchrun_command([str(script)], 2), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        "rank 1: the real error", "miles: rank 1 exited with status 1 (its own output is above)"], proc.stderr

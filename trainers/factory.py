@@ -54,8 +54,11 @@ def check_trainer_setup(cfg: TrainConfig) -> None:
     """The trainer-side setup errors that need no model (before any rank is launched), as `ConfigError` s.
 
     The config itself (sizes, knobs set for the other backend) was checked when it was loaded; this checks the
-    installation the backend needs.
+    installation the backend needs and that the model's weights exist.
     """
+    from miles.trainers.models import check_model_source
+
+    check_model_source(cfg.model)
     if cfg.backend == "megatron":
         try:
             found = importlib.util.find_spec("megatron.core") is not None

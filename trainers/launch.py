@@ -4,11 +4,15 @@
 first; outside a worker it re-executes the same command line under torchrun with ``--nproc-per-node N`` and
 returns torchrun's exit status; inside a worker it returns None and the command goes on to build its trainer
 (rank 0 also owns rollout and weight sync). Ranks run with ``OMP_NUM_THREADS=1`` unless the caller set it.
+
+``python -m miles.trainers.launch <torchrun args>`` is torchrun whose report of a failed rank is one line (each
+rank prints its own error): what `torchrun_command` runs.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -37,7 +41,7 @@ def torchrun_command(target: Sequence[str], nproc_per_node: int, *, master_port:
     if not target:
         raise ValueError("torchrun needs a script or '-m module' to run")
     port = master_port or _free_port()
-    return [python or sys.executable, "-m", "torch.distributed.run", "--standalone" if master_port is None
+    return [python or sys.executable, "-m", "miles.trainers.launch", "--standalone" if master_port is None
             else f"--master-port={port}", "--nproc-per-node", str(nproc_per_node), *target]
 
 
@@ -61,3 +65,29 @@ def relaunch_under_torchrun(nproc_per_node: int, argv: Sequence[str] | None = No
         return None
     args = list(sys.argv[1:] if argv is None else argv)
     return launch_torchrun(["-m", module, *args], nproc_per_node)
+
+
+def torchrun_main(argv: Sequence[str]) -> int:
+    """torchrun on `argv`; a failed rank is reported in one line, not the launcher's traceback and notices."""
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    for name in list(logging.root.manager.loggerDict):  # the agent's notices and failure log lines
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.run")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+    try:
+        run(parse_args(list(argv)))
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        how = (f"was killed by {signal.Signals(-failure.exitcode).name}" if failure.exitcode < 0
+               else f"exited with status {failure.exitcode}")
+        print(f"miles: rank {rank} {how} (its own output is above)",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(torchrun_main(sys.argv[1:]))

@@ -31,10 +31,8 @@ def build_policy(cfg: ModelConfig, tokenizer: Any) -> torch.nn.Module:
     """The policy model; `init_from` (an HF folder, e.g. an SFT warm start) replaces the named weights."""
     from transformers import AutoModelForCausalLM
 
+    check_model_source(cfg)
     if cfg.init_from:
-        if not Path(cfg.init_from).is_dir():
-            raise ModelSpecError("model.init_from", f"{cfg.init_from!r} is not a folder (relative paths start at "
-                                 f"the working directory, {Path.cwd()}); give the warm start's folder")
         return AutoModelForCausalLM.from_pretrained(cfg.init_from, dtype=torch.float32)
     if cfg.name == "tiny":
         from miles.tiny import make_tiny_model
@@ -44,7 +42,15 @@ def build_policy(cfg: ModelConfig, tokenizer: Any) -> torch.nn.Module:
         from miles.pretrained import load_smollm2
 
         return load_smollm2()[0]  # tokenizer: set model.tokenizer to "smollm2-135m" as well
-    if Path(cfg.name).is_dir():
-        return AutoModelForCausalLM.from_pretrained(cfg.name, dtype=torch.float32)
-    raise ModelSpecError("model.name", f"{cfg.name!r} is not a model: use 'tiny' (with model.size), "
-                         "'smollm2-135m' or an HF checkpoint folder")
+    return AutoModelForCausalLM.from_pretrained(cfg.name, dtype=torch.float32)
+
+
+def check_model_source(cfg: ModelConfig) -> None:
+    """`ModelSpecError` unless the weights `cfg` names exist: checked before any rank or engine starts."""
+    if cfg.init_from:
+        if not Path(cfg.init_from).is_dir():
+            raise ModelSpecError("model.init_from", f"{cfg.init_from!r} is not a folder (relative paths start at "
+                                 f"the working directory, {Path.cwd()}); give the warm start's folder")
+    elif cfg.name not in ("tiny", "smollm2-135m") and not Path(cfg.name).is_dir():
+        raise ModelSpecError("model.name", f"{cfg.name!r} is not a model: use 'tiny' (with model.size), "
+                             "'smollm2-135m' or an HF checkpoint folder")
