@@ -54,6 +54,7 @@ from miles.engines.lora_bank import BASE_SLOT, LoraDecoder
 from miles.engines.metrics import EngineHistograms
 from miles.engines.runner import DecodeBatch
 from miles.engines.sampling import RowSampling, SampleMode, SamplingTensors, sample, seed_key
+from miles.engines.step_lock import StepLock
 
 logger = logging.getLogger(__name__)
 
@@ -180,7 +181,7 @@ class EmbeddedEngine(RolloutEngine):
         self._aborts: set[str] = set()
         self._abort_all = False
         self._cond = threading.Condition()
-        self._model_lock = threading.Lock()
+        self._model_lock = StepLock()
         self._closed = False
         self._keys = random.Random(os.urandom(8))  # random streams of unseeded requests
         self.stats = {"steps": 0, "prefill_tokens": 0, "cached_tokens": 0, "decode_tokens": 0}
@@ -288,7 +289,7 @@ class EmbeddedEngine(RolloutEngine):
         return await asyncio.to_thread(self._load_adapter, name, weights, version, path or "in memory")
 
     def _load_adapter(self, name: str, weights: AdapterWeights, version: int | None, source: str) -> int:
-        with self._model_lock, torch.inference_mode():
+        with self._model_lock.exclusive(), torch.inference_mode():
             batch = self._ready_batch()
             bank = self._decoder.bank
             enabled, current = bank.enabled, bank.get(name)
@@ -316,7 +317,7 @@ class EmbeddedEngine(RolloutEngine):
             return any(r.adapter == name and not r.finished for r in [*self._pending, *self._active])
 
     def _unload_adapter(self, name: str) -> None:
-        with self._model_lock, torch.inference_mode():
+        with self._model_lock.exclusive(), torch.inference_mode():
             self._decoder.bank.unload(name)
             del self.adapter_sources[name]
 
@@ -331,7 +332,7 @@ class EmbeddedEngine(RolloutEngine):
 
     async def flush_cache(self) -> None:
         """Drop every session's kept cache."""
-        with self._model_lock:
+        with self._model_lock.exclusive():
             self._sessions.clear()
 
     async def close(self) -> None:
@@ -398,7 +399,7 @@ class EmbeddedEngine(RolloutEngine):
             if tuple(tensor.shape) != tuple(params[name].shape):
                 raise InvalidRequestError(f"shape of {name}: got {tuple(tensor.shape)}, "
                                           f"expected {tuple(params[name].shape)}", engine_id=self.engine_id)
-        with self._model_lock, torch.no_grad():
+        with self._model_lock.exclusive(), torch.no_grad():
             for name, tensor in named.items():
                 params[name].copy_(torch.as_tensor(tensor).to(params[name].dtype))
             if self._decoder is not None:
@@ -423,7 +424,7 @@ class EmbeddedEngine(RolloutEngine):
                 aborts, self._aborts = self._aborts, set()
                 abort_all, self._abort_all = self._abort_all, False
             try:
-                with self._model_lock, torch.inference_mode():
+                with self._model_lock.step(), torch.inference_mode():
                     self._handle_aborts(new, aborts, abort_all)
                     self._admit([r for r in new if not r.finished])
                     if self._active:
