@@ -91,18 +91,23 @@ async def test_the_manager_admits_groups_only_within_the_staleness_bound():
             got.append(position)
 
     consumer = asyncio.create_task(consume())
+
+    async def settled(expected: list[int]) -> list[int]:
+        """`got` once the expected groups are in and nothing runs, plus a moment for an over-admission."""
+        async with asyncio.timeout(120):
+            while len(got) < len(expected) or sched.stats.running:
+                await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)
+        return sorted(got)
+
     try:
-        await asyncio.sleep(0.3)
-        assert sorted(got) == [0, 1, 2, 3]  # (version 3 - 3 + 1 + 1) * 2 groups
+        assert await settled([0, 1, 2, 3]) == [0, 1, 2, 3]  # (version 3 - 3 + 1 + 1) * 2 groups
         manager.set_version(4)
-        await asyncio.sleep(0.3)
-        assert sorted(got) == [0, 1, 2, 3, 4, 5]
+        assert await settled([0, 1, 2, 3, 4, 5]) == [0, 1, 2, 3, 4, 5]
         manager.replace(2, rerun=True)  # too stale at the trainer: run again, on top of the bound
-        await asyncio.sleep(0.3)
-        assert sorted(got) == [0, 1, 2, 2, 3, 4, 5]
+        assert await settled([0, 1, 2, 2, 3, 4, 5]) == [0, 1, 2, 2, 3, 4, 5]
         manager.replace(4, rerun=False)  # dropped: the next task takes its place
-        await asyncio.sleep(0.3)
-        assert sorted(got) == [0, 1, 2, 2, 3, 4, 5, 6]
+        assert await settled([0, 1, 2, 2, 3, 4, 5, 6]) == [0, 1, 2, 2, 3, 4, 5, 6]
     finally:
         consumer.cancel()
         await asyncio.gather(consumer, return_exceptions=True)

@@ -379,12 +379,13 @@ async def test_max_batch_size_queues_the_rest():
 async def test_after_update_weights_mid_generation_results_match_a_fresh_engine():
     eng = EmbeddedEngine(small_qwen2(0), max_batch_size=4)
     fresh = EmbeddedEngine(small_qwen2(7))
+    new_weights = small_qwen2(7).state_dict()
     try:
         running = asyncio.create_task(eng.generate([1, 2, 3], SamplingParams(temperature=0.0, max_new_tokens=600),
                                                    session_id="s"))
         while not eng.stats["decode_tokens"]:
             await asyncio.sleep(0.005)
-        assert await eng.update_weights(state_dict=small_qwen2(7).state_dict()) == 1
+        assert await eng.update_weights(state_dict=new_weights) == 1
         long = await running
         assert long.token_versions[0] == 0 and long.token_versions[-1] == 1
         prompt = [1, 2, 3] + long.output_ids[:5]

@@ -112,6 +112,7 @@ async def test_weight_updates_from_disk_and_by_broadcast(tmp_path):
     engine = EmbeddedEngine(small_qwen2(0))
     handle = serve_in_thread(engine)
     client = SGLangClient(handle.url)
+    bc = None
     try:
         params = SamplingParams(temperature=0.0, max_new_tokens=8)
         base = await client.generate([1, 2, 3], params)
@@ -133,6 +134,8 @@ async def test_weight_updates_from_disk_and_by_broadcast(tmp_path):
         with pytest.raises(InvalidRequestError):
             await client.update_weights(path=str(tmp_path / "missing"))
     finally:
+        if bc is not None:
+            bc.close()
         await client.close()
         handle.stop()
         await engine.close()

@@ -117,12 +117,13 @@ async def test_a_sessions_cache_is_reused_only_under_the_same_adapter_load(model
 async def test_an_adapter_update_drains_nothing_and_lands_between_decode_steps(models):
     engine = await _engine(models)
     long = SamplingParams(temperature=0.0, max_new_tokens=1500)
+    terse, verbose = adapter_weights(models[1], "qv"), adapter_weights(models[1], "verbose")
     try:
         task = asyncio.create_task(engine.generate(_prompt(3), long, adapter="verbose", ignore_eos=True))
         while engine.stats["decode_tokens"] < 10:
             await asyncio.sleep(0.001)
-        await engine.update_adapter("terse", weights=adapter_weights(models[1], "qv"))
-        await engine.update_adapter("verbose", weights=adapter_weights(models[1], "verbose"))
+        await engine.update_adapter("terse", weights=terse)
+        await engine.update_adapter("verbose", weights=verbose)
         assert not task.done()  # neither update waited for the request in flight
         result = await task
     finally:

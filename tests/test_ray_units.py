@@ -199,6 +199,7 @@ async def test_an_engine_that_never_comes_back_is_a_named_sync_error(tmp_path):
         with pytest.raises(WeightSyncError, match=f"engine {client.engine_id} did not answer for 1 s"):
             await sync.push(small_qwen2(6).state_dict())
     finally:
+        await sync.close()
         await client.close()
 
 

@@ -225,6 +225,7 @@ async def test_a_failed_bucket_keeps_the_group_usable_and_a_restarted_trainer_re
     assert (await sync2.push(mixed_dtype_state(3), version=2)).version == 2
     assert torch.equal(engine.model.state_dict()["lm_head.weight"], mixed_dtype_state(3)["lm_head.weight"])
     await sync2.close()
+    sync.broadcaster.close()  # the restarted trainer's predecessor: its own side only
 
 
 async def test_drain_waits_for_the_in_flight_generate(trainer):
@@ -287,6 +288,7 @@ async def test_an_engine_leaving_mid_sync_marks_the_group_unusable(served, tmp_p
     assert sync.broadcaster.broken and engine.weight_version == 0
     with pytest.raises(WeightGroupError, match="unusable"):
         await sync.push(mixed_dtype_state(1))  # at once, not after another timeout
+    sync.broadcaster.close()
 
 
 async def test_misconfigured_syncs_raise_named_errors(tmp_path):

@@ -215,6 +215,7 @@ async def test_miles_trainer_to_sglang_engine(tmp_path):
     if owned:  # the trainer's own default group (FSDP ranks): the weight group must leave it alone
         _own_default_group()
     groups_before = len(dist.distributed_c10d._world.pg_map)
+    sync = None
     try:
         await _wait_up(client.base_url, proc)
         state = _trainer_state()
@@ -244,6 +245,8 @@ async def test_miles_trainer_to_sglang_engine(tmp_path):
         dist.all_reduce(ones)
         assert ones.tolist() == [float(dist.get_world_size())] * 3
     finally:
+        if sync is not None:  # a weight group left to the interpreter's exit can abort it
+            await sync.close()
         if owned:
             dist.destroy_process_group()
         await client.close()
@@ -303,6 +306,8 @@ def _sglang_trainer_main(url: str, master_port: int, sent_path: str) -> None:
         ok(call)
         ok(post("/end_weight_update", {}))
     save_file({n: t.contiguous() for n, t in sent.items()}, sent_path)
+    dist.destroy_process_group(group)  # gloo groups left to the interpreter's exit can abort it (SIGABRT)
+    dist.destroy_process_group()
 
 
 @pytest.mark.slow
