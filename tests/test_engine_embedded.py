@@ -119,7 +119,9 @@ async def test_abort_running_and_waiting_requests():
     try:
         long = asyncio.create_task(eng.generate([1, 2], SamplingParams(max_new_tokens=1500), rid="long"))
         queued = asyncio.create_task(eng.generate([3, 4], SamplingParams(max_new_tokens=5), rid="queued"))
-        await asyncio.sleep(0.3)
+        async with asyncio.timeout(60):
+            while not eng.stats["decode_tokens"]:
+                await asyncio.sleep(0.005)
         await eng.abort("queued")
         await eng.abort("long")
         r_long, r_queued = await asyncio.wait_for(asyncio.gather(long, queued), 10)

@@ -73,9 +73,11 @@ async def test_info_and_health_endpoints(client, served):
         assert (await raw.post("/flush_cache")).status_code == 200
 
 
-async def test_abort_over_http(client):
+async def test_abort_over_http(served, client):
     task = asyncio.create_task(client.generate([1, 2], SamplingParams(max_new_tokens=1800), rid="to-abort"))
-    await asyncio.sleep(0.4)
+    async with asyncio.timeout(60):  # an abort for a request the engine has not seen yet is a no-op
+        while not served[0].stats["decode_tokens"]:
+            await asyncio.sleep(0.01)
     await client.abort("to-abort")
     r = await asyncio.wait_for(task, 15)
     assert r.finish_reason is FinishReason.ABORT and len(r.output_ids) < 1800

@@ -62,7 +62,7 @@ def test_run_python_tool_output_is_an_observation(env):
     (answer("def add(a, b):\n    return float(a + b)"), 0.0),               # wrong type
 ])
 def test_wrong_or_cheating_solutions_do_not_pass(final, expected):
-    env = E.make("PythonSandbox-v0", test_timeout_s=1.0)
+    env = E.make("PythonSandbox-v0", test_timeout_s=4.0)  # room for the sandbox's Python to start on a busy box
     env.reset(options={"task_id": "py-add"})
     _, r, term, _, info = env.step(final)
     assert term and r == pytest.approx(expected) and not info["success"]

@@ -311,6 +311,10 @@ def test_a_server_that_never_gets_healthy_fails_with_its_last_log_lines(tmp_path
                  log_path=log)
     child = _Child("server 0", f"http://127.0.0.1:{free_port()}", proc, log)
     try:
+        deadline = time.monotonic() + 60  # the child's Python has started and logged (a busy box is slow to)
+        while "loading shard" not in (log.read_text() if log.is_file() else ""):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
         with pytest.raises(LaunchError, match=r"did not answer /health within 1s(.|\n)*loading shard 3 of 7"):
             asyncio.run(wait_healthy([child], timeout_s=1.0))
     finally:

@@ -426,6 +426,8 @@ def test_config_errors_name_the_key():
         from_dict(ObservabilityConfig, {"metrics_port": 70000}, "observability")
     with pytest.raises(ConfigError, match="observability.peak_tflops"):
         from_dict(ObservabilityConfig, {"peak_tflops": 0}, "observability")
+    with pytest.raises(ConfigError, match="observability.metrics_linger_s: must be >= 0"):
+        from_dict(ObservabilityConfig, {"metrics_linger_s": -1}, "observability")
     assert from_dict(ObservabilityConfig, {"metrics_port": 0}).metrics_port == 0
 
 

@@ -78,9 +78,13 @@ def grafana_render(expr: str, step_s: float) -> str:
     return out
 
 
+LINGER_S = 3.0  # several scrapes of the final values (`observability.metrics_linger_s`)
+
+
 @pytest.fixture(scope="module")
 def scraped_run(tmp_path_factory):
-    """(Prometheus API URL, start, end, run name) after a `miles train` that Prometheus scraped."""
+    """(Prometheus API URL, start, end, run name, the `/metrics` text read while the run lingered) after a
+    `miles train` that Prometheus scraped."""
     binary = prometheus_binary()
     tmp = tmp_path_factory.mktemp("prometheus")
     metrics_port, prom_port = free_port(), free_port()
@@ -108,14 +112,21 @@ def scraped_run(tmp_path_factory):
         out = tmp / "run"
         (tmp / "run.yaml").write_text(RUN_YAML)
         start = time.time()
-        proc = subprocess.run([sys.executable, "-m", "miles.cli", "train", "--config", str(tmp / "run.yaml"),
-                               "--output-dir", str(out), "--set", f"observability.metrics_port={metrics_port}"],
-                              cwd=ROOT, capture_output=True, text=True, timeout=600,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        proc = subprocess.Popen([sys.executable, "-m", "miles.cli", "train", "--config", str(tmp / "run.yaml"),
+                                 "--output-dir", str(out), "--set", f"observability.metrics_port={metrics_port}",
+                                 "--set", f"observability.metrics_linger_s={LINGER_S}"],
+                                cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+        stdout, final = [], None
+        for line in proc.stdout:  # read /metrics while the finished run lingers
+            stdout.append(line)
+            if line.startswith("[metrics] serving the final values"):
+                final = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=30).text
+        assert proc.wait(600) == 0, "".join(stdout)[-2000:] + (tmp / "prometheus.log").read_text()[-3000:]
         end = time.time()
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-        assert f"[metrics] serving http://127.0.0.1:{metrics_port}/metrics" in proc.stdout
-        yield api, start, end, out.name
+        assert f"[metrics] serving http://127.0.0.1:{metrics_port}/metrics" in "".join(stdout)
+        assert final is not None, "".join(stdout)[-2000:]
+        yield api, start, end, out.name, final
     finally:
         prom.terminate()
         prom.wait(10)
@@ -130,7 +141,7 @@ def api_get(api: str, path: str, **params) -> dict:
 
 @pytest.mark.slow
 def test_every_family_arrived_with_its_labels(scraped_run):
-    api, start, end, run = scraped_run
+    api, start, end, run, _ = scraped_run
     expected = {"run": run, "env": "Calculator-v0", "model": "tiny", "adapter": "base"}
     missing = []
     for f in FAMILIES:
@@ -152,7 +163,7 @@ def test_every_family_arrived_with_its_labels(scraped_run):
 
 @pytest.mark.slow
 def test_every_dashboard_query_parses_and_returns_data(scraped_run):
-    api, start, end, run = scraped_run
+    api, start, end, run, _ = scraped_run
     assert build() == json.loads(DASHBOARD_PATH.read_text())  # the shipped file is what is tested
     step = 1.0
     empty = []
@@ -168,3 +179,13 @@ def test_every_dashboard_query_parses_and_returns_data(scraped_run):
     for name, metric in VARIABLES:  # the template variables' label_values(...) queries
         values = api_get(api, f"label/{name}/values", **{"match[]": metric, "start": start, "end": end})
         assert values and (name != "run" or run in values), (name, values)
+
+
+@pytest.mark.slow
+def test_the_final_values_stay_up_after_the_run(scraped_run):
+    """`metrics_linger_s`: after the last step and the final evaluation, `/metrics` still answers, with them."""
+    api, start, end, run, final = scraped_run
+    steps = [line for line in final.splitlines() if line.startswith("miles_steps_total{")]
+    assert len(steps) == 1 and f'run="{run}"' in steps[0] and float(steps[0].split()[-1]) == 8.0, steps
+    got = api_get(api, "query", query=f'max_over_time(miles_steps_total{{run="{run}"}}[1h])', time=end)
+    assert [float(r["value"][1]) for r in got["result"]] == [8.0]  # Prometheus scraped the last step too

@@ -122,9 +122,10 @@ async def test_timeouts_crashes_and_silent_agents_end_with_named_reasons(tmp_pat
     silent = agent_file(tmp_path, "silent", "print('nothing to do')\n")
     task = RECIPE.make().tasks.take(1)[0]
     outcomes = {}
-    for name, command in (("slow", slow), ("crash", crash), ("silent", silent)):
+    # only the slow agent meets its timeout, long enough for its Python to start and chat once on a busy box
+    for name, command, timeout_s in (("slow", slow, 12.0), ("crash", crash, 300.0), ("silent", silent, 300.0)):
         service = await AgentRollout.start(calculator_model(), tokenizer=t,
-                                           config=config(command, timeout_s=4.0), log_dir=tmp_path / name)
+                                           config=config(command, timeout_s=timeout_s), log_dir=tmp_path / name)
         try:
             [group] = await service.runner(recipe=RECIPE, run_id=name).run([{"task": task}])
         finally:
@@ -183,10 +184,9 @@ async def test_stopping_a_run_kills_the_agents_and_records_their_sessions(tmp_pa
     recorder = Recorder(tmp_path / "sessions.jsonl")
     runner = service.runner(recipe=RECIPE, group_size=2, recorder=recorder)
     run = asyncio.ensure_future(runner.run([{"task": task} for task in RECIPE.make().tasks.take(2)]))
-    for _ in range(200):
-        if service.endpoint.stats.completions == 4:
-            break
-        await asyncio.sleep(0.05)
+    async with asyncio.timeout(120):  # every agent is stuck after its first turn
+        while service.endpoint.stats.completions < 4:
+            await asyncio.sleep(0.05)
     await runner.aclose()
     with pytest.raises(asyncio.CancelledError):
         await run

@@ -422,6 +422,7 @@ class TrainLoop:
             self._checkpoint()
             if step > start_step or "start" not in self.summary.evals:
                 await self._evaluate("final")
+            await self.observability.linger(self.echo)
         finally:
             if self.async_rollout is not None:
                 await self.async_rollout.close()

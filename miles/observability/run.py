@@ -7,6 +7,7 @@ the scheduler's observer, with the same labels.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -168,11 +169,19 @@ def run_labels(config: ObservabilityConfig, output_dir: str | os.PathLike[str], 
 @dataclass
 class Observability:
     """A run's observability: `run` (step/train/sync metrics), its `labels` (for the session observer) and the
-    `/metrics` server when one was asked for. `close()` stops the server."""
+    `/metrics` server when one was asked for. `linger()` keeps the server up `linger_s` more seconds at the
+    run's end; `close()` stops it."""
 
     labels: RunLabels
     run: RunMetrics
     server: MetricsServer | None = None
+    linger_s: float = 0.0
+
+    async def linger(self, echo: Callable[[str], None] = print) -> None:
+        """Serve the final values `linger_s` seconds more, for a last scrape (when `/metrics` is served)."""
+        if self.server is not None and self.linger_s > 0:
+            echo(f"[metrics] serving the final values {self.linger_s:g} s more at {self.server.url}")
+            await asyncio.sleep(self.linger_s)
 
     def close(self) -> None:
         if self.server is not None:
@@ -202,4 +211,4 @@ def start_observability(config: ObservabilityConfig, labels: RunLabels, *, engin
     if config.metrics_port is not None:
         server = serve_metrics(metrics, config.metrics_host, config.metrics_port)
         echo(f"[metrics] serving {server.url}")
-    return Observability(labels=labels, run=run, server=server)
+    return Observability(labels=labels, run=run, server=server, linger_s=config.metrics_linger_s)
