@@ -87,16 +87,17 @@ async def test_engine_killed_mid_turn_fails_over_or_ends_as_engine_error(servers
     victim = SGLangClient(servers["proc"].url, engine_id="victim", timeout_s=60)
     victim_alone = SGLangClient(servers["proc"].url, engine_id="victim-alone", timeout_s=60)
     survivor = SGLangClient(servers["thread"].url, engine_id="survivor", timeout_s=60)
+    # turns long enough that both runs are still decoding on the victim when it dies, however busy the box
     with_spare = scheduler([victim, survivor], tmp_path / "spare", parser="test-always-add", group_size=3,
-                           max_new_tokens=32, max_turns=2)
+                           max_new_tokens=160, max_turns=2)
     alone = scheduler([victim_alone], tmp_path / "alone", parser="test-always-add", group_size=2,
-                      max_new_tokens=32, max_turns=2)
+                      max_new_tokens=160, max_turns=2)
 
     async def kill_when_busy() -> None:
         routers = [with_spare.router, alone.router]
-        while not all(r.stats().engines[0].inflight for r in routers):
-            await asyncio.sleep(0.002)
-        await asyncio.sleep(0.02)
+        async with asyncio.timeout(120):
+            while not all(r.stats().engines[0].inflight for r in routers):
+                await asyncio.sleep(0.002)
         await asyncio.to_thread(servers["proc"].kill)
 
     killer = asyncio.create_task(kill_when_busy())
