@@ -210,7 +210,7 @@ async def test_engine_counters_histograms_and_queue_follow_real_generation():
     engine_collector(m).track(engine, run="r1")
     eng = {"run": "r1", "model": "tiny", "engine": "emb-metrics"}
     try:
-        params = SamplingParams(temperature=1.0, max_new_tokens=64)
+        params = SamplingParams(temperature=1.0, max_new_tokens=256)  # a queue that lasts, to be sampled
         calls = [asyncio.ensure_future(engine.generate([1, 2, 3, 4], params, session_id=f"s{i}", ignore_eos=True))
                  for i in range(3)]
         seen = set()

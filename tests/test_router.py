@@ -269,13 +269,13 @@ async def test_sglang_v1_loads_wire_format_and_client() -> None:
 
 
 async def test_embedded_engine_reports_its_queue_in_process_and_over_http() -> None:
-    engine, handle = embedded_server("queued", prefill_s_per_token=0.0005, decode_s_per_step=0.001)
+    engine, handle = embedded_server("queued", prefill_s_per_token=0.002, decode_s_per_step=0.001)
     client = SGLangClient(handle.url)
     try:
         assert await engine.load() == await client.load() == EngineLoad(0, 0)
         calls = [asyncio.create_task(engine.generate([1] * 400, SamplingParams(max_new_tokens=2))) for _ in range(3)]
         async with asyncio.timeout(30):
-            while (seen := await client.load()).requests < 3:  # each prefill takes 0.2 s: all 3 are seen
+            while (seen := await client.load()).requests < 3:  # each prefill takes 0.8 s: all 3 are seen
                 await asyncio.sleep(0.01)
         assert seen.waiting >= 2 and seen.waiting_tokens is None
         await asyncio.gather(*calls)
