@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -134,6 +135,25 @@ def test_resume_without_a_checkpoint_starts_from_scratch(tmp_path):
     summary = run(tiny_config(out, steps=1, sft={"enabled": False}), resume=True)
     assert summary.steps_done == 1 and [r["step"] for r in train_rows(out)] == [0]
     assert len(read_sessions(out / "sessions.jsonl").records) == PER_STEP
+    # killed before its first checkpoint: resuming redoes everything, and the first tries are moved aside
+    shutil.rmtree(out / "checkpoints")
+    first_try = {r.session_id for r in read_sessions(out / "sessions.jsonl").records}
+    summary = run(tiny_config(out, steps=1, sft={"enabled": False}), resume=True)
+    assert summary.steps_done == 1 and [r["step"] for r in train_rows(out)] == [0]
+    assert len(read_sessions(out / "sessions.jsonl").records) == PER_STEP
+    assert {r.session_id for r in read_sessions(out / "sessions.jsonl.dropped").records} == first_try
+    assert len([r for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "eval"]) == 2  # start, final
+
+
+def test_a_new_run_into_a_folder_holding_a_run_is_refused_and_touches_nothing(uninterrupted, tmp_path, capsys):
+    out, _ = uninterrupted
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    with pytest.raises(ConfigError, match="already holds a run .*continue it with --resume") as err:
+        run(tiny_config(out, steps=1))
+    assert err.value.key == "output_dir"
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    assert cli_main(["train", "--config", str(out / "config.yaml")]) == 2  # through the CLI: one line
+    assert capsys.readouterr().err.count("\n") == 1
 
 
 def test_config_errors_name_the_bad_key(tmp_path, capsys):

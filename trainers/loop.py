@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import yaml
 
-from miles.config import to_dict
+from miles.config import ConfigError, to_dict
 from miles.observability import run_labels, start_observability
 from miles.sessions.metrics import SessionMetrics
 from miles.sessions.recorder import Recorder
@@ -40,6 +40,19 @@ from miles.weight_sync import build_weight_sync
 log = logging.getLogger(__name__)
 
 # Sessions that ended for infrastructure reasons say nothing about the policy; they are recorded, not trained on.
+RUN_RECORDS = ("metrics.jsonl", "sessions.jsonl", "eval_sessions.jsonl", "summary.json")
+
+
+def check_fresh_output_dir(out: Path) -> None:
+    """`ConfigError` on `output_dir` if `out` already holds a run: a new run there would mix its records
+    with the old run's (session ids repeat, metric steps interleave)."""
+    held = [name for name in RUN_RECORDS if (out / name).is_file() and (out / name).stat().st_size]
+    held += ["checkpoints/"] if any((out / "checkpoints").glob("step_*")) else []
+    if held:
+        raise ConfigError("output_dir", f"{str(out)!r} already holds a run ({', '.join(held)}); continue it with "
+                                        "--resume, or give another --output-dir (or remove the folder)")
+
+
 UNTRAINABLE = (TerminationReason.ENGINE_ERROR, TerminationReason.ABORTED, TerminationReason.ENV_ERROR)
 
 
@@ -98,10 +111,20 @@ class TrainLoop:
         self.resume = resume
         self.echo = echo
         self.out = Path(cfg.output_dir)
+        if not resume:
+            check_fresh_output_dir(self.out)
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         self.metrics = MetricsLog(self.out / "metrics.jsonl")
         self.summary = RunSummary(output_dir=str(self.out), steps_done=0)
+
+    def _set_aside_after(self, saved_at: float) -> None:
+        """Forget the metric rows and move aside the sessions of the work after `saved_at`, which a resumed run
+        redoes: every session stays in the file once (async: the rollout process moves its own aside)."""
+        self.metrics.drop_after(saved_at)
+        for recorder in (self.recorder, self.eval_recorder):
+            if recorder is not None:
+                recorder.drop_after(saved_at)
 
     # ---- setup ---------------------------------------------------------------------------------------
     async def _setup(self) -> None:
@@ -373,17 +396,20 @@ class TrainLoop:
         saved_at: float | None = None
         try:
             ckpt_root = self.out / "checkpoints"
-            if self.resume and any(ckpt_root.glob("step_*")):
+            resumed = self.resume and any(ckpt_root.glob("step_*"))
+            if self.resume and not resumed:  # killed before its first checkpoint: every step is redone
+                saved_at = 0.0
+                self._set_aside_after(saved_at)
+                self.echo(f"[resume] no checkpoint in {ckpt_root}: starting at step 0 (the earlier sessions are "
+                          "moved to sessions.jsonl.dropped)")
+            if resumed:
                 ckpt = self.trainer.load_checkpoint(ckpt_root)
                 self.cursor.position = int(ckpt.data_cursor.get("position", 0))
                 consumed = tuple(int(p) for p in ckpt.data_cursor.get("consumed", ()))
                 start_step = ckpt.step
                 await self._sync(version=ckpt.extra.get("weight_version"))
                 saved_at = float(ckpt.extra.get("time", float("inf")))
-                self.metrics.drop_after(saved_at)
-                for recorder in (self.recorder, self.eval_recorder):  # redone sessions stay in the file once
-                    if recorder is not None:  # (async: the rollout process moves its own aside)
-                        recorder.drop_after(saved_at)
+                self._set_aside_after(saved_at)
                 if self.scheduler is not None:
                     self.scheduler.run_id = f"train-r{start_step}"  # session ids stay unique across resumes
                 if self.lora is not None:
