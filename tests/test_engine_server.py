@@ -76,7 +76,7 @@ async def test_info_and_health_endpoints(client, served):
 async def test_abort_over_http(served, client):
     task = asyncio.create_task(client.generate([1, 2], SamplingParams(max_new_tokens=1800), rid="to-abort"))
     async with asyncio.timeout(60):  # an abort for a request the engine has not seen yet is a no-op
-        while not served[0].stats["decode_tokens"]:
+        while not served[0].num_in_flight:
             await asyncio.sleep(0.01)
     await client.abort("to-abort")
     r = await asyncio.wait_for(task, 15)
