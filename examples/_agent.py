@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
+from pathlib import Path
 
-from miles.config import from_dict
-from miles.trainers.loop import TrainLoop
+from miles.config import ConfigError, from_dict
+from miles.trainers.loop import RunSummary, TrainLoop
 from miles.trainers.run import format_summary
 from miles.trainers.train_config import TrainConfig
 
@@ -46,7 +48,14 @@ def config(a: argparse.Namespace, env_id: str, *, num_train_tasks: int = 2000) -
     })
 
 
+def train(cfg: TrainConfig) -> RunSummary:
+    """Run `cfg`; a setup mistake (an `output_dir` that holds a run, say) exits with its one line."""
+    try:
+        return asyncio.run(TrainLoop(cfg).run())
+    except ConfigError as exc:
+        sys.exit(f"{Path(sys.argv[0]).name}: config error: {exc}")
+
+
 def run(cfg: TrainConfig) -> None:
     """Train, then print the held-out table."""
-    summary = asyncio.run(TrainLoop(cfg).run())
-    print(format_summary(summary, cfg))
+    print(format_summary(train(cfg), cfg))

@@ -11,7 +11,6 @@ demonstrations for the SFT warm start; GRPO then trains on the environment's rew
 from __future__ import annotations
 
 import argparse
-import asyncio
 
 # ---
 from miles.envs import OraclePolicy, ToolEnv, register, reward
@@ -65,8 +64,9 @@ register("Shop-v0", ShopEnv)
 
 
 def main() -> None:
+    from _agent import train
+
     from miles.config import from_dict
-    from miles.trainers.loop import TrainLoop
     from miles.trainers.run import format_summary
     from miles.trainers.train_config import TrainConfig
 
@@ -92,8 +92,7 @@ def main() -> None:
         "sft": {"enabled": a.sft_demos > 0, "num_demos": a.sft_demos, "batch_size": 8, "epochs": 2},
         "eval": {"num_tasks": a.eval_tasks, "max_new_tokens": a.max_new_tokens},
     })
-    summary = asyncio.run(TrainLoop(cfg).run())
-    print(format_summary(summary, cfg))
+    print(format_summary(train(cfg), cfg))
 
 
 if __name__ == "__main__":

@@ -11,10 +11,10 @@ before and after.
 from __future__ import annotations
 
 import argparse
-import asyncio
 from pathlib import Path
 
-from miles.trainers.loop import TrainLoop
+from _agent import train
+
 from miles.trainers.train_config import load_train_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,7 +34,7 @@ def main() -> None:
         if value is not None:
             overrides.append(f"{key}={value}")
     cfg = load_train_config(str(ROOT / "configs" / "multi_lora.yaml"), overrides)
-    summary = asyncio.run(TrainLoop(cfg).run())
+    summary = train(cfg)
     print(f"\n{'adapter':<10}{'held-out success before':>26}{'after':>10}{'gain':>10}")
     for adapter in cfg.adapters:
         before = summary.evals["start"][f"{adapter.name}/greedy"].success_rate

@@ -1,4 +1,5 @@
-"""The user-defined-environment example runs end to end (SFT + GRPO on the tiny model) as a subprocess."""
+"""The user-defined-environment example runs end to end (SFT + GRPO on the tiny model) as a subprocess; a run
+again into its folder is one line."""
 
 from __future__ import annotations
 
@@ -27,3 +28,14 @@ def test_custom_env_example_trains_a_registered_user_env(tmp_path):
     rows = [json.loads(line) for line in (out / "sessions.jsonl").read_text().splitlines()]
     assert len(rows) == 2 * 2 and {r["env_id"] for r in rows} == {"Shop-v0"}
     assert all(r["tools"][0]["function"]["name"] == "price" for r in rows)
+
+    # the same folder again: refused in one line, and the first run's records are untouched
+    sessions = (out / "sessions.jsonl").read_bytes()
+    again = subprocess.run([sys.executable, str(script), "--steps", "1", "--output-dir", str(out)],
+                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert again.returncode == 1 and "Traceback" not in again.stderr, again.stderr[-3000:]
+    assert again.stderr.strip().splitlines() == [
+        f"custom_env.py: config error: output_dir: {str(out)!r} already holds a run (metrics.jsonl, sessions.jsonl, "
+        "eval_sessions.jsonl, summary.json, checkpoints/); continue it with --resume, or give another --output-dir "
+        "(or remove the folder)"]
+    assert (out / "sessions.jsonl").read_bytes() == sessions
