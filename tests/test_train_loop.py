@@ -192,3 +192,27 @@ def test_groups_without_reward_spread_are_dropped_and_counted():
     kept, num_groups, flat = split_by_reward_spread(trajs)
     assert (num_groups, flat) == (3, 2)
     assert [t.meta.group_id for t in kept] == ["b", "b"] and [t.reward for t in kept] == [1.0, 0.0]
+
+
+def test_one_run_at_a_time_writes_a_folder(tmp_path):
+    """A second run into a folder another process is writing (here: holds the lock) is one line naming it;
+    the lock is released when a run ends, so a resume right after goes ahead."""
+    import os
+
+    from miles.trainers.output_dir import OutputDirLock
+
+    out = tmp_path / "busy"
+    held = OutputDirLock(out)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"output_dir: {out}\nsteps: 1\n")
+    proc = subprocess.run([sys.executable, "-m", "miles.cli", "train", "--config", str(cfg), "--resume"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"miles train: config error: output_dir: {str(out)!r} is being written by another run (pid {os.getpid()}); "
+        "wait for it to end, or give another --output-dir"], proc.stderr
+    held.release()
+    loop = TrainLoop(tiny_config(out, steps=1, sft={"enabled": False}), resume=True, echo=lambda _: None)
+    with pytest.raises(ConfigError, match="is being written by another run"):  # the loop holds it now
+        TrainLoop(tiny_config(out, steps=1), resume=True)
+    assert asyncio.run(loop.run()).steps_done == 1
+    OutputDirLock(out).release()  # free again once the run ended

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import yaml
 
-from miles.config import ConfigError, to_dict
+from miles.config import to_dict
 from miles.observability import run_labels, start_observability
 from miles.sessions.metrics import SessionMetrics
 from miles.sessions.recorder import Recorder
@@ -31,6 +31,7 @@ from miles.trainers.engine_setup import bounded_by_context, build_engine_set
 from miles.trainers.evaluate import EvalResult, evaluate, summarize
 from miles.trainers.metrics_log import MetricsLog
 from miles.trainers.models import build_policy, build_tito
+from miles.trainers.output_dir import OutputDirLock, check_fresh_output_dir
 from miles.trainers.rollout_process import RolloutProcess
 from miles.trainers.train_config import TrainConfig
 from miles.trajectory import Trajectory, TrajectoryBatch
@@ -40,19 +41,6 @@ from miles.weight_sync import build_weight_sync
 log = logging.getLogger(__name__)
 
 # Sessions that ended for infrastructure reasons say nothing about the policy; they are recorded, not trained on.
-RUN_RECORDS = ("metrics.jsonl", "sessions.jsonl", "eval_sessions.jsonl", "summary.json")
-
-
-def check_fresh_output_dir(out: Path) -> None:
-    """`ConfigError` on `output_dir` if `out` already holds a run: a new run there would mix its records
-    with the old run's (session ids repeat, metric steps interleave)."""
-    held = [name for name in RUN_RECORDS if (out / name).is_file() and (out / name).stat().st_size]
-    held += ["checkpoints/"] if any((out / "checkpoints").glob("step_*")) else []
-    if held:
-        raise ConfigError("output_dir", f"{str(out)!r} already holds a run ({', '.join(held)}); continue it with "
-                                        "--resume, or give another --output-dir (or remove the folder)")
-
-
 UNTRAINABLE = (TerminationReason.ENGINE_ERROR, TerminationReason.ABORTED, TerminationReason.ENV_ERROR)
 
 
@@ -111,9 +99,13 @@ class TrainLoop:
         self.resume = resume
         self.echo = echo
         self.out = Path(cfg.output_dir)
+        self.lock = OutputDirLock(self.out)  # released at the end of `run`
         if not resume:
-            check_fresh_output_dir(self.out)
-        self.out.mkdir(parents=True, exist_ok=True)
+            try:
+                check_fresh_output_dir(self.out)
+            except BaseException:
+                self.lock.release()
+                raise
         (self.out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         self.metrics = MetricsLog(self.out / "metrics.jsonl")
         self.summary = RunSummary(output_dir=str(self.out), steps_done=0)
@@ -388,6 +380,13 @@ class TrainLoop:
 
     # ---- the run -------------------------------------------------------------------------------------
     async def run(self) -> RunSummary:
+        """Train (resuming if asked), evaluate, write the summary and curves; the output folder is released."""
+        try:
+            return await self._run()
+        finally:
+            self.lock.release()
+
+    async def _run(self) -> RunSummary:
         cfg = self.cfg
         t_start = time.perf_counter()
         await self._setup()

@@ -1,0 +1,50 @@
+"""A run's output folder: one writer at a time, and a new run only where no run is recorded yet.
+
+Two runs writing one folder would mix their records (session ids repeat, metric steps interleave), so a
+`miles train` holds an exclusive lock on `<output_dir>/.miles.lock` while it runs (released by the OS when the
+process ends, however it ends) and a new run refuses a folder that already holds one.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+
+from miles.config import ConfigError
+
+RUN_RECORDS = ("metrics.jsonl", "sessions.jsonl", "eval_sessions.jsonl", "summary.json")
+LOCK_NAME = ".miles.lock"
+
+
+def check_fresh_output_dir(out: Path) -> None:
+    """`ConfigError` on `output_dir` if `out` already holds a run."""
+    held = [name for name in RUN_RECORDS if (out / name).is_file() and (out / name).stat().st_size]
+    held += ["checkpoints/"] if any((out / "checkpoints").glob("step_*")) else []
+    if held:
+        raise ConfigError("output_dir", f"{str(out)!r} already holds a run ({', '.join(held)}); continue it with "
+                                        "--resume, or give another --output-dir (or remove the folder)")
+
+
+class OutputDirLock:
+    """The exclusive right to write `out` (created if missing); `ConfigError` on `output_dir` while another
+    process holds it. `release()` gives it up."""
+
+    def __init__(self, out: Path) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        self.path = out / LOCK_NAME
+        self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self._fd, 32, 0).decode(errors="replace").strip() or "?"
+            self.release()
+            raise ConfigError("output_dir", f"{str(out)!r} is being written by another run (pid {holder}); wait "
+                                            "for it to end, or give another --output-dir") from None
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, str(os.getpid()).encode(), 0)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
