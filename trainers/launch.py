@@ -83,8 +83,7 @@ def torchrun_main(argv: Sequence[str]) -> int:
         rank, failure = exc.get_first_failure()
         how = (f"was killed by {signal.Signals(-failure.exitcode).name}" if failure.exitcode < 0
                else f"exited with status {failure.exitcode}")
-        print(f"miles: rank {rank} {how} (its own output is above)",
-              file=sys.stderr)
+        print(f"miles: rank {rank} {how} (its own output is above)", file=sys.stderr)
         return 1
     return 0
 
