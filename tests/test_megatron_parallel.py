@@ -103,8 +103,7 @@ def run_megatron(tmp_path: Path, family: str, tp: int, pp: int, nproc: int, alg:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     from miles.trainers.launch import torchrun_command
 
-    cmd = torchrun_command([str(HERE), family, str(tp), str(pp), alg, str(tmp_path)], nproc,
-                           master_port=_free_port())
+    cmd = torchrun_command([str(HERE), family, str(tp), str(pp), alg, str(tmp_path)], nproc)  # --standalone
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     result = json.loads((tmp_path / "result.json").read_text())
@@ -121,13 +120,6 @@ def run_torch(family: str, alg: str = "ppo"):
     metrics = trainer.train_step(make_batch())
     return metrics, trainer.hf_state_dict(cpu=True), before
 
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def assert_same_step(result, weights, family: str, alg: str = "ppo") -> None:
