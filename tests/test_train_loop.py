@@ -216,3 +216,17 @@ def test_one_run_at_a_time_writes_a_folder(tmp_path):
         TrainLoop(tiny_config(out, steps=1), resume=True)
     assert asyncio.run(loop.run()).steps_done == 1
     OutputDirLock(out).release()  # free again once the run ended
+
+
+def test_a_file_system_without_locks_runs_unguarded_with_a_warning(tmp_path, monkeypatch, caplog):
+    import errno
+
+    from miles.trainers import output_dir
+
+    def no_flock(fd: int, op: int) -> None:
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(output_dir.fcntl, "flock", no_flock)
+    lock = output_dir.OutputDirLock(tmp_path / "nfs")
+    assert "a second run into this folder would not be detected" in caplog.text
+    lock.release()

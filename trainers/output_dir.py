@@ -8,6 +8,7 @@ process ends, however it ends) and a new run refuses a folder that already holds
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from miles.config import ConfigError
 
 RUN_RECORDS = ("metrics.jsonl", "sessions.jsonl", "eval_sessions.jsonl", "summary.json")
 LOCK_NAME = ".miles.lock"
+logger = logging.getLogger(__name__)
 
 
 def check_fresh_output_dir(out: Path) -> None:
@@ -41,6 +43,9 @@ class OutputDirLock:
             self.release()
             raise ConfigError("output_dir", f"{str(out)!r} is being written by another run (pid {holder}); wait "
                                             "for it to end, or give another --output-dir") from None
+        except OSError as exc:  # a file system without flock (some NFS or Lustre mounts): run unguarded
+            logger.warning("cannot lock %s (%s): a second run into this folder would not be detected", self.path, exc)
+            return
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, str(os.getpid()).encode(), 0)
 
