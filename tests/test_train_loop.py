@@ -147,11 +147,11 @@ def test_resume_without_a_checkpoint_starts_from_scratch(tmp_path):
 
 def test_a_new_run_into_a_folder_holding_a_run_is_refused_and_touches_nothing(uninterrupted, tmp_path, capsys):
     out, _ = uninterrupted
-    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name != ".miles.lock"}
     with pytest.raises(ConfigError, match="already holds a run .*continue it with --resume") as err:
         run(tiny_config(out, steps=1))
     assert err.value.key == "output_dir"
-    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name != ".miles.lock"} == before
     assert cli_main(["train", "--config", str(out / "config.yaml")]) == 2  # through the CLI: one line
     assert capsys.readouterr().err.count("\n") == 1
 

@@ -100,14 +100,14 @@ class TrainLoop:
         self.echo = echo
         self.out = Path(cfg.output_dir)
         self.lock = OutputDirLock(self.out)  # released at the end of `run`
-        if not resume:
-            try:
+        try:
+            if not resume:
                 check_fresh_output_dir(self.out)
-            except BaseException:
-                self.lock.release()
-                raise
-        (self.out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-        self.metrics = MetricsLog(self.out / "metrics.jsonl")
+            (self.out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+            self.metrics = MetricsLog(self.out / "metrics.jsonl")
+        except BaseException:
+            self.lock.release()
+            raise
         self.summary = RunSummary(output_dir=str(self.out), steps_done=0)
 
     def _set_aside_after(self, saved_at: float) -> None:
@@ -388,7 +388,7 @@ class TrainLoop:
 
     async def _run(self) -> RunSummary:
         cfg = self.cfg
-        t_start = time.perf_counter()
+        t_start, lingered = time.perf_counter(), 0.0
         await self._setup()
         start_step = 0
         consumed: tuple[int, ...] = ()
@@ -447,7 +447,7 @@ class TrainLoop:
             self._checkpoint()
             if step > start_step or "start" not in self.summary.evals:
                 await self._evaluate("final")
-            await self.observability.linger(self.echo)
+            lingered = await self.observability.linger(self.echo)
         finally:
             if self.async_rollout is not None:
                 await self.async_rollout.close()
@@ -464,7 +464,7 @@ class TrainLoop:
             await self.engine_set.close()
             self.metrics.close()
             self.observability.close()
-        self.summary.seconds["total"] = time.perf_counter() - t_start
+        self.summary.seconds["total"] = time.perf_counter() - t_start - lingered
         (self.out / "summary.json").write_text(json.dumps(self.summary.to_dict(), indent=1))
         from miles.trainers.plot import plot_run
 

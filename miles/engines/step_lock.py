@@ -28,14 +28,17 @@ class StepLock:
     @contextmanager
     def exclusive(self) -> Iterator[None]:
         """Hold the model for a load or a flush: taken at the end of the decode step in progress, if any."""
-        with self._cond:
-            self._waiting += 1
+        registered = False
         try:
+            with self._cond:
+                self._waiting += 1
+                registered = True
             self._lock.acquire()
         finally:
-            with self._cond:
-                self._waiting -= 1
-                self._cond.notify_all()
+            if registered:
+                with self._cond:
+                    self._waiting -= 1
+                    self._cond.notify_all()
         try:
             yield
         finally:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import math
 import os
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -177,11 +178,15 @@ class Observability:
     server: MetricsServer | None = None
     linger_s: float = 0.0
 
-    async def linger(self, echo: Callable[[str], None] = print) -> None:
-        """Serve the final values `linger_s` seconds more, for a last scrape (when `/metrics` is served)."""
-        if self.server is not None and self.linger_s > 0:
-            echo(f"[metrics] serving the final values {self.linger_s:g} s more at {self.server.url}")
-            await asyncio.sleep(self.linger_s)
+    async def linger(self, echo: Callable[[str], None] = print) -> float:
+        """Serve the final values `linger_s` seconds more, for a last scrape (when `/metrics` is served); returns
+        the seconds it waited."""
+        if self.server is None or self.linger_s <= 0:
+            return 0.0
+        echo(f"[metrics] serving the final values {self.linger_s:g} s more at {self.server.url}")
+        sys.stdout.flush()  # whoever watches the log for this line sees it now, not at exit
+        await asyncio.sleep(self.linger_s)
+        return self.linger_s
 
     def close(self) -> None:
         if self.server is not None:
