@@ -95,3 +95,16 @@ def test_a_rank_that_fails_under_torchrun_is_one_line_after_its_own_output(tmp_p
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [
         "rank 1: the real error", "miles: rank 1 exited with status 1 (its own output is above)"], proc.stderr
+
+
+@pytest.mark.parametrize("ranks", [[], ["--dp", "2"]], ids=["one-process", "dp2"])
+def test_a_folder_that_holds_a_run_is_one_line_before_any_rank_starts(ranks, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"kind": "train", "step": 0, "time": 0}\n')
+    proc = subprocess.run([sys.executable, "-m", "miles.cli", "train", "--config", MAIN_JOB, "--output-dir", str(out),
+                           *ranks], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"miles train: config error: output_dir: {str(out)!r} already holds a run (metrics.jsonl); continue it with "
+        "--resume, or give another --output-dir (or remove the folder)"], proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl"]  # no lock, no config written: no rank ran

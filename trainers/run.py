@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import json
 import sys
+from pathlib import Path
 
 from miles.trainers.loop import RunSummary, TrainLoop
 from miles.trainers.rollout_process import RolloutManagerError
@@ -58,7 +59,11 @@ def run_loop(cfg: TrainConfig, args: argparse.Namespace, *, resume: bool) -> int
     loop, releasing the workers when it ends (also on an error)."""
     from miles.trainers.distributed import leave_process_group, stop_workers
     from miles.trainers.factory import cli_argv, dispatch_ranks
+    from miles.trainers.launch import in_torchrun_worker
+    from miles.trainers.output_dir import check_fresh_output_dir
 
+    if not resume and not in_torchrun_worker():  # before any rank, engine or Ray actor starts
+        check_fresh_output_dir(Path(cfg.output_dir))
     if cfg.cluster.kind == "ray":  # the roles run as Ray actors; this process places and watches them
         return run_on_ray_cli(cfg, args, resume=resume)
     status = dispatch_ranks(cfg, cli_argv(args))
