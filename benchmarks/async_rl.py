@@ -10,10 +10,15 @@ half each.
 Reported per variant: trained samples/s and trained tokens/s over the RL phase (tokens/s as well, since a loop
 that left the long sessions out would gain samples/s), the trainer's idle ratio (time waiting for groups over
 step time), the rollout engines' idle ratio, the staleness of the trained samples, the groups dropped as stale
-and the late groups (taken beyond a step's share so as not to go over the bound).
+and the late groups (taken beyond a step's share so as not to go over the bound), and the CPU cores the run's
+processes kept busy over the measured steps (from /proc: what bounds an overlap gain on a small box).
 
-    python benchmarks/async_rl.py                       # CPU, tiny 1m model
-    python benchmarks/async_rl.py --device cuda --model-size 25m --steps 10 --tasks-per-step 32 --threads 8
+The first `--warmup-steps` steps are left out: they hold one-time costs (the first long batch the trainer
+sees, the engines' first long contexts) that land in a different step for each variant. Every variant sizes
+its KV cache once at start (`engine.kv_cache_fraction`) so no cache grows mid-run.
+
+    python benchmarks/async_rl.py                       # CPU, tiny 1m model (about 4 minutes)
+    python benchmarks/async_rl.py --device cuda --model-size 25m --steps 30 --tasks-per-step 32 --threads 8
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -37,7 +44,7 @@ def config(args: argparse.Namespace, out: Path) -> dict:
         "env": {"id": "LongTail-v0", "import": [str(REPO / "benchmarks" / "long_tail_env.py")],
                 "num_train_tasks": 4096},
         "model": {"name": "tiny", "size": args.model_size},
-        "engine": {"device": args.device, "max_batch_size": 256},
+        "engine": {"device": args.device, "max_batch_size": 256, "kv_cache_fraction": 0.03},
         "rollout": {"tasks_per_step": args.tasks_per_step,
                     "scheduler": {"group_size": args.group_size, "progress": False,
                                   "session": {"sampling": {"temperature": 1.0, "max_new_tokens": 80},
@@ -49,6 +56,52 @@ def config(args: argparse.Namespace, out: Path) -> dict:
     }
 
 
+def tree_cpu_seconds(root: int) -> float:
+    """User + system CPU seconds of process `root` and every live descendant, from /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+    stats: dict[int, tuple[int, float]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            stats[int(entry.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
+    tree, grew = {root}, True
+    while grew:
+        kids = {pid for pid, (ppid, _) in stats.items() if ppid in tree} - tree
+        tree |= kids
+        grew = bool(kids)
+    return sum(stats[pid][1] for pid in tree if pid in stats)
+
+
+class CpuSampler:
+    """Samples the CPU seconds of a process tree every `period_s` (wall time, cumulative CPU seconds)."""
+
+    def __init__(self, pid: int, period_s: float = 0.5) -> None:
+        self.pid, self.period_s = pid, period_s
+        self.samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self.samples.append((time.time(), tree_cpu_seconds(self.pid)))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def cores_between(self, start: float, end: float) -> float:
+        """Average cores busy between wall times `start` and `end` (the nearest samples inside them)."""
+        inside = [s for s in self.samples if start <= s[0] <= end]
+        if len(inside) < 2:
+            return float("nan")
+        (t0, c0), (t1, c1) = inside[0], inside[-1]
+        return (c1 - c0) / (t1 - t0)
+
+
 def run_variant(args: argparse.Namespace, name: str, sets: list[str], threads: int, work: Path) -> dict:
     out = work / name
     cfg = work / f"{name}.json"
@@ -57,9 +110,13 @@ def run_variant(args: argparse.Namespace, name: str, sets: list[str], threads: i
     for s in sets:
         cmd += ["--set", s]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    with subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                          text=True) as proc:
+        sampler = CpuSampler(proc.pid)
+        _, stderr = proc.communicate()
+        sampler.stop()
     if proc.returncode != 0:
-        raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
+        raise SystemExit(f"{name} failed:\n{stderr[-3000:]}")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if r["kind"] == "train"][args.warmup_steps:]
     summary = json.loads((out / "summary.json").read_text())
@@ -75,6 +132,7 @@ def run_variant(args: argparse.Namespace, name: str, sets: list[str], threads: i
         "staleness_mean": float(np.mean(stale)), "staleness_max": max(r.get("staleness_max", 0.0) for r in train),
         "stale_dropped": sum(r.get("stale_groups_dropped", 0) for r in train),
         "late": sum(r.get("late_groups", 0) for r in train), "rl_s": summary["seconds"]["rl"],
+        "cores": sampler.cores_between(train[0]["time"] - train[0]["step_s"], train[-1]["time"]),
     }
 
 
@@ -82,8 +140,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu")
     p.add_argument("--model-size", default="1m", help="a tiny model size (the largest: 25m)")
-    p.add_argument("--steps", type=int, default=14)
-    p.add_argument("--warmup-steps", type=int, default=2, help="steps left out of the figures")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--warmup-steps", type=int, default=6,
+                   help="steps left out of the figures (one-time costs: cache growth, first long batches)")
     p.add_argument("--tasks-per-step", type=int, default=8)
     p.add_argument("--group-size", type=int, default=4)
     p.add_argument("--threads", type=int, default=2, help="torch threads of the whole machine")
@@ -92,22 +151,24 @@ def main() -> None:
                    help="async.inflight of the asynchronous variants (default: the config's default)")
     args = p.parse_args()
     half = max(1, args.threads // 2)
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        syncs = [run_variant(args, f"sync-t{t}", ["async.enabled=false"], t, work)
-                 for t in sorted({args.threads, half}, reverse=True)]
-        results = list(syncs)
-        for s in args.staleness:
-            sets = ["async.enabled=true", f"async.max_staleness={s}", f"async.rollout_threads={half}"]
-            if args.inflight:
-                sets.append(f"async.inflight={args.inflight}")
-            results.append(run_variant(args, f"async-s{s}", sets, half, work))
     print(f"{'variant':<10}{'samples/s':>11}{'tokens/s':>10}{'s/step':>8}{'trainer idle':>14}{'rollout idle':>14}"
-          f"{'staleness mean/max':>20}{'stale dropped':>15}{'late groups':>13}")
-    for r in results:
-        print(f"{r['variant']:<10}{r['samples_per_s']:>11.2f}{r['tokens_per_s']:>10.0f}{r['step_s']:>8.2f}"
-              f"{r['trainer_idle']:>14.1%}{r['rollout_idle']:>14.1%}{r['staleness_mean']:>11.2f} / "
-              f"{r['staleness_max']:<6.0f}{r['stale_dropped']:>15.0f}{r['late']:>13.0f}")
+          f"{'staleness mean/max':>20}{'stale dropped':>15}{'late groups':>13}{'CPU cores':>11}", flush=True)
+    variants = [(f"sync-t{t}", ["async.enabled=false"], t) for t in sorted({args.threads, half}, reverse=True)]
+    for s in args.staleness:
+        sets = ["async.enabled=true", f"async.max_staleness={s}", f"async.rollout_threads={half}"]
+        if args.inflight:
+            sets.append(f"async.inflight={args.inflight}")
+        variants.append((f"async-s{s}", sets, half))
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, sets, threads in variants:
+            r = run_variant(args, name, sets, threads, Path(tmp))
+            results.append(r)
+            print(f"{r['variant']:<10}{r['samples_per_s']:>11.2f}{r['tokens_per_s']:>10.0f}{r['step_s']:>8.2f}"
+                  f"{r['trainer_idle']:>14.1%}{r['rollout_idle']:>14.1%}{r['staleness_mean']:>11.2f} / "
+                  f"{r['staleness_max']:<6.0f}{r['stale_dropped']:>15.0f}{r['late']:>13.0f}{r['cores']:>11.2f}",
+                  flush=True)
+    syncs = [r for r in results if r["variant"].startswith("sync")]
     base = max(syncs, key=lambda r: r["samples_per_s"])
     best = max(results[len(syncs):], key=lambda r: r["samples_per_s"])
     print(f"best sync: {base['variant']}; best async: {best['variant']}")
