@@ -6,6 +6,8 @@ import asyncio
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from miles.engine import FinishReason, SamplingParams
 from miles.engines import EmbeddedEngine, InvalidRequestError
@@ -443,3 +445,70 @@ def test_padded_bucketed_steps_compute_what_exact_steps_do():
     for (tok_a, lp_a), (tok_b, lp_b) in zip(*runs, strict=True):
         assert tok_a == tok_b
         assert lp_a == pytest.approx(lp_b, abs=1e-5)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 3000), min_size=1, max_size=96), st.integers(0, 4096))
+def test_attention_groups_give_every_row_its_whole_context_and_read_less(lengths, overhead):
+    from miles.engines.decoder import attention_groups
+
+    plan = attention_groups(lengths, overhead=overhead)
+    if plan is None:
+        return
+    gathered = {row: n for rows, n in plan.gathered for row in rows}
+    assert sum(len(rows) for rows, _ in plan.gathered) == len(gathered)  # no row in two groups
+    for row, length in enumerate(lengths):
+        assert length <= gathered.get(row, plan.base)
+    read = len(lengths) * plan.base + sum(len(rows) * n for rows, n in plan.gathered)
+    assert read < len(lengths) * max(lengths)
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama", "mistral", "qwen3"])
+def test_a_decode_step_grouped_by_context_length_computes_what_one_padded_call_does(kind):
+    """Rows of very different context lengths (a sliding window, grouped-query heads, q/k norms): reading each
+    group of rows up to its own longest context gives the logits of one call over every row up to the
+    longest."""
+    from miles.engines.decoder import Decoder, attention_groups
+
+    model = small_qwen2(0) if kind == "qwen2" else _arch(kind)
+    lengths = [300, 7, 12, 140, 5, 33, 9, 290, 64, 65, 3]
+    plan = attention_groups(lengths, overhead=0)
+    assert plan is not None and len(plan.gathered) >= 2
+    with torch.inference_mode():
+        decoder = Decoder(model)
+        cache = decoder.new_cache(16, 512, initial_len=512)
+        cache.data.normal_(generator=torch.Generator().manual_seed(0))
+        ids = torch.arange(3, 3 + len(lengths))[:, None]
+        pos = torch.tensor(lengths)[:, None] - 1
+        padded = decoder.forward(cache, ids, pos, 0, max(lengths))
+        grouped = decoder.forward(cache, ids, pos, 0, max(lengths), groups=plan)
+    assert torch.allclose(grouped, padded, atol=1e-5)
+
+
+async def test_a_long_context_decoding_beside_short_ones_is_exact_when_grouped(monkeypatch):
+    """One 300-token context among short ones: the engine's decode steps read each group up to its own length
+    (spied on), and every row's greedy output and logprobs are those of HF generate."""
+    from miles.engines import runner
+
+    plans = []
+
+    def spy(lengths):
+        plan = attention_groups(lengths)
+        plans.append(plan)
+        return plan
+
+    attention_groups = runner.attention_groups
+    monkeypatch.setattr(runner, "attention_groups", spy)
+    model = small_qwen2(0)
+    eng = EmbeddedEngine(model)
+    try:
+        prompts = [[(5 * i + j) % 500 + 1 for j in range(300 if i == 0 else 2 + i)] for i in range(16)]
+        params = SamplingParams(temperature=0.0, max_new_tokens=8)
+        results = await asyncio.gather(*(eng.generate(p, params) for p in prompts))
+        for p, r in zip(prompts, results, strict=True):
+            ref = model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False)[0, len(p):].tolist()
+            assert r.output_ids == ref
+            assert torch.allclose(torch.tensor(r.output_logprobs), reference_logprobs(model, p, ref), atol=1e-4)
+    finally:
+        await eng.close()
+    assert any(plan is not None for plan in plans)

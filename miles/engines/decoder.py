@@ -8,7 +8,9 @@ computation over the model's weights with the cache read and written in place:
 * the new keys/values written at each token's (slot, position) with one `index_copy_` per tensor;
 * attention by `scaled_dot_product_attention` over the slot rows `[:length]` with an additive mask
   (causal per position, sliding windows per layer); grouped-query heads are folded into the query
-  length, so the cache is never expanded;
+  length, so the cache is never expanded. A decode step whose rows' contexts differ widely in length
+  can read each group of rows only up to its own longest context (`attention_groups`), as ragged
+  attention kernels do, instead of every row up to the batch's longest;
 * norms and activations are the model's own modules, so fp32 results match the HF forward.
 
 A decode step is `forward` with one token per row; a prefill passes several (right-padded) and says which
@@ -19,6 +21,7 @@ per-row adapter (LoRA) would add its term.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +56,62 @@ def check_supported(model: Any) -> None:
         missing += [f"{type(n).__name__}.variance_epsilon" for n in norms if not hasattr(n, "variance_epsilon")]
         if missing:
             raise UnsupportedModelError(f"{type(layer).__name__} lacks {missing}")
+
+
+#: what reading keys for one more group of rows costs, in rows x positions of padded attention (a gathered copy,
+#: one more attention call per layer; measured on the tiny models on a CPU, `benchmarks/ragged_decode.py`)
+GROUP_OVERHEAD = 2048
+#: a gathered position costs this much more than a position read in place
+GATHER_FACTOR = 1.5
+
+
+@dataclass(frozen=True)
+class AttentionGroups:
+    """How a decode step's attention reads the cache: every row reads positions `[0, base)` of its slot in
+    place, then the rows of each `gathered` group (row indices, length) read `[0, length)` from a gathered
+    copy of their slots, replacing their first result."""
+
+    base: int
+    gathered: tuple[tuple[tuple[int, ...], int], ...]
+
+
+def attention_groups(lengths: Sequence[int], *, overhead: int = GROUP_OVERHEAD,
+                     gather: float = GATHER_FACTOR) -> AttentionGroups | None:
+    """A grouping of decode rows by context length (`AttentionGroups`) that reads fewer positions than one
+    call over every row up to the longest context, or None when there is none.
+
+    Rows are classed by their length's power-of-two ceiling; the classes, longest first, are joined into
+    consecutive runs by a dynamic programme over the few classes: the last run is read in place by every row,
+    the others from gathered copies (positions read times `gather`, plus `overhead` per run).
+    """
+    n = len(lengths)
+    if n < 2:
+        return None
+    classes: dict[int, list[int]] = {}
+    for row, length in enumerate(lengths):
+        classes.setdefault(1 << max(5, (length - 1).bit_length()), []).append(row)
+    if len(classes) < 2:
+        return None
+    ordered = [classes[c] for c in sorted(classes, reverse=True)]
+    longest = [max(lengths[r] for r in rows) for rows in ordered]
+    k = len(ordered)
+    best: list[tuple[float, int]] = [(0.0, 0)] + [(float("inf"), 0)] * k  # gathered runs over classes [0, i)
+    for end in range(1, k):
+        count = 0
+        for start in range(end - 1, -1, -1):
+            count += len(ordered[start])
+            cost = best[start][0] + overhead + gather * count * longest[start]
+            if cost < best[end][0]:
+                best[end] = (cost, start)
+    last = min(range(1, k), key=lambda start: best[start][0] + n * longest[start])
+    if best[last][0] + n * longest[last] >= n * longest[0]:
+        return None
+    gathered, end = [], last
+    while end > 0:
+        start = best[end][1]
+        gathered.append((tuple(r for rows in ordered[start:end] for r in rows), longest[start]))
+        end = start
+    return AttentionGroups(base=longest[last], gathered=tuple(gathered))
 
 
 def _sign_half(sin: torch.Tensor) -> torch.Tensor:
@@ -188,17 +247,18 @@ class Decoder:
         return bias[:, None]
 
     def forward(self, cache: SlotCache, ids: torch.Tensor, positions: torch.Tensor, first_slot: int, length: int,
-                write: torch.Tensor | None = None, last: torch.Tensor | None = None) -> torch.Tensor:
+                write: torch.Tensor | None = None, last: torch.Tensor | None = None,
+                groups: AttentionGroups | None = None) -> torch.Tensor:
         """Run `ids` ([rows, S], row `r` in slot `first_slot + r`, at `positions`) and return float32 logits.
 
         The keys/values of every token (or of the flat token indices `write`) go into the cache; attention
-        reads positions `[0, length)` of each row's slot. Logits come for every token, or for the flat token
-        indices `last`.
+        reads positions `[0, length)` of each row's slot, or as `groups` says (`attention_groups`; one token per
+        row). Logits come for every token, or for the flat token indices `last`.
         """
         rows, seq = ids.shape
         tokens = rows * seq
         hq, hkv, d = self.num_heads, self.kv_heads, self.head_dim
-        groups = hq // hkv
+        per_kv = hq // hkv
         flat_pos = positions.reshape(tokens)
         h = self.embed(ids.reshape(tokens))
         cos, sin = self._rope(flat_pos, h)
@@ -211,10 +271,16 @@ class Decoder:
             slot, pos = slot[write], pos[write]
         dest = (torch.arange(2, device=dev)[:, None], slot[:, None, None], torch.arange(hkv, device=dev),
                 pos[:, None, None])
-        masks: dict[int | None, torch.Tensor] = {}
+        masks: dict[Any, torch.Tensor] = {}
+        gathered = [(torch.tensor(members, device=dev) + first_slot, torch.tensor(members, device=dev), n)
+                    for members, n in groups.gathered] if groups is not None else []
+        if groups is not None:
+            length = groups.base
         for index, layer in enumerate(self.layers):
             if layer.window not in masks:
                 masks[layer.window] = self._mask(positions, length, layer.window)
+                for g, (_, members, n) in enumerate(gathered):
+                    masks[g, layer.window] = self._mask(positions[members], n, layer.window)
             qkv = self.linear(layer.input_norm(h), layer.qkv_weight, layer.qkv_bias).view(tokens, hq + 2 * hkv, d)
             qk = qkv[:, :hq + hkv]
             if layer.q_norm is not None:
@@ -222,10 +288,14 @@ class Decoder:
             torch.add(qk * cos, torch.roll(qk, d // 2, dims=-1) * sin, out=qkv[:, :hq + hkv])  # RoPE in place
             kv = qkv[:, hq:].view(tokens, 2, hkv, d)
             cache.layer(index).index_put_(dest, kv if write is None else kv[write])
+            q = qkv[:, :hq].reshape(rows, seq, hkv, per_kv, d).transpose(1, 2).reshape(rows, hkv, seq * per_kv, d)
             keys, values = cache.layer(index)[:, first_slot:first_slot + rows, :, :length]
-            q = qkv[:, :hq].reshape(rows, seq, hkv, groups, d).transpose(1, 2).reshape(rows, hkv, seq * groups, d)
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=masks[layer.window], scale=layer.scaling)
-            out = out.reshape(rows, hkv, seq, groups * d).transpose(1, 2).reshape(tokens, hq * d)
+            for g, (slots, members, n) in enumerate(gathered):
+                keys, values = cache.layer(index)[:, slots, :, :n]
+                out[members] = F.scaled_dot_product_attention(q[members], keys, values,
+                                                              attn_mask=masks[g, layer.window], scale=layer.scaling)
+            out = out.reshape(rows, hkv, seq, per_kv * d).transpose(1, 2).reshape(tokens, hq * d)
             h = h + self.linear(out, layer.o_proj.weight, layer.o_proj.bias)
             gate, up = self.linear(layer.post_norm(h), layer.gate_up_weight).chunk(2, dim=-1)
             h = h + self.linear(layer.act_fn(gate) * up, layer.down_proj.weight, layer.down_proj.bias)

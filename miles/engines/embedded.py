@@ -553,7 +553,8 @@ class EmbeddedEngine(RolloutEngine):
         length = max(r.cache_len for r in active) + 1
         batch.grow(length)
         self._decoder.bank.select([r.adapter_slot for r in active])
-        tokens, logprobs = batch.step(len(active), length, SampleMode.of(r.row for r in active))
+        tokens, logprobs = batch.step(len(active), length, SampleMode.of(r.row for r in active),
+                                      lengths=[r.cache_len + 1 for r in active])
         self.stats["steps"] += 1
         self.histograms.batch_size.observe(len(tokens))
         self.stats["decode_tokens"] += len(tokens)

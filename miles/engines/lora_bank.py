@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from miles.engines.decoder import Decoder
+from miles.engines.decoder import AttentionGroups, Decoder
 from miles.engines.lora import AdapterError, AdapterWeights
 
 BASE_SLOT = 0
@@ -281,12 +281,13 @@ class LoraDecoder(Decoder):
         self._call: tuple[int, int, int] | None = None
 
     def forward(self, cache: Any, ids: torch.Tensor, positions: torch.Tensor, first_slot: int, length: int,
-                write: torch.Tensor | None = None, last: torch.Tensor | None = None) -> torch.Tensor:
+                write: torch.Tensor | None = None, last: torch.Tensor | None = None,
+                groups: AttentionGroups | None = None) -> torch.Tensor:
         rows, seq = ids.shape
         use = self.bank.enabled and (self.static or self.bank.any_adapter(first_slot, rows))
         self._call = (first_slot, rows, seq) if use else None
         try:
-            return super().forward(cache, ids, positions, first_slot, length, write=write, last=last)
+            return super().forward(cache, ids, positions, first_slot, length, write=write, last=last, groups=groups)
         finally:
             self._call = None
 

@@ -14,9 +14,11 @@ model's parameters, so weight updates that copy into them keep the graphs valid;
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from miles.engines.decoder import Decoder
+from miles.engines.decoder import AttentionGroups, Decoder, attention_groups
 from miles.engines.kv import SlotCache
 from miles.engines.sampling import RowSampling, SampleMode, SamplingTensors, sample
 
@@ -106,8 +108,10 @@ class DecodeBatch:
             self.drop_graphs()
 
     # ------------------------------------------------------------------ stepping
-    def _step(self, rows: int, length: int, mode: SampleMode) -> torch.Tensor:
-        logits = self.decoder.forward(self.cache, self.tokens[:rows, None], self.positions[:rows, None], 0, length)
+    def _step(self, rows: int, length: int, mode: SampleMode,
+              groups: AttentionGroups | None = None) -> torch.Tensor:
+        logits = self.decoder.forward(self.cache, self.tokens[:rows, None], self.positions[:rows, None], 0, length,
+                                      groups=groups)
         view = SamplingTensors(*(t[:rows] for t in (self.sampling.temperature, self.sampling.top_k,
                                                     self.sampling.top_p, self.sampling.key, self.sampling.step)))
         tokens, logprobs = sample(logits, view, mode)
@@ -118,13 +122,15 @@ class DecodeBatch:
         self.sampling.step[:rows].add_(1)
         return self.out[:, :rows]
 
-    def step(self, rows: int, length: int, mode: SampleMode) -> tuple[list[int], list[float]]:
-        """One decode step of rows `0 .. rows-1`, whose caches hold fewer than `length` positions.
+    def step(self, rows: int, length: int, mode: SampleMode,
+             lengths: Sequence[int] | None = None) -> tuple[list[int], list[float]]:
+        """One decode step of rows `0 .. rows-1`, whose caches hold fewer than `length` positions (row `i` reads
+        `lengths[i]` of them, when given: an eager step then groups rows of like lengths, `attention_groups`).
 
         Returns the sampled tokens and their logprobs (one host synchronisation).
         """
         if not self.padded:
-            out = self._step(rows, length, mode)
+            out = self._step(rows, length, mode, attention_groups(lengths) if lengths is not None else None)
         else:
             key = self.shape(rows, length, mode)
             graph = self._graphs.get(key)
