@@ -28,6 +28,16 @@ def reference_logprobs(model, prompt: list[int], output: list[int], temperature:
     return lp.gather(-1, torch.tensor(output)[:, None]).squeeze(-1)
 
 
+async def assert_greedy_like_hf(eng: EmbeddedEngine, model, prompts: list[list[int]], max_new_tokens: int) -> None:
+    """The prompts' greedy outputs on `eng`, generated concurrently, are `model.generate`'s (logprobs within 1e-4)."""
+    params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
+    results = await asyncio.gather(*(eng.generate(p, params) for p in prompts))
+    for p, r in zip(prompts, results, strict=True):
+        ref = model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False)[0, len(p):].tolist()
+        assert r.output_ids == ref
+        assert torch.allclose(torch.tensor(r.output_logprobs), reference_logprobs(model, p, ref), atol=1e-4)
+
+
 async def test_greedy_matches_hf_generate_in_a_mixed_batch(engine):
     prompts = [list(range(3, 3 + n)) for n in (1, 5, 17, 40)]
     params = SamplingParams(temperature=0.0, max_new_tokens=12)
@@ -306,12 +316,7 @@ async def test_chunked_prefill_of_long_prompts_and_many_joiners_is_exact():
     eng = EmbeddedEngine(model, prefill_tokens=16)  # chunks of <= 16 tokens, groups of <= 16 // width rows
     try:
         prompts = [[(7 * i + j) % 500 + 1 for j in range(n)] for i, n in enumerate((70, 3, 33, 16, 1, 17, 5))]
-        params = SamplingParams(temperature=0.0, max_new_tokens=6)
-        results = await asyncio.gather(*(eng.generate(p, params) for p in prompts))
-        for p, r in zip(prompts, results, strict=True):
-            ref = model.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False)[0, len(p):].tolist()
-            assert r.output_ids == ref
-            assert torch.allclose(torch.tensor(r.output_logprobs), reference_logprobs(model, p, ref), atol=1e-4)
+        await assert_greedy_like_hf(eng, model, prompts, 6)
     finally:
         await eng.close()
 
@@ -491,24 +496,18 @@ async def test_a_long_context_decoding_beside_short_ones_is_exact_when_grouped(m
     from miles.engines import runner
 
     plans = []
+    original = runner.attention_groups
 
     def spy(lengths):
-        plan = attention_groups(lengths)
-        plans.append(plan)
-        return plan
+        plans.append(original(lengths))
+        return plans[-1]
 
-    attention_groups = runner.attention_groups
     monkeypatch.setattr(runner, "attention_groups", spy)
     model = small_qwen2(0)
     eng = EmbeddedEngine(model)
     try:
         prompts = [[(5 * i + j) % 500 + 1 for j in range(300 if i == 0 else 2 + i)] for i in range(16)]
-        params = SamplingParams(temperature=0.0, max_new_tokens=8)
-        results = await asyncio.gather(*(eng.generate(p, params) for p in prompts))
-        for p, r in zip(prompts, results, strict=True):
-            ref = model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False)[0, len(p):].tolist()
-            assert r.output_ids == ref
-            assert torch.allclose(torch.tensor(r.output_logprobs), reference_logprobs(model, p, ref), atol=1e-4)
+        await assert_greedy_like_hf(eng, model, prompts, 8)
     finally:
         await eng.close()
     assert any(plan is not None for plan in plans)
