@@ -9,7 +9,8 @@ place, and returns `[2, rows]` (tokens, logprobs) for one host copy.
 On CUDA each (batch bucket, attention-length bucket, `SampleMode`) shape is captured once as a CUDA graph and
 replayed; rows past the live ones are inactive padding (position 0 of a free slot). The graphs read the
 model's parameters, so weight updates that copy into them keep the graphs valid; a cache that grows
-(`SlotCache.ensure`) drops them. On the CPU the same step runs eagerly at the exact batch and length.
+(`SlotCache.ensure`) drops them. On the CPU the same step runs eagerly at the exact batch and length,
+its attention grouped by the rows' context lengths (`decoder.attention_groups`).
 """
 
 from __future__ import annotations
