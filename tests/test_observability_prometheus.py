@@ -28,9 +28,11 @@ NOT_FED = {f.name: "fed by the async loop" for f in FAMILIES if f.source == "asy
 NOT_FED["miles_tool_duration_seconds"] = "Calculator-v0 does not report tool durations in info['tool_results']"
 GPU = {f.name for f in FAMILIES if f.source == "gpu"}
 
+# Enough steps that every session-level counter rises across several scrapes even when a loaded CI box runs the
+# steps fast and scrapes late (a rate() needs two scrapes of a rising series inside its window).
+STEPS = 24
 RUN_YAML = """
 seed: 0
-steps: 8
 env:
   id: Calculator-v0
   kwargs: {max_operand: 9, num_operators: [1, 1], operators: "+-*", held_out_fraction: 0.5}
@@ -113,7 +115,8 @@ def scraped_run(tmp_path_factory):
         (tmp / "run.yaml").write_text(RUN_YAML)
         start = time.time()
         proc = subprocess.Popen([sys.executable, "-m", "miles.cli", "train", "--config", str(tmp / "run.yaml"),
-                                 "--output-dir", str(out), "--set", f"observability.metrics_port={metrics_port}",
+                                 "--output-dir", str(out), "--set", f"steps={STEPS}",
+                                 "--set", f"observability.metrics_port={metrics_port}",
                                  "--set", f"observability.metrics_linger_s={LINGER_S}"],
                                 cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True,
                                 env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -186,6 +189,6 @@ def test_the_final_values_stay_up_after_the_run(scraped_run):
     """`metrics_linger_s`: after the last step and the final evaluation, `/metrics` still answers, with them."""
     api, start, end, run, final = scraped_run
     steps = [line for line in final.splitlines() if line.startswith("miles_steps_total{")]
-    assert len(steps) == 1 and f'run="{run}"' in steps[0] and float(steps[0].split()[-1]) == 8.0, steps
+    assert len(steps) == 1 and f'run="{run}"' in steps[0] and float(steps[0].split()[-1]) == STEPS, steps
     got = api_get(api, "query", query=f'max_over_time(miles_steps_total{{run="{run}"}}[1h])', time=end)
-    assert [float(r["value"][1]) for r in got["result"]] == [8.0]  # Prometheus scraped the last step too
+    assert [float(r["value"][1]) for r in got["result"]] == [STEPS]  # Prometheus scraped the last step too
