@@ -272,10 +272,12 @@ class Decoder:
         dest = (torch.arange(2, device=dev)[:, None], slot[:, None, None], torch.arange(hkv, device=dev),
                 pos[:, None, None])
         masks: dict[Any, torch.Tensor] = {}
-        gathered = [(torch.tensor(members, device=dev) + first_slot, torch.tensor(members, device=dev), n)
-                    for members, n in groups.gathered] if groups is not None else []
+        gathered: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # (slots, row indices, length) per group
         if groups is not None:
             length = groups.base
+            for members, n in groups.gathered:
+                indices = torch.tensor(members, device=dev)
+                gathered.append((indices + first_slot, indices, n))
         for index, layer in enumerate(self.layers):
             if layer.window not in masks:
                 masks[layer.window] = self._mask(positions, length, layer.window)
