@@ -13,12 +13,20 @@ step time), the rollout engines' idle ratio, the staleness of the trained sample
 and the late groups (taken beyond a step's share so as not to go over the bound), and the CPU cores the run's
 processes kept busy over the measured steps (from /proc: what bounds an overlap gain on a small box).
 
+With `--servers 0 N`, both loops also run with the rollout on N `miles rollout` servers (embedded engines in
+processes of their own, on the same device, `engine.kind: sglang`, weights by broadcast over gloo) instead
+of engines inside the run: `sync-xN` and `async-sS-xN`; with `--engines 1 E`, also with E engines inside the
+run (`engine.num_engines`, each its own decode thread; `-eE`). The ratio printed last is the best asynchronous
+variant over the best synchronous one, whichever layout each used.
+
 The first `--warmup-steps` steps are left out: they hold one-time costs (the first long batch the trainer
-sees, the engines' first long contexts) that land in a different step for each variant. Every variant sizes
-its KV cache once at start (`engine.kv_cache_fraction`) so no cache grows mid-run.
+sees, the engines' first long contexts) that land in a different step for each variant. Every variant with
+engines inside the run sizes their KV cache once at start (`engine.kv_cache_fraction`) so no cache grows
+mid-run; a server's cache grows on demand, in the first steps.
 
     python benchmarks/async_rl.py                       # CPU, tiny 1m model (about 4 minutes)
-    python benchmarks/async_rl.py --device cuda --model-size 25m --steps 30 --tasks-per-step 32 --threads 8
+    python benchmarks/async_rl.py --device cuda --model-size 25m --steps 24 --warmup-steps 4 \
+        --tasks-per-step 32 --threads 8 --staleness 2 --servers 0 2 4      # one H200
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -34,6 +43,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from miles.engines.sglang_router import free_port
+from miles.engines.testing import RolloutProcess
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -56,8 +68,8 @@ def config(args: argparse.Namespace, out: Path) -> dict:
     }
 
 
-def tree_cpu_seconds(root: int) -> float:
-    """User + system CPU seconds of process `root` and every live descendant, from /proc."""
+def tree_cpu_seconds(*roots: int) -> float:
+    """User + system CPU seconds of the processes `roots` and every live descendant, from /proc."""
     tick = os.sysconf("SC_CLK_TCK")
     stats: dict[int, tuple[int, float]] = {}
     for entry in Path("/proc").iterdir():
@@ -67,7 +79,7 @@ def tree_cpu_seconds(root: int) -> float:
             except OSError:
                 continue
             stats[int(entry.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
-    tree, grew = {root}, True
+    tree, grew = set(roots), True
     while grew:
         kids = {pid for pid, (ppid, _) in stats.items() if ppid in tree} - tree
         tree |= kids
@@ -76,10 +88,10 @@ def tree_cpu_seconds(root: int) -> float:
 
 
 class CpuSampler:
-    """Samples the CPU seconds of a process tree every `period_s` (wall time, cumulative CPU seconds)."""
+    """Samples the CPU seconds of process trees every `period_s` (wall time, cumulative CPU seconds)."""
 
-    def __init__(self, pid: int, period_s: float = 0.5) -> None:
-        self.pid, self.period_s = pid, period_s
+    def __init__(self, *pids: int, period_s: float = 0.5) -> None:
+        self.pids, self.period_s = pids, period_s
         self.samples: list[tuple[float, float]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -87,7 +99,7 @@ class CpuSampler:
 
     def _run(self) -> None:
         while not self._stop.wait(self.period_s):
-            self.samples.append((time.time(), tree_cpu_seconds(self.pid)))
+            self.samples.append((time.time(), tree_cpu_seconds(*self.pids)))
 
     def stop(self) -> None:
         self._stop.set()
@@ -102,19 +114,43 @@ class CpuSampler:
         return (c1 - c0) / (t1 - t0)
 
 
-def run_variant(args: argparse.Namespace, name: str, sets: list[str], threads: int, work: Path) -> dict:
+def start_servers(args: argparse.Namespace, count: int, logs: Path) -> tuple[RolloutProcess, dict]:
+    """`miles rollout --dp count` on this run's device, with miles' own router in the run (no sglang-router)."""
+    device = "cuda:0" if args.device == "cuda" else args.device
+    servers = RolloutProcess("--dp", str(count), "--no-router", "--model", f"tiny-{args.model_size}", "--device",
+                             device, "--max-running-requests", "256", "--port", str(free_port()),
+                             "--log-dir", str(logs))
+    try:
+        return servers, servers.ready()
+    except BaseException:
+        servers.kill()
+        raise
+
+
+def run_variant(args: argparse.Namespace, name: str, sets: list[str], threads: int, servers: int,
+                work: Path) -> dict:
     out = work / name
     cfg = work / f"{name}.json"
-    cfg.write_text(json.dumps(config(args, out)))
+    launcher, engine = start_servers(args, servers, work / f"{name}-logs") if servers else (None, None)
+    spec = config(args, out)
+    if engine is not None:
+        spec["engine"] = engine
+        spec["sync"] = {"method": "broadcast", "backend": "gloo"}
+    cfg.write_text(json.dumps(spec))
     cmd = [sys.executable, "-m", "miles.cli", "train", "--config", str(cfg)]
     for s in sets:
         cmd += ["--set", s]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
-    with subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                          text=True) as proc:
-        sampler = CpuSampler(proc.pid)
-        _, stderr = proc.communicate()
-        sampler.stop()
+    try:
+        with subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True) as proc:
+            sampler = CpuSampler(proc.pid, *([launcher.proc.pid] if launcher else []))
+            _, stderr = proc.communicate()
+            sampler.stop()
+    finally:
+        if launcher is not None:
+            launcher.finish(signal.SIGTERM)
+            launcher.kill()
     if proc.returncode != 0:
         raise SystemExit(f"{name} failed:\n{stderr[-3000:]}")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -147,30 +183,44 @@ def main() -> None:
     p.add_argument("--group-size", type=int, default=4)
     p.add_argument("--threads", type=int, default=2, help="torch threads of the whole machine")
     p.add_argument("--staleness", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--servers", type=int, nargs="+", default=[0],
+                   help="rollout layouts: 0 is engines inside the run, N > 0 is N `miles rollout` servers")
+    p.add_argument("--engines", type=int, nargs="+", default=[1],
+                   help="engines inside the run (`engine.num_engines`) of the layout without servers")
     p.add_argument("--inflight", default=None, choices=["continue", "pause"],
                    help="async.inflight of the asynchronous variants (default: the config's default)")
     args = p.parse_args()
     half = max(1, args.threads // 2)
-    print(f"{'variant':<10}{'samples/s':>11}{'tokens/s':>10}{'s/step':>8}{'trainer idle':>14}{'rollout idle':>14}"
+    print(f"{'variant':<14}{'samples/s':>11}{'tokens/s':>10}{'s/step':>8}{'trainer idle':>14}{'rollout idle':>14}"
           f"{'staleness mean/max':>20}{'stale dropped':>15}{'late groups':>13}{'CPU cores':>11}", flush=True)
-    variants = [(f"sync-t{t}", ["async.enabled=false"], t) for t in sorted({args.threads, half}, reverse=True)]
-    for s in args.staleness:
-        sets = ["async.enabled=true", f"async.max_staleness={s}", f"async.rollout_threads={half}"]
-        if args.inflight:
-            sets.append(f"async.inflight={args.inflight}")
-        variants.append((f"async-s{s}", sets, half))
+    variants = []
+    layouts = [(0, e) for e in args.engines if 0 in args.servers] + [(n, 1) for n in args.servers if n]
+    for n, e in layouts:  # per layout: its synchronous variants, then its asynchronous ones
+        suffix = f"-x{n}" if n else (f"-e{e}" if e > 1 else "")
+        common = [f"engine.num_engines={e}"] if n == 0 else []
+        if n == 0:
+            variants += [(f"sync-t{t}{suffix}", ["async.enabled=false", *common], t, 0)
+                         for t in sorted({args.threads, half}, reverse=True)]
+        else:
+            variants.append((f"sync{suffix}", ["async.enabled=false", *common], args.threads, n))
+        for s in args.staleness:
+            sets = ["async.enabled=true", f"async.max_staleness={s}", *common]
+            if args.inflight:
+                sets.append(f"async.inflight={args.inflight}")
+            threads = half if n == 0 else args.threads
+            sets.append(f"async.rollout_threads={half if n == 0 else 1}")
+            variants.append((f"async-s{s}{suffix}", sets, threads, n))
     results = []
     with tempfile.TemporaryDirectory() as tmp:
-        for name, sets, threads in variants:
-            r = run_variant(args, name, sets, threads, Path(tmp))
+        for name, sets, threads, servers in variants:
+            r = run_variant(args, name, sets, threads, servers, Path(tmp))
             results.append(r)
-            print(f"{r['variant']:<10}{r['samples_per_s']:>11.2f}{r['tokens_per_s']:>10.0f}{r['step_s']:>8.2f}"
+            print(f"{r['variant']:<14}{r['samples_per_s']:>11.2f}{r['tokens_per_s']:>10.0f}{r['step_s']:>8.2f}"
                   f"{r['trainer_idle']:>14.1%}{r['rollout_idle']:>14.1%}{r['staleness_mean']:>11.2f} / "
                   f"{r['staleness_max']:<6.0f}{r['stale_dropped']:>15.0f}{r['late']:>13.0f}{r['cores']:>11.2f}",
                   flush=True)
-    syncs = [r for r in results if r["variant"].startswith("sync")]
-    base = max(syncs, key=lambda r: r["samples_per_s"])
-    best = max(results[len(syncs):], key=lambda r: r["samples_per_s"])
+    base = max((r for r in results if r["variant"].startswith("sync")), key=lambda r: r["samples_per_s"])
+    best = max((r for r in results if r["variant"].startswith("async")), key=lambda r: r["samples_per_s"])
     print(f"best sync: {base['variant']}; best async: {best['variant']}")
     print(f"async/sync trained tokens/s: {best['tokens_per_s'] / base['tokens_per_s']:.2f}x (same variants)")
     print(f"async/sync throughput: {best['samples_per_s'] / base['samples_per_s']:.2f}x")

@@ -411,6 +411,64 @@ async def test_after_update_weights_mid_generation_results_match_a_fresh_engine(
         await fresh.close()
 
 
+def test_cuda_graph_captures_of_engines_in_one_process_take_turns(monkeypatch):
+    """torch allows one CUDA-graph capture at a time per process, and every engine of `engine.num_engines` has
+    its own decode thread: two captures at once (measured on an H200) broke both engines' later steps. The
+    capture calls are stand-ins here (a CPU has no CUDA); the batches and their steps are real."""
+    import threading
+    import time
+
+    from miles.engines.decoder import Decoder
+    from miles.engines.runner import DecodeBatch
+    from miles.engines.sampling import SampleMode
+
+    state = {"capturing": 0, "most": 0, "stream": "default", "fail": False}
+    count = threading.Lock()
+
+    class Capture:  # torch.cuda.graph: makes its stream current, then begins the capture
+        def __init__(self, graph: object, pool: object = None, capture_error_mode: str = "global") -> None:
+            assert capture_error_mode == "thread_local"  # other threads' work goes on meanwhile
+
+        def __enter__(self) -> None:
+            state["stream"] = "capture"
+            if state["fail"]:
+                raise RuntimeError("capture_begin failed")
+            with count:
+                state["capturing"] += 1
+                state["most"] = max(state["most"], state["capturing"])
+            time.sleep(0.05)
+
+        def __exit__(self, *exc: object) -> None:
+            with count:
+                state["capturing"] -= 1
+            state["stream"] = "default"
+
+    monkeypatch.setattr(torch.cuda, "graph", Capture)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", object)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "default")
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: state.update(stream=stream))
+    decoder = Decoder(small_qwen2(0))
+    batches = [DecodeBatch(decoder, decoder.new_cache(4, 128), 4, padded=True) for _ in range(3)]
+    key = batches[0].shape(3, 20, SampleMode(greedy=True, sampled=False, filters=False))
+
+    def capture(batch: DecodeBatch) -> None:
+        with torch.inference_mode():
+            batch._capture(key)
+
+    threads = [threading.Thread(target=capture, args=(b,)) for b in batches]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert state["most"] == 1 and all(b.num_graphs == 1 for b in batches)
+
+    state["fail"] = True  # a capture that fails to begin leaves no stream current behind it
+    with pytest.raises(RuntimeError, match="capture_begin"), torch.inference_mode():
+        batches[0]._capture(batches[0].shape(1, 20, SampleMode(greedy=True, sampled=False, filters=False)))
+    assert state["stream"] == "default" and batches[0].num_graphs == 1
+
+
 def test_padded_bucketed_steps_compute_what_exact_steps_do():
     """A CUDA graph replays a step at a bucketed batch and attention length, with inactive padding rows; the
     same padded step runs eagerly here (only the capture needs CUDA) and must match the exact step, also

@@ -111,6 +111,25 @@ def test_import_by_path_and_recipe_round_trip(tmp_path):
     assert terminated and reward_value == 0.0  # the balance was never touched
 
 
+def test_a_recipe_imports_its_modules_once_per_working_directory(tmp_path, monkeypatch):
+    """`make` runs once per session: the module paths are resolved and imported on the first call only."""
+    import miles.envs.recipe as recipe_module
+
+    env_id = f"{unique('Bank')}-v0"
+    name = write_env_module(tmp_path / "mods", env_id)
+    calls = []
+    monkeypatch.setattr(recipe_module, "import_user_modules", lambda names: calls.append(tuple(names)) or
+                        import_user_modules(names))
+    recipe = EnvRecipe(env_id, {"opening": 5}, (f"mods/{name}.py",))
+    monkeypatch.chdir(tmp_path)
+    assert [recipe.make().opening for _ in range(3)] == [5, 5, 5]
+    assert calls == [(f"mods/{name}.py",)]
+    (tmp_path / "other").mkdir()
+    monkeypatch.chdir(tmp_path / "other")  # a relative path means another file here: resolved again
+    with pytest.raises(ConfigError, match="no such file"):
+        recipe.make()
+
+
 def test_recipe_kwargs_are_plain_json():
     recipe = EnvRecipe("Calculator-v0", {"num_operators": (1, 2)})
     assert recipe.kwargs == {"num_operators": [1, 2]}

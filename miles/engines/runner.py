@@ -15,6 +15,7 @@ its attention grouped by the rows' context lengths (`decoder.attention_groups`).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -25,6 +26,9 @@ from miles.engines.sampling import RowSampling, SampleMode, SamplingTensors, sam
 
 #: the smallest attention length a CUDA graph is captured for (lengths round up to powers of two).
 MIN_GRAPH_LENGTH = 64
+#: torch allows one CUDA-graph capture at a time per process, and `engine.num_engines > 1` runs one decode
+#: thread per engine: two captures at once shared torch's capture stream and failed every later step.
+_CAPTURE_LOCK = threading.Lock()
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -153,8 +157,13 @@ class DecodeBatch:
 
     def _capture(self, key: tuple[int, int, SampleMode]) -> None:
         # capture records kernels without running them, so the state the eager step just advanced stays put
-        torch.cuda.synchronize(self.device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            self._step(*key)
+        with _CAPTURE_LOCK:
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            stream = torch.cuda.current_stream(self.device)
+            try:
+                with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                    self._step(*key)
+            finally:  # a capture that fails to begin leaves its stream current: steps would go on inside it
+                torch.cuda.set_stream(stream)
         self._graphs[key] = graph
