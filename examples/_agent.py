@@ -49,11 +49,13 @@ def config(a: argparse.Namespace, env_id: str, *, num_train_tasks: int = 2000) -
 
 
 def train(cfg: TrainConfig) -> RunSummary:
-    """Run `cfg`; a setup mistake (an `output_dir` that holds a run, say) exits with its one line."""
+    """Run `cfg`; a setup mistake (an `output_dir` that holds a run, say) prints its one line and exits 2, as
+    `miles train` does."""
     try:
         return asyncio.run(TrainLoop(cfg).run())
     except ConfigError as exc:
-        sys.exit(f"{Path(sys.argv[0]).name}: config error: {exc}")
+        print(f"{Path(sys.argv[0]).name}: config error: {exc}", file=sys.stderr)
+        sys.exit(2)
 
 
 def run(cfg: TrainConfig) -> None:

@@ -33,7 +33,7 @@ def test_custom_env_example_trains_a_registered_user_env(tmp_path):
     sessions = (out / "sessions.jsonl").read_bytes()
     again = subprocess.run([sys.executable, str(script), "--steps", "1", "--output-dir", str(out)],
                            capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert again.returncode == 1 and "Traceback" not in again.stderr, again.stderr[-3000:]
+    assert again.returncode == 2 and "Traceback" not in again.stderr, again.stderr[-3000:]
     assert again.stderr.strip().splitlines() == [
         f"custom_env.py: config error: output_dir: {str(out)!r} already holds a run (metrics.jsonl, sessions.jsonl, "
         "eval_sessions.jsonl, summary.json, checkpoints/); continue it with --resume, or give another --output-dir "
