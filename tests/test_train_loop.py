@@ -218,6 +218,26 @@ def test_one_run_at_a_time_writes_a_folder(tmp_path):
     OutputDirLock(out).release()  # free again once the run ended
 
 
+def test_a_ray_run_into_a_folder_another_ray_run_drives_stops_before_it_starts_anything(tmp_path):
+    """On Ray the loop (and its lock) is in an actor; the driver holds a lock of its own from the start, so a
+    second run into the folder is one line before it starts Ray or writes `cluster.json`."""
+    import os
+
+    from miles.trainers.output_dir import DRIVER_LOCK_NAME, OutputDirLock
+
+    out = tmp_path / "busy"
+    held = OutputDirLock(out, DRIVER_LOCK_NAME)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"output_dir: {out}\nsteps: 1\ncluster: {{kind: ray}}\n")
+    proc = subprocess.run([sys.executable, "-m", "miles.cli", "train", "--config", str(cfg)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"miles train: config error: output_dir: {str(out)!r} is being written by another run (pid {os.getpid()}); "
+        "wait for it to end, or give another --output-dir"], proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == [DRIVER_LOCK_NAME]
+    held.release()
+
+
 def test_a_file_system_without_locks_runs_unguarded_with_a_warning(tmp_path, monkeypatch, caplog):
     import errno
 

@@ -44,6 +44,7 @@ from miles.trainers.cluster_config import ClusterConfig
 from miles.trainers.errors import ConfigError
 from miles.trainers.factory import check_trainer_setup, world_size_of
 from miles.trainers.launch import WORKER_ENV
+from miles.trainers.output_dir import DRIVER_LOCK_NAME, OutputDirLock
 from miles.trainers.train_config import TrainConfig
 
 RAY_INSTALL = "pip install -e '.[ray]'"
@@ -218,6 +219,13 @@ class RayRun:
         self.ranks: list[Any] = []
 
     def run(self) -> Any:
+        lock = OutputDirLock(Path(self.cfg.output_dir), DRIVER_LOCK_NAME)  # before anything starts
+        try:
+            return self._run()
+        finally:
+            lock.release()
+
+    def _run(self) -> Any:
         runtime_env, worker_imports = runtime_env_for(self.cfg.env.imports)
         demand = sum(b.get("CPU", 0) for bundles in self.placement.groups.values() for b in bundles)
         connect(self.cfg.cluster, runtime_env, num_cpus=demand + self.cfg.cluster.manager.cpus)

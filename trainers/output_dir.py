@@ -2,7 +2,9 @@
 
 Two runs writing one folder would mix their records (session ids repeat, metric steps interleave), so a
 `miles train` holds an exclusive lock on `<output_dir>/.miles.lock` while it runs (released by the OS when the
-process ends, however it ends) and a new run refuses a folder that already holds one.
+process ends, however it ends) and a new run refuses a folder that already holds one. On Ray the loop runs in
+an actor, which takes that lock; the driver, which places the roles and writes `cluster.json` first, holds
+`.miles-driver.lock` for the whole run, so a second Ray run into the folder stops before it starts anything.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from miles.config import ConfigError
 
 RUN_RECORDS = ("metrics.jsonl", "sessions.jsonl", "eval_sessions.jsonl", "summary.json")
 LOCK_NAME = ".miles.lock"
+DRIVER_LOCK_NAME = ".miles-driver.lock"
 logger = logging.getLogger(__name__)
 
 
@@ -30,11 +33,11 @@ def check_fresh_output_dir(out: Path) -> None:
 
 class OutputDirLock:
     """The exclusive right to write `out` (created if missing); `ConfigError` on `output_dir` while another
-    process holds it. `release()` gives it up."""
+    process holds it. `name` is the lock file (the Ray driver holds its own). `release()` gives it up."""
 
-    def __init__(self, out: Path) -> None:
+    def __init__(self, out: Path, name: str = LOCK_NAME) -> None:
         out.mkdir(parents=True, exist_ok=True)
-        self.path = out / LOCK_NAME
+        self.path = out / name
         self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
