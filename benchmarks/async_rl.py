@@ -44,8 +44,8 @@ from pathlib import Path
 
 import numpy as np
 
-from miles.engines.sglang_router import free_port
 from miles.engines.testing import RolloutProcess
+from miles.ports import free_ports
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -118,7 +118,7 @@ def start_servers(args: argparse.Namespace, count: int, logs: Path) -> tuple[Rol
     """`miles rollout --dp count` on this run's device, with miles' own router in the run (no sglang-router)."""
     device = "cuda:0" if args.device == "cuda" else args.device
     servers = RolloutProcess("--dp", str(count), "--no-router", "--model", f"tiny-{args.model_size}", "--device",
-                             device, "--max-running-requests", "256", "--port", str(free_port()),
+                             device, "--max-running-requests", "256", "--port", str(free_ports(count)),
                              "--log-dir", str(logs))
     try:
         return servers, servers.ready()

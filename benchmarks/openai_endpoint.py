@@ -99,7 +99,7 @@ def start_server(model: str, port: int, max_batch_size: int, device: str) -> sub
 
 
 async def main_async(args: argparse.Namespace) -> None:
-    from miles.engines.sglang_router import free_port
+    from miles.ports import free_port
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"

@@ -51,8 +51,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
-    from miles.engines.sglang_router import free_port
     from miles.engines.testing import RolloutProcess
+    from miles.ports import free_port
 
     print(f"load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     results: dict[str, list[dict[str, float]]] = {"local": [], "http": [], "ray": []}

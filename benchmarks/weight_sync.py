@@ -33,7 +33,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from miles.engines.client import SGLangClient
 from miles.engines.embedded import EmbeddedEngine
-from miles.engines.sglang_router import free_port
+from miles.ports import free_port
 from miles.tiny import TINY_SIZES, make_tiny_model
 from miles.weight_sync import SyncConfig, WeightSync, build_weight_sync, state_dict_bytes
 

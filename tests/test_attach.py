@@ -15,8 +15,8 @@ from miles.config import ConfigError
 from miles.engines.attach import PROBE_TEXT, attach, read_server_facts
 from miles.engines.embedded import EmbeddedEngine
 from miles.engines.server import serve_in_thread
-from miles.engines.sglang_router import free_port
 from miles.engines.testing import ServerProcess, small_qwen2
+from miles.ports import free_port
 from miles.sessions.recorder import read_sessions
 from miles.tiny import load_tiny_tokenizer
 from miles.tito import load_tokenizer

@@ -15,8 +15,8 @@ from miles.engine import EngineError, FinishReason, SamplingParams
 from miles.engines import EmbeddedEngine, SGLangClient, WeightBroadcaster, init_weight_update_group
 from miles.engines.errors import InvalidRequestError
 from miles.engines.server import load_engine, parse_model_spec, serve_in_thread, tokenizer_spec
-from miles.engines.sglang_router import free_port
 from miles.engines.testing import small_qwen2
+from miles.ports import free_port
 from miles.tito import load_tokenizer
 
 SFT_CHECKPOINT = str(Path(__file__).resolve().parents[1] / "checkpoints" / "calculator-sft-1m")

@@ -35,9 +35,9 @@ from miles.engines.launcher import (
     wait_healthy,
 )
 from miles.engines.server import DTYPES
-from miles.engines.sglang_router import free_port
 from miles.engines.subprocesses import spawn, stop
 from miles.engines.testing import RolloutProcess
+from miles.ports import free_port, free_ports
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -385,9 +385,9 @@ class Launcher(RolloutProcess):
 
 @pytest.mark.slow
 def test_two_embedded_servers_behind_the_real_router_and_sigterm_leaves_no_child(tmp_path):
-    port = free_port()
+    port = free_ports(3)  # two servers, then the router on the next port
     launcher = Launcher("--engine", "embedded", "--dp", "2", "--model", "tiny-0.1m", "--port", str(port),
-                        "--router-port", str(free_port()), "--log-dir", str(tmp_path))
+                        "--log-dir", str(tmp_path))
     try:
         engine = launcher.ready()
         assert engine == {"kind": "router", "urls": [f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}"]}

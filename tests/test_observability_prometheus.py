@@ -8,7 +8,6 @@ import json
 import math
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ import yaml
 
 from miles.observability import FAMILIES
 from miles.observability.dashboard import DASHBOARD_PATH, VARIABLES, all_queries, build
+from miles.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRAPE_S = 0.5
@@ -55,12 +55,6 @@ def prometheus_binary() -> str:
             pytest.fail("the prometheus binary is missing: CI installs it (`apt-get install -y prometheus` in .ci/run)")
         pytest.skip("the prometheus binary is missing (apt-get install -y prometheus)")
     return found
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cuda_present() -> bool:

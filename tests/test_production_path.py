@@ -16,8 +16,8 @@ import httpx
 import pytest
 import torch
 
-from miles.engines.sglang_router import free_port
 from miles.engines.testing import RolloutProcess
+from miles.ports import free_ports
 from miles.tiny import load_tiny_tokenizer, make_tiny_model
 from miles.trainers.metrics_log import read_metrics
 
@@ -43,7 +43,7 @@ def _teacher_forced_logprobs(weights: dict[str, torch.Tensor], output_ids: list[
 @pytest.mark.slow
 def test_miles_train_syncs_two_miles_rollout_servers_behind_the_real_router_by_broadcast(tmp_path):
     launcher = RolloutProcess("--engine", "embedded", "--dp", "2", "--model", "tiny-0.1m", "--port",
-                              str(free_port()), "--router-port", str(free_port()), "--log-dir", str(tmp_path / "logs"))
+                              str(free_ports(3)), "--log-dir", str(tmp_path / "logs"))  # the router on the third
     try:
         engine = launcher.ready()
         assert engine["kind"] == "router" and len(engine["urls"]) == 2 and launcher.router_url

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 from miles.config import from_dict
+from miles.ports import free_port
 from miles.tiny import make_tiny_model
 from miles.trainers.batching import plan_micro_batches
 from miles.trainers.errors import ConfigError
@@ -368,15 +368,9 @@ def _fsdp_worker(rank: int, world: int, port: int, out_path: str) -> None:
         torch.distributed.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_fsdp2_world_size_two_matches_single_process(tmp_path):
     out = str(tmp_path / "fsdp.pt")
-    mp.start_processes(_fsdp_worker, args=(2, _free_port(), out), nprocs=2, join=True, start_method="spawn")
+    mp.start_processes(_fsdp_worker, args=(2, free_port(), out), nprocs=2, join=True, start_method="spawn")
     got = torch.load(out, weights_only=False)
     trainer, want = _fsdp_steps()
     batch = make_batch()

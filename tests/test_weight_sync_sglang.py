@@ -36,8 +36,8 @@ from miles.engine import SamplingParams
 from miles.engines.client import SGLangClient
 from miles.engines.embedded import EmbeddedEngine
 from miles.engines.server import serve_in_thread
-from miles.engines.sglang_router import free_port
 from miles.engines.testing import small_qwen2
+from miles.ports import free_port
 from miles.weight_sync import SyncConfig, build_weight_sync
 
 GROUP = "weight_update_group"

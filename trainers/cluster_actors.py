@@ -15,7 +15,6 @@ import asyncio
 import dataclasses
 import ipaddress
 import os
-import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,14 +23,8 @@ from typing import Any
 import httpx
 
 from miles.engines.embedded import EmbeddedEngine
+from miles.ports import free_port
 from miles.trainers.train_config import TrainConfig
-
-
-def free_port(host: str) -> int:
-    """A TCP port free on `host` right now (the OS picks it)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def node_address() -> tuple[str, str]:

@@ -16,7 +16,6 @@ ranks) and then takes its own token-balanced share of the sequences. That is a f
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from miles.ports import free_port
 from miles.trajectory import TrajectoryBatch
 
 from .checkpoint import Checkpoint
@@ -44,12 +44,6 @@ class CommandProtocolError(RuntimeError):
     """A worker received a command that is not one of `COLLECTIVE_METHODS`, ``set_step`` or ``stop``."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def init_distributed() -> None:
     """Join the process group torchrun set up (env://), or start a single-process one when there is none.
 
@@ -63,7 +57,7 @@ def init_distributed() -> None:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend)
     else:
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
 
 
 @dataclass(frozen=True)

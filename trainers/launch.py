@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
+
+from miles.ports import free_port
 
 WORKER_ENV = "MILES_TORCHRUN_WORKER"
 
@@ -24,12 +25,6 @@ WORKER_ENV = "MILES_TORCHRUN_WORKER"
 def in_torchrun_worker() -> bool:
     """True inside a process that torchrun started (it sets RANK / WORLD_SIZE / LOCAL_RANK)."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def torchrun_command(target: Sequence[str], nproc_per_node: int, *, master_port: int | None = None,
@@ -40,7 +35,7 @@ def torchrun_command(target: Sequence[str], nproc_per_node: int, *, master_port:
         raise ValueError(f"nproc_per_node must be >= 1, got {nproc_per_node}")
     if not target:
         raise ValueError("torchrun needs a script or '-m module' to run")
-    port = master_port or _free_port()
+    port = master_port or free_port()
     return [python or sys.executable, "-m", "miles.trainers.launch", "--standalone" if master_port is None
             else f"--master-port={port}", "--nproc-per-node", str(nproc_per_node), *target]
 

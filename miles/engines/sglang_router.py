@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import subprocess
 import sys
 import time
@@ -23,13 +22,7 @@ import httpx
 from miles.engine import EngineError, GenerateResult, RolloutEngine, SamplingParams
 from miles.engines.client import SGLangClient
 from miles.engines.subprocesses import log_tail, spawn, stop
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+from miles.ports import free_port
 
 
 def router_command(worker_urls: list[str], *, host: str, port: int, policy: str = "manual",

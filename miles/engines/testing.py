@@ -13,7 +13,7 @@ import httpx
 from transformers import Qwen2ForCausalLM
 
 from miles.engine import EngineError
-from miles.engines.sglang_router import free_port
+from miles.ports import free_port
 from miles.tiny import make_tiny_model
 
 

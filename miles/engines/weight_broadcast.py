@@ -235,7 +235,7 @@ class WeightBroadcaster:
         if world_size < 2:
             raise ValueError(f"world_size must be >= 2 (the trainer and at least one engine rank), got {world_size}")
         if not master_port:
-            from miles.engines.sglang_router import free_port
+            from miles.ports import free_port
 
             master_port = free_port(master_address)
         self.master_address, self.master_port, self.world_size = master_address, int(master_port), world_size
