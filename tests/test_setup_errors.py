@@ -108,3 +108,18 @@ def test_a_folder_that_holds_a_run_is_one_line_before_any_rank_starts(ranks, tmp
         f"miles train: config error: output_dir: {str(out)!r} already holds a run (metrics.jsonl); continue it with "
         "--resume, or give another --output-dir (or remove the folder)"], proc.stderr
     assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl"]  # no lock, no config written: no rank ran
+
+
+def test_torchrun_s_agent_is_silent_also_through_loggers_it_creates_later():
+    """The launcher mutes torchrun's agent (a failed rank is one line of miles'), including loggers created
+    after the muting with levels of their own (the rendezvous backends are imported during the run)."""
+    code = ("import logging\n"
+            "from miles.trainers.launch import mute_launcher_logs\n"
+            "mute_launcher_logs()\n"
+            "later = logging.getLogger('torch.distributed.elastic.rendezvous.later')\n"
+            "later.setLevel(logging.WARNING)\n"
+            "later.warning('a notice')\n"
+            "logging.getLogger('torch.distributed.run.later').error('a failure')\n"
+            "logging.getLogger('miles.x').warning('kept')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stderr == "kept\n", proc.stderr

@@ -11,6 +11,7 @@ rank prints its own error): what `torchrun_command` runs.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -62,16 +63,23 @@ def relaunch_under_torchrun(nproc_per_node: int, argv: Sequence[str] | None = No
     return launch_torchrun(["-m", module, *args], nproc_per_node)
 
 
+def mute_launcher_logs() -> None:
+    """Silence torchrun's agent (its notices and failure log lines), also the loggers it creates later with
+    levels of their own: their records stop at the two parents, which keep them (so Python's last-resort
+    handler does not print them either)."""
+    for name in ("torch.distributed.elastic", "torch.distributed.run"):
+        parent = logging.getLogger(name)
+        parent.propagate = False
+        if not any(isinstance(h, logging.NullHandler) for h in parent.handlers):
+            parent.addHandler(logging.NullHandler())
+
+
 def torchrun_main(argv: Sequence[str]) -> int:
     """torchrun on `argv`; a failed rank is reported in one line, not the launcher's traceback and notices."""
-    import logging
-
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    for name in list(logging.root.manager.loggerDict):  # the agent's notices and failure log lines
-        if name.startswith(("torch.distributed.elastic", "torch.distributed.run")):
-            logging.getLogger(name).setLevel(logging.CRITICAL)
+    mute_launcher_logs()
     try:
         run(parse_args(list(argv)))
     except ChildFailedError as exc:
