@@ -8,7 +8,7 @@
   process, RL time only (evaluation excluded), at each `--threads` count, in `--rounds` rounds one after the
   other; each side is compared at its best count (on the 2-core box the tiny model runs faster on 1 torch
   thread than on 2, alone and together, so 1 is the default). Memory: the base's bytes (held once by the 4-adapter run's
-  trainer, once by its engine) against the adapters', and each process's peak RSS.
+  trainer process, once by its engine) against the adapters', and the peak RSS of the run and of its trainer process.
 * **engine**: decode throughput of the embedded engine at batch 32 with every row on one adapter vs rows
   spread over 4 adapters (and the base alone for reference), same prompts, same tokens (EOS ignored).
 
@@ -124,13 +124,14 @@ def run_config(adapters: list[int], steps: int, tasks: int, out: str, device: st
     cfg = load_train_config(str(ROOT / "configs" / "multi_lora.yaml"), overrides)
     loop = TrainLoop(cfg, echo=lambda _: None)
     summary = asyncio.run(loop.run())
-    trainer = loop.trainer
-    base_bytes = sum(t.numel() * t.element_size() for t in trainer.hf_state_dict().values())
-    adapter_bytes = sum(trainer.adapter_weights(n).num_bytes for n in trainer.names)
+    base_bytes = sum(t.numel() * t.element_size() for t in loop.model.state_dict().values())
+    last = max(Path(out, "checkpoints").glob("step_*"))  # the final checkpoint: every adapter's PEFT folder
+    adapter_bytes = sum(f.stat().st_size for f in last.glob("adapters/*/adapter_model.safetensors"))
     sessions = len((Path(out) / "sessions.jsonl").read_text().splitlines())
     return {"rl_s": summary.seconds["rl"], "steps": summary.steps_done, "sessions": sessions,
             "base_mb": base_bytes / 1e6, "adapter_mb": adapter_bytes / 1e6,
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "trainer_rss_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}
 
 
 def child(adapters: list[int], steps: int, tasks: int, threads: int, device: str) -> dict:
@@ -240,9 +241,10 @@ def main() -> None:
         best_t = max(runs, key=lambda t: rate([r[0] for r in runs[t]]))
         best_a = max(runs, key=lambda t: rate([a for r in runs[t] for a in r[1]]))
         together, alone = runs[best_t][0][0], runs[best_a][0][1]
-        lines.append(f"memory: base {together['base_mb']:.1f} MB held once by the 4-adapter run's trainer and once by "
-                     f"its engine; its 4 adapters {together['adapter_mb']:.2f} MB; peak RSS {together['peak_rss_mb']:.0f}"
-                     f" MB (one single-adapter run: {alone[0]['peak_rss_mb']:.0f} MB)")
+        lines.append(f"memory: base {together['base_mb']:.1f} MB held once by the 4-adapter run's trainer process and "
+                     f"once by its engine; its 4 adapters {together['adapter_mb']:.2f} MB; peak RSS "
+                     f"{together['peak_rss_mb']:.0f} MB + trainer process {together['trainer_rss_mb']:.0f} MB (one "
+                     f"single-adapter run: {alone[0]['peak_rss_mb']:.0f} + {alone[0]['trainer_rss_mb']:.0f} MB)")
         ratio = rate([r[0] for r in runs[best_t]]) / rate([a for r in runs[best_a] for a in r[1]])
         lines.append(f"concurrent ({best_t} thread(s)) / sequential ({best_a} thread(s)), all rounds: {ratio:.2f}x")
     if args.only in (None, "engine"):

@@ -22,7 +22,7 @@ from test_session_support import AddEnv, tito
 
 from miles.engine import SamplingParams
 from miles.engines.embedded import EmbeddedEngine
-from miles.engines.testing import small_qwen2
+from miles.engines.testing import small_qwen2, spawned_child
 from miles.sessions.config import SchedulerConfig, SessionConfig
 from miles.sessions.instant import InstantEngine
 from miles.sessions.manager import RolloutManager, TaskFeed
@@ -309,19 +309,6 @@ def test_an_async_run_takes_the_ratio_against_the_rollout_policy(tmp_path):
     assert stale and all(r["approx_kl"] > 1e-6 for r in stale), [(r["staleness_max"], r["approx_kl"]) for r in rows]
 
 
-def _rollout_pid(trainer_pid: int) -> int | None:
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-                cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == trainer_pid and "spawn_main" in cmdline:
-                return int(entry.name)
-    return None
-
-
 DEAD_PEER_SCRIPT = """
 import os, socket, sys, time
 from multiprocessing import resource_sharer
@@ -361,7 +348,7 @@ def test_a_killed_rollout_process_is_a_named_error_and_resume_loses_no_step(tmp_
         while not (out / "metrics.jsonl").exists() or len(_rows(out)) < 2:
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
             time.sleep(0.2)
-        pid = _rollout_pid(proc.pid)
+        pid = spawned_child(proc.pid)
         assert pid is not None
         os.kill(pid, signal.SIGKILL)
         _, err = proc.communicate(timeout=300)
@@ -395,7 +382,7 @@ def test_the_rollout_process_leaves_with_a_killed_trainer(tmp_path):
                   "async.enabled=true", "async.max_staleness=1", wait=False)
     try:
         deadline = time.monotonic() + 300
-        while (pid := _rollout_pid(proc.pid)) is None:
+        while (pid := spawned_child(proc.pid)) is None:
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
             time.sleep(0.2)
         proc.kill()  # SIGKILL: no cleanup runs in the trainer

@@ -100,10 +100,10 @@ def _local_trainer(cfg: TrainConfig, model: torch.nn.Module) -> Trainer:
         except UnsupportedModelError as e:
             raise ConfigError("model", f"the Megatron backend cannot build it: {e} (backend: torch trains any HF "
                                        "causal LM)") from e
-    if cfg.adapters:  # LoRA adapters on the frozen base (peft), one optimizer each
-        from miles.trainers.lora import build_lora_trainer
+    if cfg.adapters:  # LoRA adapters on the frozen base (peft), one optimizer each, in a process of their own
+        from miles.trainers.lora_process import LoraTrainerProcess
 
-        return build_lora_trainer(cfg, model)
+        return LoraTrainerProcess(cfg, model)
     from miles.trainers.torch_backend import TorchTrainer
 
     return TorchTrainer(model, torch_trainer_config(cfg), cfg.algorithm)

@@ -29,6 +29,7 @@ from miles.trainers.data import TaskCursor, load_tasks
 from miles.trainers.demos import oracle_demos
 from miles.trainers.engine_setup import bounded_by_context, build_engine_set
 from miles.trainers.evaluate import EvalResult, evaluate, summarize
+from miles.trainers.lora_process import LoraTrainerProcess
 from miles.trainers.metrics_log import MetricsLog
 from miles.trainers.models import build_policy, build_tito
 from miles.trainers.output_dir import OutputDirLock, check_fresh_output_dir
@@ -151,6 +152,7 @@ class TrainLoop:
                 engines=self.engines, num_params=sum(p.numel() for p in self.model.parameters()), echo=self.echo)
         except BaseException:
             await self.engine_set.close()
+            self._close_trainer()
             raise
         self.eval_recorder = Recorder(self.out / "eval_sessions.jsonl")
         self.session_metrics = SessionMetrics(self.observability.labels)
@@ -183,6 +185,11 @@ class TrainLoop:
                 tokenizer=self.tito, scheduler_config=self.scheduler_cfg, recorder=self.recorder,
                 eval_recorder=self.eval_recorder, observer=self.session_metrics, labels=self.observability.labels,
                 run_metrics=self.observability.run, metrics_log=self.metrics, echo=self.echo)
+
+    def _close_trainer(self) -> None:
+        """End the trainer's own process, where it has one (a run with `adapters:`)."""
+        if isinstance(getattr(self, "trainer", None), LoraTrainerProcess):
+            self.trainer.close()
 
     # ---- stages --------------------------------------------------------------------------------------
     async def _sync(self, version: int | None = None) -> None:
@@ -462,6 +469,7 @@ class TrainLoop:
             await self.eval_recorder.aclose()
             await self.sync.close()
             await self.engine_set.close()
+            self._close_trainer()
             self.metrics.close()
             self.observability.close()
         self.summary.seconds["total"] = time.perf_counter() - t_start - lingered

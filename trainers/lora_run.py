@@ -3,8 +3,8 @@ its scheduler, evaluation, sync and metrics.
 
 Every adapter's scheduler shares the loop's router, so the sessions of all adapters run at once and the engines
 decode their rows together, each row under its own adapter. Within a step each adapter runs its own pipeline:
-its sessions, its update (one adapter at a time, in a worker thread, so the other adapters' sessions go on), and
-the push of its new weights (only adapters that trained, each under its own version counter:
+its sessions, its update (one adapter at a time, in the trainer's own process: `LoraTrainerProcess`, so the
+other adapters' sessions go on beside it), and the push of its new weights (only adapters that trained, each under its own version counter:
 `WeightSync.push_adapter`). An adapter's sessions of the next step may start as soon as its weights are pushed,
 while other adapters still roll out or train; each adapter still trains on exactly its own on-policy groups.
 """
@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from miles.engine import RolloutEngine
+from miles.engines.lora import AdapterWeights
 from miles.envs import EnvRecipe, Task
 from miles.observability import RunLabels, RunMetrics
 from miles.sessions.config import SchedulerConfig
@@ -38,9 +39,10 @@ from .checkpoint import Checkpoint
 from .data import TaskCursor, load_tasks
 from .errors import ConfigError
 from .evaluate import EvalResult, evaluate
-from .lora import MultiLoraTrainer
+from .lora_process import LoraTrainerProcess
 from .metrics_log import MetricsLog
 from .train_config import AdapterConfig, TrainConfig
+from .trainer_process import TrainerProcessError
 
 ALL_ADAPTERS = "all"  # the `adapter` label of a multi-adapter run's step-level (all adapters) metrics
 
@@ -81,12 +83,6 @@ class AdapterPart:
         return self.config.name
 
 
-def _with_threads(threads: int, fn: Callable[..., Any], *args: Any) -> Any:
-    """`fn(*args)` on a worker thread that uses `threads` torch threads."""
-    torch.set_num_threads(threads)
-    return fn(*args)
-
-
 @dataclass(frozen=True)
 class AdapterStep:
     """A step of one adapter, or of all of them: the sessions, the trajectories trained, the updates' metrics
@@ -111,7 +107,7 @@ class _Ahead:
 class AdapterRun:
     """Rollouts, evaluation, sync, metrics and data cursors of every adapter of a run (see the module doc)."""
 
-    def __init__(self, parts: Sequence[AdapterPart], *, cfg: TrainConfig, trainer: MultiLoraTrainer,
+    def __init__(self, parts: Sequence[AdapterPart], *, cfg: TrainConfig, trainer: LoraTrainerProcess,
                  sync: WeightSync, engines: Sequence[RolloutEngine], tokenizer: Any, eval_recorder: Recorder,
                  metrics_log: MetricsLog, echo: Callable[[str], None] = print) -> None:
         self.parts = list(parts)
@@ -121,7 +117,7 @@ class AdapterRun:
         self._updating = asyncio.Lock()  # one adapter's update at a time: they share the peft model
 
     @classmethod
-    def build(cls, cfg: TrainConfig, *, trainer: MultiLoraTrainer, sync: WeightSync,
+    def build(cls, cfg: TrainConfig, *, trainer: LoraTrainerProcess, sync: WeightSync,
               engines: Sequence[RolloutEngine], router: Router, tokenizer: Any, scheduler_config: SchedulerConfig,
               recorder: Recorder | None, eval_recorder: Recorder, observer: SessionObserver | None,
               labels: RunLabels, run_metrics: RunMetrics, metrics_log: MetricsLog,
@@ -165,9 +161,11 @@ class AdapterRun:
         for name in self.names:
             await self._push(name, None if versions is None else versions.get(name))
 
-    async def _push(self, name: str, version: int | None, step: int | None = None) -> float:
+    async def _push(self, name: str, version: int | None, step: int | None = None,
+                    weights: AdapterWeights | None = None) -> float:
         t0 = time.perf_counter()
-        report = await self.weight_sync.push_adapter(name, self.trainer.adapter_weights(name), version=version)
+        weights = self.trainer.adapter_weights(name) if weights is None else weights
+        report = await self.weight_sync.push_adapter(name, weights, version=version)
         self.metrics_log.write("sync", self.trainer.step if step is None else step, adapter=name,
                                version=report.version, method=report.method, seconds=report.seconds,
                                drain_seconds=report.drain_seconds, mb=report.num_bytes / 1e6)
@@ -193,8 +191,8 @@ class AdapterRun:
         """One step of every adapter, each on its own pipeline (see the module doc): its sessions (started
         ahead by the previous step, or now), `select(records)` (the trajectories to train on), its update and
         the push of its new weights. With `ahead`, each adapter's sessions of the next step start right after
-        its push; `settle()` takes them back if that step does not run. An update runs on a worker thread with
-        the process's torch threads, or one fewer (at least one) while sessions are in flight: in-process
+        its push; `settle()` takes them back if that step does not run. An update runs in the trainer process
+        with this process's torch threads, or one fewer (at least one) while sessions are in flight: in-process
         engines then decode beside it."""
         step = self.trainer.step + 1
         threads_all = torch.get_num_threads()
@@ -211,16 +209,18 @@ class AdapterRun:
                 async with self._updating:
                     t0 = time.perf_counter()
                     threads = threads_all if part.scheduler.router.inflight == 0 else threads_beside
-                    metrics = await asyncio.to_thread(_with_threads, threads, self.trainer.train_adapter,
-                                                      part.name, batch)
+                    metrics, weights = await asyncio.to_thread(self._update, part.name, batch, threads)
                     train_s = time.perf_counter() - t0
-                sync_s = await self._push(part.name, None, step)
+                sync_s = await self._push(part.name, None, step, weights)
             if ahead:
                 self._ahead[part.name] = self._start_rollout(part)
             return AdapterStep(records, trajs, metrics, train_s, sync_s)
 
-        async with asyncio.TaskGroup() as tg:
-            runs = [tg.create_task(one(p)) for p in self.parts]
+        try:
+            async with asyncio.TaskGroup() as tg:
+                runs = [tg.create_task(one(p)) for p in self.parts]
+        except* TrainerProcessError as failed:  # the run stops with this one line, as for a dead rollout process
+            raise failed.exceptions[0] from None
         done = [r.result() for r in runs]
         metrics: dict[str, float] = {}
         for d in done:
@@ -228,6 +228,10 @@ class AdapterRun:
         metrics.update(self.trainer.end_step(tuple(p.name for p, d in zip(self.parts, done, strict=True) if d.trained)))
         return AdapterStep(records=[r for d in done for r in d.records], trained=[t for d in done for t in d.trained],
                            metrics=metrics, train_s=sum(d.train_s for d in done), sync_s=sum(d.sync_s for d in done))
+
+    def _update(self, name: str, batch: TrajectoryBatch, threads: int) -> tuple[dict[str, float], AdapterWeights]:
+        """Adapter `name`'s update on `batch` with `threads` torch threads, and its new weights."""
+        return self.trainer.train_adapter(name, batch, threads=threads), self.trainer.adapter_weights(name)
 
     async def settle(self) -> None:
         """Take back the sessions started ahead for a step that will not run (the run ends before it): those

@@ -12,6 +12,7 @@ from pathlib import Path
 from miles.trainers.loop import RunSummary, TrainLoop
 from miles.trainers.rollout_process import RolloutManagerError
 from miles.trainers.train_config import TrainConfig, load_train_config
+from miles.trainers.trainer_process import TrainerProcessError
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -72,7 +73,7 @@ def run_loop(cfg: TrainConfig, args: argparse.Namespace, *, resume: bool) -> int
     loop = TrainLoop(cfg, resume=resume)
     try:
         summary = asyncio.run(loop.run())
-    except RolloutManagerError as exc:  # the run stopped; its checkpoints are intact
+    except (RolloutManagerError, TrainerProcessError) as exc:  # the run stopped; its checkpoints are intact
         print(f"miles {args.command}: {exc}", file=sys.stderr)
         return 1
     finally:

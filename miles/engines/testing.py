@@ -1,4 +1,4 @@
-"""Helpers for tests and benchmarks of the engines: small random Qwen2 models and server subprocesses."""
+"""Helpers for tests and benchmarks of the engines: small random Qwen2 models, server subprocesses, spawned children."""
 
 from __future__ import annotations
 
@@ -119,3 +119,17 @@ class RolloutProcess:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+
+
+def spawned_child(parent_pid: int) -> int | None:
+    """The pid of a `multiprocessing` spawn child of `parent_pid` (a rollout or trainer process), from /proc."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+                cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == parent_pid and "spawn_main" in cmdline:
+                return int(entry.name)
+    return None
