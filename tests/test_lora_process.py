@@ -74,7 +74,10 @@ def test_an_error_in_the_trainer_process_comes_back_with_its_type_and_trace(remo
         remote.adapter_weights("nope")
     assert any("raised in the trainer process" in note and "adapter_weights" in note
                for note in info.value.__notes__)
-    assert remote.names == list(NAMES)  # the process serves on
+    with pytest.raises(TypeError, match="pickle"):  # a result that cannot cross the pipe
+        remote.process.call("_active", NAMES[0])
+    os.kill(remote.process.pid, signal.SIGINT)  # Ctrl-C reaches the process group; the run ends this process
+    assert remote.names == list(NAMES) and remote.process.get("names") == list(NAMES)  # it serves on
 
 
 def test_a_dead_trainer_process_is_a_named_error(remote):

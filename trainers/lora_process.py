@@ -66,7 +66,9 @@ class LoraTrainerProcess:
         return self.process.call("compute_logprobs", batch, temperature=temperature)
 
     def hf_state_dict(self, *, cpu: bool = False) -> dict[str, torch.Tensor]:
-        return self.process.call("hf_state_dict", cpu=True)  # CUDA tensors do not outlive their process's call
+        """The frozen base's weights, always as CPU copies (`cpu` is accepted for the protocol): a tensor on a
+        GPU cannot outlive the trainer process's reply."""
+        return self.process.call("hf_state_dict", cpu=True)
 
     def save_checkpoint(self, root: str | Path, *, data_cursor: dict[str, Any] | None = None,
                         extra: dict[str, Any] | None = None, keep_last: int | None = None) -> Path | None:

@@ -11,6 +11,7 @@ process's traceback as a note; a trainer process that dies is a `TrainerProcessE
 from __future__ import annotations
 
 import pickle
+import signal
 import threading
 import traceback
 from collections.abc import Callable
@@ -61,10 +62,11 @@ def _failure(exc: BaseException) -> _Reply:
 
 
 def _serve(build: Callable[..., Any], args: tuple[Any, ...], conn: Any, threads: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the parent ends this one
     torch.set_num_threads(threads)
     try:
         trainer = build(*args)
-    except BaseException as exc:
+    except Exception as exc:
         _send(conn, _failure(exc))
         return
     _send(conn, _Reply())
@@ -85,9 +87,12 @@ def _serve(build: Callable[..., Any], args: tuple[Any, ...], conn: Any, threads:
             else:
                 value = getattr(trainer, call.method)(*call.args, **call.kwargs)
             reply = _Reply(value=value)
-        except BaseException as exc:
+        except Exception as exc:
             reply = _failure(exc)
-        _send(conn, reply)
+        try:
+            _send(conn, reply)
+        except Exception as exc:  # a result that cannot cross the pipe
+            _send(conn, _failure(exc))
 
 
 class TrainerProcess:
@@ -106,8 +111,12 @@ class TrainerProcess:
         self._proc.start()
         child.close()
         self._lock = threading.Lock()
-        with self._lock:
-            self._answer(self._receive("start"))
+        try:
+            with self._lock:
+                self._answer(self._receive("start"))
+        except BaseException:
+            self.close()
+            raise
 
     def _receive(self, what: str) -> _Reply:
         try:
