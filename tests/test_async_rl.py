@@ -22,7 +22,7 @@ from test_session_support import AddEnv, tito
 
 from miles.engine import SamplingParams
 from miles.engines.embedded import EmbeddedEngine
-from miles.engines.testing import small_qwen2, spawned_child
+from miles.engines.testing import exits_within, small_qwen2, spawned_child
 from miles.sessions.config import SchedulerConfig, SessionConfig
 from miles.sessions.instant import InstantEngine
 from miles.sessions.manager import RolloutManager, TaskFeed
@@ -387,20 +387,10 @@ def test_the_rollout_process_leaves_with_a_killed_trainer(tmp_path):
             time.sleep(0.2)
         proc.kill()  # SIGKILL: no cleanup runs in the trainer
         proc.wait()
-        deadline = time.monotonic() + 60
-        while Path(f"/proc/{pid}").exists() and "zombie" not in _state(pid):
-            assert time.monotonic() < deadline, "the rollout process outlived its trainer"
-            time.sleep(0.2)
+        assert exits_within(pid, 60), "the rollout process outlived its trainer"
     finally:
         if proc.poll() is None:
             proc.kill()
-
-
-def _state(pid: int) -> str:
-    try:
-        return (Path(f"/proc/{pid}") / "status").read_text()
-    except OSError:
-        return "zombie"
 
 
 def test_stale_samples_are_weighed_against_the_rollout_policy_by_default():

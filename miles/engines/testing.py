@@ -133,3 +133,17 @@ def spawned_child(parent_pid: int) -> int | None:
             if int(stat.rsplit(")", 1)[1].split()[1]) == parent_pid and "spawn_main" in cmdline:
                 return int(entry.name)
     return None
+
+
+def exits_within(pid: int, timeout_s: float) -> bool:
+    """Whether process `pid` is gone (or a zombie awaiting its parent) within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if "zombie" in (Path(f"/proc/{pid}") / "status").read_text():
+                return True
+        except OSError:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
