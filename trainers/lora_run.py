@@ -3,9 +3,9 @@ its scheduler, evaluation, sync and metrics.
 
 Every adapter's scheduler shares the loop's router, so the sessions of all adapters run at once and the engines
 decode their rows together, each row under its own adapter. Within a step each adapter runs its own pipeline:
-its sessions, its update (one adapter at a time, in the trainer's own process: `LoraTrainerProcess`, so the
-other adapters' sessions go on beside it), and the push of its new weights (only adapters that trained, each under its own version counter:
-`WeightSync.push_adapter`). An adapter's sessions of the next step may start as soon as its weights are pushed,
+its sessions, its update (one adapter at a time, in the trainer's own process, `LoraTrainerProcess`, so the
+other adapters' sessions go on beside it), and the push of its new weights (only adapters that trained, each
+under its own version counter: `WeightSync.push_adapter`). An adapter's sessions of the next step may start as soon as its weights are pushed,
 while other adapters still roll out or train; each adapter still trains on exactly its own on-policy groups.
 """
 
