@@ -95,3 +95,20 @@ def test_replay_reports_bad_input(recorded, tmp_path, capsys):
     assert main(["replay", str(torn)]) == 0
     captured = capsys.readouterr()
     assert "3 of 3 sessions" in captured.out and "torn" in captured.err
+
+
+def test_the_final_table_fits_long_adapter_modes_in_one_column():
+    from miles.trainers.evaluate import EvalResult
+    from miles.trainers.loop import RunSummary
+    from miles.trainers.run import format_summary
+
+    def result(mode: str, rate: float) -> EvalResult:
+        return EvalResult(mode=mode, num_tasks=10, success_rate=rate, mean_reward=rate, terminations={})
+
+    modes = ("mul/greedy", "addsub/greedy")
+    summary = RunSummary(output_dir="out", steps_done=1, evals={
+        "start": {m: result(m, 0.5) for m in modes}, "final": {m: result(m, 0.75) for m in modes}})
+    rows = format_summary(summary).splitlines()[1:6]
+    header, body = rows[0], rows[1:]
+    assert [r.index("%") + 1 for r in body] == [header.index("success") + len("success")] * 4, "\n".join(rows)
+    assert [r.split()[-3] for r in body] == ["50.0%", "50.0%", "75.0%", "75.0%"]

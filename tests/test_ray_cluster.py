@@ -296,3 +296,22 @@ def test_a_dead_trainer_rank_ends_the_run_with_a_named_error_and_resume_continue
     resumed = train(out, *placed(cluster), config=config, extra=("--dp", "2", "--resume"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert [r["step"] for r in rows(out)] == [0, 1, 2]  # none lost, none repeated
+
+
+def test_many_adapters_train_on_the_cluster_with_adapter_only_syncs_to_the_engine_actor(cluster, tmp_path):
+    """configs/multi_lora.yaml with the engine actor on node B: each adapter reaches the engine as PEFT files
+    (`/load_lora_adapter`), never the base again, and every step's sessions of an adapter ran on its
+    current version."""
+    out = tmp_path / "run"
+    proc = train(out, "max_seconds=null", "eval.num_tasks=4", "steps=2", "rollout.scheduler.group_size=4",
+                 *placed(cluster), config="configs/multi_lora.yaml")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["node_id"] for r in json.loads((out / "cluster.json").read_text())["engines"]] == [node_with("node_b")]
+    syncs = rows(out, "sync")
+    assert [s["method"] for s in syncs if "adapter" not in s] == ["broadcast"]  # the base, once
+    for name in ("mul", "addsub"):
+        mine = [s for s in syncs if s.get("adapter") == name]
+        assert {s["method"] for s in mine} == {"disk"} and [s["version"] for s in mine] == list(range(len(mine)))
+        records = [r for r in read_sessions(out / "sessions.jsonl").records if r.policy_id == name]
+        assert sorted({v for r in records for v in r.weight_versions}) == [0, 1], name  # step k ran version k
+    assert {r["adapter"] for r in rows(out, "eval")} == {"mul", "addsub"}

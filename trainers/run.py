@@ -40,11 +40,12 @@ def format_summary(summary: RunSummary, cfg: TrainConfig | None = None) -> str:
     """The final table: held-out success after the warm start (SFT) and after RL, with the gain."""
     warm = cfg is not None and (cfg.sft.enabled or cfg.model.init_from)
     names = {"start": "after SFT" if warm else "before RL", "final": "after RL"}
-    lines = ["", f"{'stage':<14}{'mode':<10}{'held-out success':>18}{'mean reward':>14}{'tasks':>8}"]
+    width = max([8, *(len(mode) for results in summary.evals.values() for mode in results)]) + 2
+    lines = ["", f"{'stage':<14}{'mode':<{width}}{'held-out success':>18}{'mean reward':>14}{'tasks':>8}"]
     for stage, results in summary.evals.items():
         for mode, r in results.items():
-            lines.append(f"{names.get(stage, stage):<14}{mode:<10}{r.success_rate:>18.1%}{r.mean_reward:>14.3f}"
-                         f"{r.num_tasks:>8}")
+            lines.append(f"{names.get(stage, stage):<14}{mode:<{width}}{r.success_rate:>18.1%}"
+                         f"{r.mean_reward:>14.3f}{r.num_tasks:>8}")
     before, after = summary.evals.get("start", {}), summary.evals.get("final", {})
     for mode in sorted(set(before) & set(after)):
         gain = 100 * (after[mode].success_rate - before[mode].success_rate)
