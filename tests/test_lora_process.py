@@ -103,6 +103,20 @@ def test_a_setup_mistake_in_the_trainer_process_is_one_line(tmp_path, capsys):
     assert "Traceback" not in err
 
 
+def test_a_script_that_starts_a_run_when_imported_is_told_to_guard_it(tmp_path):
+    """The trainer process imports the user's script again (spawn); a script that calls `miles train` at its
+    top level gets one line naming the `__main__` guard, not advice to resume."""
+    script = tmp_path / "unguarded.py"
+    script.write_text("import sys\nfrom miles.cli import main\n"
+                      f"sys.exit(main(['train', '--config', {str(ROOT / 'configs' / 'multi_lora.yaml')!r}, "
+                      f"'--output-dir', {str(tmp_path / 'run')!r}, '--set', 'steps=1']))\n")
+    proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("miles train: the trainer process")]
+    assert proc.returncode == 1 and len(lines) == 1, proc.stderr[-3000:]
+    assert "while starting" in lines[0] and 'if __name__ == "__main__":' in lines[0] and "--resume" not in lines[0]
+
+
 def _train(out: Path, *sets: str, resume: bool = False) -> subprocess.Popen[str]:
     args = [sys.executable, "-m", "miles.cli", "train", "--config", str(ROOT / "configs" / "multi_lora.yaml"),
             "--output-dir", str(out), "--set", "max_seconds=null", "--set", "eval.num_tasks=4",

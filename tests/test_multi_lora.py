@@ -12,6 +12,8 @@ import json
 import re
 import subprocess
 import sys
+import time
+import types
 from pathlib import Path
 
 import pytest
@@ -24,6 +26,7 @@ from miles.config import ConfigError, from_dict
 from miles.engines.lora import AdapterWeights
 from miles.observability import process_metrics
 from miles.sessions.recorder import read_sessions
+from miles.trainers import loop as loop_module
 from miles.trainers.loop import TrainLoop
 from miles.trainers.metrics_log import read_metrics
 from miles.trainers.train_config import TrainConfig
@@ -108,13 +111,38 @@ def test_each_step_trains_and_syncs_only_the_adapters_with_their_own_versions(tr
     assert sorted(evals) == sorted([(a, s) for a in ("mul", "addsub") for s in ("start", "final")])
 
 
+SLOW_CALCULATOR = '''
+import time
+
+from miles.envs import register
+from miles.tools import tool
+from miles.envs.calculator import CalculatorEnv
+
+
+class SlowCalculator(CalculatorEnv):
+    @tool
+    def calculate(self, expression: str) -> str:
+        """Evaluate an arithmetic expression, slowly."""
+        time.sleep(0.6)
+        return super().calculate(expression)
+
+
+register("SlowCalculator-v0", SlowCalculator)
+'''
+
+
 @pytest.fixture(scope="module")
 def pipelined(tmp_path_factory):
-    """Three steps without checkpoints or evaluations between them: every adapter's next sessions start ahead."""
+    """Three steps without checkpoints or evaluations between them: every adapter's next step starts ahead.
+    `addsub`'s calculator tool takes 0.6 s a call, so `mul` is done with a step well before the step ends."""
     root = tmp_path_factory.mktemp("runs")
     out = root / "pipelined"
     path = root / "pipelined.yaml"
-    path.write_text(yaml.safe_dump(config_data(out, steps=3, checkpoint={"every": 0, "keep": 1})))
+    slow = root / "slow_calculator.py"
+    slow.write_text(SLOW_CALCULATOR)
+    data = config_data(out, steps=3, checkpoint={"every": 0, "keep": 1})
+    data["adapters"][1]["env"].update({"id": "SlowCalculator-v0", "import": [str(slow)]})
+    path.write_text(yaml.safe_dump(data))
     assert cli_main(["train", "--config", str(path)]) == 0  # `miles train --config ...`
     return out, json.loads((out / "summary.json").read_text())
 
@@ -138,23 +166,36 @@ def test_an_adapter_rolls_out_its_next_step_while_the_step_goes_on_and_stays_on_
             if k:
                 early += min(r.started_at for r in step_k) < step_end[k - 1]
     assert early >= 1  # some adapter's step k+1 began before step k ended
+    trained_ahead = sum(pushed[("mul", k + 2)] < step_end[k] for k in range(2))
+    assert trained_ahead >= 1  # and `mul` trained and pushed its step k+1 before step k (`addsub`'s) ended
 
 
-def test_sessions_started_ahead_of_a_step_that_does_not_run_are_recorded_once_and_not_consumed(tmp_path,
-                                                                                           monkeypatch):
-    monkeypatch.setattr(TrainLoop, "_runs_ahead", lambda self, step, t_start: True)  # as if the budget ran out
-    out = tmp_path / "settled"
-    run(config(out, steps=2, checkpoint={"every": 0, "keep": 1}))
+def test_a_step_committed_before_the_budget_ran_out_still_runs_and_nothing_goes_beyond_it(tmp_path, monkeypatch):
+    """The clock jumps past `max_seconds` right after step 0, which had committed step 1: step 1 runs (each
+    adapter may have started it during step 0), then the run stops. Every session is recorded once, all of
+    them trained, and each cursor counts exactly the two steps."""
+    shift = [0.0]
+    clock = types.SimpleNamespace(perf_counter=lambda: time.perf_counter() + shift[0], time=time.time)
+    monkeypatch.setattr(loop_module, "time", clock)
+    real_step = TrainLoop._rl_step
+
+    async def step_then_jump(self, *args, **kw):
+        row = await real_step(self, *args, **kw)
+        shift[0] = 1e6
+        return row
+
+    monkeypatch.setattr(TrainLoop, "_rl_step", step_then_jump)
+    out = tmp_path / "budget"
+    summary = run(config(out, steps=4, max_seconds=600, checkpoint={"every": 0, "keep": 1}))
+    assert summary.steps_done == 2
     records = read_sessions(out / "sessions.jsonl").records
-    assert len({r.session_id for r in records}) == len(records)
-    trained = [r for r in records if set(r.weight_versions) <= {0, 1}]  # steps 0 and 1: versions 0 and 1
-    ahead = [r for r in records if r not in trained]  # started on version 2, for a step 3 that never ran
-    assert len(trained) == 2 * (1 + 2) * GROUP and {r.termination.value for r in trained} == {"done"}
-    assert 0 < len(ahead) <= (1 + 2) * GROUP and all(set(r.weight_versions) <= {2, None} for r in ahead)
-    assert {r.termination.value for r in ahead} <= {"done", "aborted"}
+    assert len({r.session_id for r in records}) == len(records) == 2 * (1 + 2) * GROUP
+    assert {r.termination.value for r in records} == {"done"}
+    assert {v for r in records for v in r.weight_versions} == {0, 1}
     ckpt = sorted((out / "checkpoints").glob("step_*"))[-1]
-    cursor = json.loads((ckpt / "meta.json").read_text())["data_cursor"]["adapters"]
-    assert {n: c["position"] for n, c in cursor.items()} == {"mul": 2 * 1, "addsub": 2 * 2}
+    meta = json.loads((ckpt / "meta.json").read_text())
+    assert {n: c["position"] for n, c in meta["data_cursor"]["adapters"].items()} == {"mul": 2 * 1, "addsub": 2 * 2}
+    assert meta["extra"]["adapter_steps"] == {"mul": 2, "addsub": 2}
 
 
 def test_prometheus_labels_carry_the_adapter(trained):

@@ -300,20 +300,22 @@ class TrainLoop:
         return split_by_reward_spread(trajs)[0] if self.cfg.rollout.drop_zero_std_groups else trajs
 
     def _runs_ahead(self, step: int, t_start: float) -> bool:
-        """Whether the sessions of step `step + 1` may start during step `step`: it is a step of this run, no
-        evaluation or checkpoint comes before it, and the time budget is not spent."""
+        """Whether step `step + 1` is committed during step `step` (a run with adapters), so that each adapter's
+        part of it starts as soon as the adapter is done with this step: it is a step of this run, no evaluation
+        or checkpoint comes before it, and the time budget is not spent. A committed step runs even if the
+        budget runs out meanwhile."""
         cfg, nxt = self.cfg, step + 1
         return (nxt < cfg.steps and not (cfg.eval.every and nxt % cfg.eval.every == 0)
                 and not (cfg.checkpoint.every and nxt % cfg.checkpoint.every == 0)
                 and (cfg.max_seconds is None or time.perf_counter() - t_start < cfg.max_seconds))
 
-    async def _rl_step(self, step: int, t_start: float) -> dict[str, Any]:
+    async def _rl_step(self, step: int, *, ahead: bool = False) -> dict[str, Any]:
         cfg = self.cfg
         t0 = time.perf_counter()
         if self.lora is not None:  # every adapter on its own pipeline; updates and pushes happen inside
-            done = await self.lora.step(self._to_train, ahead=self._runs_ahead(step, t_start))
+            done = await self.lora.step(self._to_train, ahead=ahead)
             records, extra = done.records, {}
-            t_rollout = time.perf_counter() - t0 - done.train_s  # the step's time outside the updates
+            t_rollout = done.rollout_s  # the longest adapter's sessions
         else:
             records, extra = await self._rollout()
             t_rollout = time.perf_counter() - t0
@@ -432,12 +434,14 @@ class TrainLoop:
             if cfg.asynchronous.enabled:
                 await self._start_rollout_process(start_step, consumed, saved_at)
             t_rl = time.perf_counter()
-            step = start_step
+            step, committed = start_step, False
             while step < cfg.steps:
-                if cfg.max_seconds is not None and time.perf_counter() - t_start > cfg.max_seconds:
+                if (not committed and cfg.max_seconds is not None
+                        and time.perf_counter() - t_start > cfg.max_seconds):
                     self.echo(f"[train] time budget of {cfg.max_seconds:.0f} s reached after {step} steps")
                     break
-                row = await self._rl_step(step, t_start)
+                committed = self.lora is not None and self._runs_ahead(step, t_start)
+                row = await self._rl_step(step, ahead=committed)
                 step += 1
                 self.echo(f"[step {step}/{cfg.steps}] reward {row['rollout_reward_mean']:.3f}  "
                           f"success {row['rollout_success_rate']:.1%}  {row['step_s']:.1f} s")
@@ -445,8 +449,6 @@ class TrainLoop:
                     await self._evaluate(f"step{step}")
                 if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
                     self._checkpoint()
-            if self.lora is not None:  # sessions started ahead for a step that will not run
-                await self.lora.settle()
             self.summary.steps_done = step
             self.summary.seconds["rl"] = time.perf_counter() - t_rl
             if self.async_rollout is not None:  # running sessions are aborted and recorded; then checkpoint

@@ -5,8 +5,12 @@ Every adapter's scheduler shares the loop's router, so the sessions of all adapt
 decode their rows together, each row under its own adapter. Within a step each adapter runs its own pipeline:
 its sessions, its update (one adapter at a time, in the trainer's own process, `LoraTrainerProcess`, so the
 other adapters' sessions go on beside it), and the push of its new weights (only adapters that trained, each
-under its own version counter: `WeightSync.push_adapter`). An adapter's sessions of the next step may start as soon as its weights are pushed,
-while other adapters still roll out or train; each adapter still trains on exactly its own on-policy groups.
+under its own version counter: `WeightSync.push_adapter`).
+
+When the loop commits the next step during this one, an adapter's pipeline of the next step starts as soon as
+its own push is done: its sessions, and its update as soon as they are in, while other adapters still roll
+out or train this step (an adapter with long sessions does not hold back the others' updates). So an adapter
+runs at most one step ahead of the run, and each adapter still trains on exactly its own on-policy groups.
 """
 
 from __future__ import annotations
@@ -86,22 +90,23 @@ class AdapterPart:
 @dataclass(frozen=True)
 class AdapterStep:
     """A step of one adapter, or of all of them: the sessions, the trajectories trained, the updates' metrics
-    (`NAME/<metric>`; for all, also `step` and `adapters_trained`), and the seconds spent in updates and in
-    pushes."""
+    (`NAME/<metric>`; for all, also `step` and `adapters_trained`), the seconds its sessions took (for all: the
+    longest adapter's), and the seconds spent in updates and in pushes."""
 
     records: list[SessionRecord]
     trained: list[Trajectory]
     metrics: dict[str, float]
+    rollout_s: float
     train_s: float
     sync_s: float
 
 
 @dataclass(frozen=True)
-class _Ahead:
-    """An adapter's sessions started for its next step, and its cursor position before them."""
+class _Pipeline:
+    """An adapter's step in progress (sessions, update, push), and its cursor position before its sessions."""
 
     position: int
-    rollout: asyncio.Task[list[SessionRecord]]
+    task: asyncio.Task[AdapterStep]
 
 
 class AdapterRun:
@@ -113,8 +118,9 @@ class AdapterRun:
         self.parts = list(parts)
         self.cfg, self.trainer, self.weight_sync, self.engines = cfg, trainer, sync, list(engines)
         self.tokenizer, self.eval_recorder, self.metrics_log, self.echo = tokenizer, eval_recorder, metrics_log, echo
-        self._ahead: dict[str, _Ahead] = {}
+        self._ahead: dict[str, _Pipeline] = {}
         self._updating = asyncio.Lock()  # one adapter's update at a time: they share the peft model
+        self._update: asyncio.Future[tuple[dict[str, float], AdapterWeights]] | None = None  # the one in flight
 
     @classmethod
     def build(cls, cfg: TrainConfig, *, trainer: LoraTrainerProcess, sync: WeightSync,
@@ -176,45 +182,22 @@ class AdapterRun:
         return next(p for p in self.parts if p.name == name)
 
     # ---- a step ----------------------------------------------------------------------------------------
-    def _start_rollout(self, part: AdapterPart) -> _Ahead:
-        position = part.cursor.position
-        tasks = [{"task": part.train_tasks[i]} for i in part.cursor.next(part.tasks_per_step)]
-
-        async def run() -> list[SessionRecord]:
-            groups = await part.scheduler.run(tasks, num_groups=part.tasks_per_step)
-            return [r for g in groups for r in g.records]
-
-        return _Ahead(position, asyncio.get_running_loop().create_task(run()))
-
     async def step(self, select: Callable[[list[SessionRecord]], list[Trajectory]], *,
                    ahead: bool) -> AdapterStep:
-        """One step of every adapter, each on its own pipeline (see the module doc): its sessions (started
-        ahead by the previous step, or now), `select(records)` (the trajectories to train on), its update and
-        the push of its new weights. With `ahead`, each adapter's sessions of the next step start right after
-        its push; `settle()` takes them back if that step does not run. An update runs in the trainer process
-        with this process's torch threads, or one fewer (at least one) while sessions are in flight: in-process
-        engines then decode beside it."""
-        step = self.trainer.step + 1
-        threads_all = torch.get_num_threads()
-        threads_beside = max(1, threads_all - 1)  # while sessions are in flight, the engines decode beside it
+        """One step of every adapter, each on its own pipeline (see the module doc): its sessions, `select(records)`
+        (the trajectories to train on), its update and the push of its new weights; an adapter's pipeline may
+        have started, or even finished, during the previous step. With `ahead` the loop commits the next step:
+        each adapter's pipeline of it starts right after this step's push (`settle()` takes back what a run
+        stopped by an error leaves). An update runs in the trainer process with this process's torch threads,
+        or one fewer (at least one) while sessions are in flight: in-process engines then decode beside it."""
+        index = self.trainer.step + 1
 
         async def one(part: AdapterPart) -> AdapterStep:
-            pending = self._ahead.pop(part.name, None) or self._start_rollout(part)
-            records = await pending.rollout
-            trajs = select(records)
-            metrics: dict[str, float] = {}
-            train_s = sync_s = 0.0
-            if trajs:
-                batch = TrajectoryBatch.from_trajectories(trajs)
-                async with self._updating:
-                    t0 = time.perf_counter()
-                    threads = threads_all if part.scheduler.router.inflight == 0 else threads_beside
-                    metrics, weights = await asyncio.to_thread(self._update, part.name, batch, threads)
-                    train_s = time.perf_counter() - t0
-                sync_s = await self._push(part.name, None, step, weights)
+            pending = self._ahead.pop(part.name, None) or self._start(part, select, index)
+            done = await pending.task
             if ahead:
-                self._ahead[part.name] = self._start_rollout(part)
-            return AdapterStep(records, trajs, metrics, train_s, sync_s)
+                self._ahead[part.name] = self._start(part, select, index + 1)
+            return done
 
         try:
             async with asyncio.TaskGroup() as tg:
@@ -227,22 +210,61 @@ class AdapterRun:
             metrics.update(d.metrics)
         metrics.update(self.trainer.end_step(tuple(p.name for p, d in zip(self.parts, done, strict=True) if d.trained)))
         return AdapterStep(records=[r for d in done for r in d.records], trained=[t for d in done for t in d.trained],
-                           metrics=metrics, train_s=sum(d.train_s for d in done), sync_s=sum(d.sync_s for d in done))
+                           metrics=metrics, rollout_s=max(d.rollout_s for d in done),
+                           train_s=sum(d.train_s for d in done), sync_s=sum(d.sync_s for d in done))
 
-    def _update(self, name: str, batch: TrajectoryBatch, threads: int) -> tuple[dict[str, float], AdapterWeights]:
+    def _start(self, part: AdapterPart, select: Callable[[list[SessionRecord]], list[Trajectory]],
+               index: int) -> _Pipeline:
+        """Start `part`'s pipeline of step `index` (the step number of its sync rows)."""
+        position = part.cursor.position
+        tasks = [{"task": part.train_tasks[i]} for i in part.cursor.next(part.tasks_per_step)]
+        run = self._pipeline(part, tasks, select, index)
+        return _Pipeline(position, asyncio.get_running_loop().create_task(run))
+
+    async def _pipeline(self, part: AdapterPart, tasks: list[dict[str, Any]],
+                        select: Callable[[list[SessionRecord]], list[Trajectory]], index: int) -> AdapterStep:
+        t0 = time.perf_counter()
+        groups = await part.scheduler.run(tasks, num_groups=part.tasks_per_step)
+        records = [r for g in groups for r in g.records]
+        rollout_s = time.perf_counter() - t0
+        trajs = select(records)
+        metrics: dict[str, float] = {}
+        train_s = sync_s = 0.0
+        if trajs:
+            batch = TrajectoryBatch.from_trajectories(trajs)
+            async with self._updating:
+                t1 = time.perf_counter()
+                threads_all = torch.get_num_threads()
+                threads = threads_all if part.scheduler.router.inflight == 0 else max(1, threads_all - 1)
+                # shielded: a cancelled step waits for the update it started (`settle`), as the trainer's pipe
+                # must not carry another call meanwhile
+                self._update = asyncio.ensure_future(asyncio.to_thread(self._train, part.name, batch, threads))
+                metrics, weights = await asyncio.shield(self._update)
+                self._update = None
+                train_s = time.perf_counter() - t1
+            sync_s = await self._push(part.name, None, index, weights)
+        return AdapterStep(records, trajs, metrics, rollout_s, train_s, sync_s)
+
+    def _train(self, name: str, batch: TrajectoryBatch, threads: int) -> tuple[dict[str, float], AdapterWeights]:
         """Adapter `name`'s update on `batch` with `threads` torch threads, and its new weights."""
         return self.trainer.train_adapter(name, batch, threads=threads), self.trainer.adapter_weights(name)
 
     async def settle(self) -> None:
-        """Take back the sessions started ahead for a step that will not run (the run ends before it): those
-        still running are aborted; every one is recorded once and none trains; each adapter's cursor returns to
-        where they began, so the final checkpoint, and a run resumed from it, count those tasks as not done."""
+        """Take back the pipelines of a step that will not run (a run stopped by an error or an interrupt): their
+        sessions still running are aborted and every one is recorded once; an update already running is waited
+        for, and no other starts; each adapter's cursor returns to where they began, so a run resumed from the
+        last checkpoint counts those tasks as not done."""
         ahead, self._ahead = self._ahead, {}
+        for pending in ahead.values():
+            pending.task.cancel()
         for name, pending in ahead.items():
-            pending.rollout.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await pending.rollout
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await pending.task
             self._part(name).cursor.position = pending.position
+        if self._update is not None:
+            with contextlib.suppress(Exception):
+                await self._update
+            self._update = None
 
     def observe(self, records: Sequence[SessionRecord], row: dict[str, Any]) -> None:
         """Add each adapter's rollout reward, success and session count to the step's `row` (as `NAME/...`,

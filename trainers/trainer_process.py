@@ -123,6 +123,11 @@ class TrainerProcess:
             return _recv(self._conn)
         except (EOFError, OSError):
             self._proc.join(timeout=5)
+            if what == "start":  # nothing trained yet: a resume would not help
+                raise TrainerProcessError(
+                    f"the trainer process exited (exit code {self._proc.exitcode}) while starting (its output is "
+                    "above); a script that starts a run when imported must do so under `if __name__ == "
+                    "\"__main__\":`, since the new process imports the script again") from None
             raise TrainerProcessError(f"the trainer process exited (exit code {self._proc.exitcode}) during "
                                       f"{what}; continue the run with --resume") from None
 
