@@ -5,10 +5,11 @@
   (target <= 1e-5; `tests/test_lora_trainer.py` asserts it).
 * **throughput**: `miles train` with 4 adapters at once vs 4 runs of one adapter each, same steps, same
   groups per adapter (so the same total samples), from the shipped Calculator warm start; each run in its own
-  process, RL time only (evaluation excluded), at each `--threads` count, in `--rounds` rounds one after the
-  other; each side is compared at its best count (on the 2-core box the tiny model runs faster on 1 torch
-  thread than on 2, alone and together, so 1 is the default). Memory: the base's bytes (held once by the 4-adapter run's
-  trainer process, once by its engine) against the adapters', and the peak RSS of the run and of its trainer process.
+  process, RL time only (evaluation excluded), and its steady state (the steps after the first
+  `--warmup-steps`), at each `--threads` count, in `--rounds` rounds one after the other; each side is compared
+  at its best count (on the 2-core box the tiny model runs faster on 1 torch thread than on 2, alone and
+  together, so 1 is the default). Memory: the base's bytes (held once by the 4-adapter run's trainer process,
+  once by its engine) against the adapters', and the peak RSS of the run and of its trainer process.
 * **engine**: decode throughput of the embedded engine at batch 32 with every row on one adapter vs rows
   spread over 4 adapters (and the base alone for reference), same prompts, same tokens (EOS ignored).
 
@@ -109,9 +110,11 @@ def equivalence(steps: int, groups: int) -> float:
 
 
 # ------------------------------------------------------------------------------------------- throughput
-def run_config(adapters: list[int], steps: int, tasks: int, out: str, device: str) -> dict:
-    """One `miles train` run (in this process) with the adapters `adapters` (indices into OPERATORS)."""
+def run_config(adapters: list[int], steps: int, tasks: int, out: str, device: str, warmup: int) -> dict:
+    """One `miles train` run (in this process) with the adapters `adapters` (indices into OPERATORS); the steady
+    state is its steps after the first `warmup`."""
     from miles.trainers.loop import TrainLoop
+    from miles.trainers.metrics_log import read_metrics
     from miles.trainers.train_config import load_train_config
 
     overrides = [f"output_dir={out}", f"steps={steps}", "max_seconds=null", "eval.num_tasks=4",
@@ -128,16 +131,18 @@ def run_config(adapters: list[int], steps: int, tasks: int, out: str, device: st
     last = max(Path(out, "checkpoints").glob("step_*"))  # the final checkpoint: every adapter's PEFT folder
     adapter_bytes = sum(f.stat().st_size for f in last.glob("adapters/*/adapter_model.safetensors"))
     sessions = len((Path(out) / "sessions.jsonl").read_text().splitlines())
+    steady = [r for r in read_metrics(Path(out) / "metrics.jsonl") if r["kind"] == "train"][warmup:]
     return {"rl_s": summary.seconds["rl"], "steps": summary.steps_done, "sessions": sessions,
+            "steady_s": sum(r["step_s"] for r in steady), "steady_sessions": sum(r["sessions"] for r in steady),
             "base_mb": base_bytes / 1e6, "adapter_mb": adapter_bytes / 1e6,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "trainer_rss_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}
 
 
-def child(adapters: list[int], steps: int, tasks: int, threads: int, device: str) -> dict:
+def child(adapters: list[int], steps: int, tasks: int, threads: int, device: str, warmup: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, __file__, "--child", ",".join(map(str, adapters)), "--steps", str(steps),
-               "--tasks", str(tasks), "--out", tmp, "--device", device]
+               "--tasks", str(tasks), "--out", tmp, "--device", device, "--warmup-steps", str(warmup)]
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
                               env={**os.environ, "OMP_NUM_THREADS": str(threads)})
     if proc.returncode != 0:
@@ -145,17 +150,21 @@ def child(adapters: list[int], steps: int, tasks: int, threads: int, device: str
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def throughput(steps: int, tasks: int, threads: list[int], rounds: int,
-               device: str) -> dict[int, list[tuple[dict, list[dict]]]]:
+def throughput(steps: int, tasks: int, threads: list[int], rounds: int, device: str,
+               warmup: int) -> dict[int, list[tuple[dict, list[dict]]]]:
     """Per torch thread count, `rounds` rounds of: the 4-adapter run, then the 4 single-adapter runs. On a GPU a
     4-adapter run goes first and is left out (the first process on a fresh machine compiles kernels)."""
     if device != "cpu":
-        child([0, 1, 2, 3], steps, tasks, threads[0], device)
-    return {t: [(child([0, 1, 2, 3], steps, tasks, t, device), [child([i], steps, tasks, t, device) for i in range(4)])
+        child([0, 1, 2, 3], steps, tasks, threads[0], device, warmup)
+    return {t: [(child([0, 1, 2, 3], steps, tasks, t, device, warmup),
+                 [child([i], steps, tasks, t, device, warmup) for i in range(4)])
                 for _ in range(rounds)] for t in threads}
 
 
-def rate(runs: list[dict]) -> float:
+def rate(runs: list[dict], *, steady: bool = False) -> float:
+    """Samples per second over the runs' RL time (or their steady state)."""
+    if steady:
+        return sum(r["steady_sessions"] for r in runs) / sum(r["steady_s"] for r in runs)
     return sum(r["sessions"] for r in runs) / sum(r["rl_s"] for r in runs)
 
 
@@ -208,7 +217,10 @@ def engine(size: str, device: str, batch: int, new_tokens: int, prompt_len: int,
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", choices=["equivalence", "throughput", "engine"], default=None)
-    p.add_argument("--steps", type=int, default=8, help="equivalence and throughput: RL steps")
+    p.add_argument("--steps", type=int, default=10, help="equivalence and throughput: RL steps")
+    p.add_argument("--warmup-steps", type=int, default=2,
+                   help="throughput: steps left out of each run's steady state (one-time costs: the first batches "
+                        "size the KV cache and the LoRA bank)")
     p.add_argument("--tasks", type=int, default=2, help="throughput: groups (of 8) per adapter and step")
     p.add_argument("--threads", type=int, nargs="+", default=[1],
                    help="throughput: torch thread counts to run both sides at (each side's best is compared)")
@@ -223,7 +235,7 @@ def main() -> None:
     args = p.parse_args()
     if args.child is not None:
         print(json.dumps(run_config([int(i) for i in args.child.split(",")], args.steps, args.tasks, args.out,
-                                    args.device)))
+                                    args.device, args.warmup_steps)))
         return
     lines = []
     if args.only in (None, "equivalence"):
@@ -231,7 +243,7 @@ def main() -> None:
         lines.append(f"equivalence: 3 adapters together vs each alone, {args.steps} steps: max |dw| = {worst:.2e} "
                      f"(target <= 1e-5)")
     if args.only in (None, "throughput"):
-        runs = throughput(args.steps, args.tasks, args.threads, args.rounds, args.device)
+        runs = throughput(args.steps, args.tasks, args.threads, args.rounds, args.device, args.warmup_steps)
         for t, rounds in runs.items():
             for i, (together, alone) in enumerate(rounds):
                 lines.append(f"throughput, {t} torch thread(s), round {i + 1}: 4 adapters at once "
@@ -246,7 +258,15 @@ def main() -> None:
                      f"{together['peak_rss_mb']:.0f} MB + trainer process {together['trainer_rss_mb']:.0f} MB (one "
                      f"single-adapter run: {alone[0]['peak_rss_mb']:.0f} + {alone[0]['trainer_rss_mb']:.0f} MB)")
         ratio = rate([r[0] for r in runs[best_t]]) / rate([a for r in runs[best_a] for a in r[1]])
-        lines.append(f"concurrent ({best_t} thread(s)) / sequential ({best_a} thread(s)), all rounds: {ratio:.2f}x")
+        steady = (rate([r[0] for r in runs[best_t]], steady=True)
+                  / rate([a for r in runs[best_a] for a in r[1]], steady=True))
+        for t, rounds in runs.items():
+            lines.append(f"steady state ({t} torch thread(s), first {args.warmup_steps} steps of each run left out), "
+                         f"per round: " + ", ".join(
+                             f"{rate([c], steady=True):.1f} vs {rate(a, steady=True):.1f} samples/s "
+                             f"({rate([c], steady=True) / rate(a, steady=True):.2f}x)" for c, a in rounds))
+        lines.append(f"concurrent ({best_t} thread(s)) / sequential ({best_a} thread(s)), all rounds: {ratio:.2f}x; "
+                     f"steady state: {steady:.2f}x")
     if args.only in (None, "engine"):
         rates = engine(args.model_size, args.device, args.batch, args.new_tokens, 32, args.repeats)
         base, one, mixed = rates["base"], rates["one adapter"], rates["4 adapters mixed"]
