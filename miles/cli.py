@@ -34,7 +34,7 @@ def _cmd_replay(args: argparse.Namespace, rest: list[str]) -> int:
 def _cmd_tito(args: argparse.Namespace) -> int:
     from miles.tito.check import format_report, run_check
 
-    report = run_check(args.tokenizer)
+    report = run_check(args.tokenizer, chat_template=args.chat_template)
     print(format_report(report))
     return 0 if report.ok else 1
 
@@ -112,7 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("tito", help="token-in/token-out tools")
     tito_sub = p.add_subparsers(dest="tito_command", required=True)
     c = tito_sub.add_parser("check", help="check a tokenizer's chat template for append-only rendering")
-    c.add_argument("--tokenizer", required=True, help="'tiny', 'qwen3', 'llama3' or a tokenizer folder")
+    c.add_argument("--tokenizer", required=True,
+                   help="'tiny', 'qwen3', 'llama3', 'smollm2-135m' or a tokenizer folder")
+    c.add_argument("--chat-template", default=None,
+                   help="a template override: 'chatml-tools', 'llama3-tools', 'compact' or a .jinja file")
 
     p = sub.add_parser("top", help="a live terminal view of a /metrics endpoint (miles train, miles rollout)")
     p.add_argument("url", help="host:port or URL of the endpoint, e.g. 127.0.0.1:9400")

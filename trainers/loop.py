@@ -29,9 +29,10 @@ from miles.trainers.data import TaskCursor, load_tasks
 from miles.trainers.demos import oracle_demos
 from miles.trainers.engine_setup import bounded_by_context, build_engine_set
 from miles.trainers.evaluate import EvalResult, evaluate, summarize
+from miles.trainers.health import UNTRAINABLE, SignalWatch, StepActivity, step_activity
 from miles.trainers.lora_process import LoraTrainerProcess
 from miles.trainers.metrics_log import MetricsLog
-from miles.trainers.models import build_policy, build_tito
+from miles.trainers.models import build_policy, build_tito, check_tools_reach_model
 from miles.trainers.output_dir import OutputDirLock, check_fresh_output_dir
 from miles.trainers.rollout_process import RolloutProcess
 from miles.trainers.train_config import TrainConfig
@@ -41,8 +42,6 @@ from miles.weight_sync import build_weight_sync
 
 log = logging.getLogger(__name__)
 
-# Sessions that ended for infrastructure reasons say nothing about the policy; they are recorded, not trained on.
-UNTRAINABLE = (TerminationReason.ENGINE_ERROR, TerminationReason.ABORTED, TerminationReason.ENV_ERROR)
 
 
 @dataclass
@@ -53,9 +52,13 @@ class RunSummary:
     steps_done: int
     evals: dict[str, dict[str, EvalResult]] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
+    #: Why the run stopped before its budget because it was broken (empty when it was not): the run then
+    #: reports this line and exit status 3, never a score.
+    broken: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {"output_dir": self.output_dir, "steps_done": self.steps_done, "seconds": self.seconds,
+                "broken": self.broken,
                 "evals": {stage: {m: r.to_dict() for m, r in res.items()} for stage, res in self.evals.items()}}
 
 
@@ -92,6 +95,16 @@ def split_by_reward_spread(trajs: list[Trajectory]) -> tuple[list[Trajectory], i
     return [t for g in kept for t in g], len(groups), len(groups) - len(kept)
 
 
+def progress_line(step: int, steps: int, row: dict[str, Any]) -> str:
+    """The console line of one RL step: reward and success, then whether the step could teach anything."""
+    return (f"[step {step}/{steps}] reward {row['rollout_reward_mean']:.3f}  "
+            f"success {row['rollout_success_rate']:.1%}  trained {row['trained_sessions']}/{row['sessions']}  "
+            f"zero-spread {row['rollout_zero_std_group_frac']:.0%}  "
+            f"tool calls/session {row['tool_calls_per_session']:.1f}  "
+            f"parse errors {row['tool_parse_failures']:.0f}  env errors {row['env_error_sessions']:.0f}  "
+            f"{row['step_s']:.1f} s")
+
+
 class TrainLoop:
     """One `miles train` run. `await run()` does SFT (if enabled), evaluation, and the RL steps."""
 
@@ -126,11 +139,12 @@ class TrainLoop:
         self.recipe = cfg.env.recipe
         self.recipe.make(split=cfg.env.train_split).close()  # imports the user's modules; fails early, in one line
         self.tito = build_tito(cfg.model)
-        self.model = build_policy(cfg.model, self.tito.tokenizer)
         self.train_recipe = self.recipe.with_kwargs(split=cfg.env.train_split)
         self.eval_recipe = self.recipe.with_kwargs(split=cfg.env.eval_split)
         self.train_tasks = load_tasks(self.recipe, cfg.env.train_split, cfg.env.num_train_tasks)
         self.eval_tasks = load_tasks(self.recipe, cfg.env.eval_split, cfg.eval.num_tasks, distinct=True)
+        await check_tools_reach_model(self.tito, self.train_recipe, self.train_tasks[0])  # before the model loads
+        self.model = build_policy(cfg.model, self.tito.tokenizer)
         self.cursor = TaskCursor(len(self.train_tasks), cfg.seed)
         # Engines copy the policy before the trainer wraps it (FSDP, Megatron conversion).
         self.engine_set = await build_engine_set(cfg.engine, self.model, self.tito.tokenizer, cfg.model.tokenizer)
@@ -155,6 +169,7 @@ class TrainLoop:
             self._close_trainer()
             raise
         self.eval_recorder = Recorder(self.out / "eval_sessions.jsonl")
+        self.watch = SignalWatch(cfg.health, warn=self.echo)
         self.session_metrics = SessionMetrics(self.observability.labels)
         self.version = self.sync.version  # the weights the trainer's policy was last synced as
         self.async_rollout: AsyncRollout | None = None
@@ -309,7 +324,7 @@ class TrainLoop:
                 and not (cfg.checkpoint.every and nxt % cfg.checkpoint.every == 0)
                 and (cfg.max_seconds is None or time.perf_counter() - t_start < cfg.max_seconds))
 
-    async def _rl_step(self, step: int, *, ahead: bool = False) -> dict[str, Any]:
+    async def _rl_step(self, step: int, *, ahead: bool = False) -> tuple[dict[str, Any], StepActivity]:
         cfg = self.cfg
         t0 = time.perf_counter()
         if self.lora is not None:  # every adapter on its own pipeline; updates and pushes happen inside
@@ -325,14 +340,14 @@ class TrainLoop:
             trajs = done.trained
         else:
             trajs = informative if cfg.rollout.drop_zero_std_groups else finished
+        activity = step_activity(records)
         row: dict[str, Any] = {
             "rollout_reward_mean": float(np.mean([r.reward for r in records])) if records else 0.0,
             "rollout_success_rate": (float(np.mean([bool(r.final_info.get("success")) for r in records]))
                                      if records else 0.0),
-            "sessions": len(records), "trained_sessions": len(trajs),
-            "timeout_sessions": sum(r.termination == TerminationReason.TIMEOUT for r in records),
+            "sessions": len(records), "trained_sessions": len(trajs), **activity.metrics(),
             "rollout_zero_std_group_frac": flat / num_groups if num_groups else 0.0,
-            "generated_tokens": sum(t.num_generated for t in trajs), "rollout_s": t_rollout, **extra,
+            "generated_tokens": sum(r.trajectory.num_generated for r in records), "rollout_s": t_rollout, **extra,
         }
         if self.lora is not None:
             if trajs:
@@ -364,7 +379,7 @@ class TrainLoop:
             self.session_metrics.observe_router(routing)
         self.metrics.write("train", step, **row)
         self.observability.run.observe_step(row)
-        return row
+        return row, activity
 
     async def _start_rollout_process(self, start_step: int, consumed: tuple[int, ...],
                                      resume_time: float | None) -> None:
@@ -441,10 +456,16 @@ class TrainLoop:
                     self.echo(f"[train] time budget of {cfg.max_seconds:.0f} s reached after {step} steps")
                     break
                 committed = self.lora is not None and self._runs_ahead(step, t_start)
-                row = await self._rl_step(step, ahead=committed)
+                row, activity = await self._rl_step(step, ahead=committed)
                 step += 1
-                self.echo(f"[step {step}/{cfg.steps}] reward {row['rollout_reward_mean']:.3f}  "
-                          f"success {row['rollout_success_rate']:.1%}  {row['step_s']:.1f} s")
+                self.echo(progress_line(step, cfg.steps, row))
+                diagnosis = self.watch.observe(activity)
+                if diagnosis and cfg.health.on_no_signal == "stop":
+                    self.summary.broken = diagnosis
+                    self.echo(f"[health] {diagnosis}. Stopping (health.on_no_signal: continue goes on).")
+                    break
+                if diagnosis:
+                    self.echo(f"[health] {diagnosis}. Going on (health.on_no_signal: continue).")
                 if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.steps:
                     await self._evaluate(f"step{step}")
                 if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
@@ -454,7 +475,7 @@ class TrainLoop:
             if self.async_rollout is not None:  # running sessions are aborted and recorded; then checkpoint
                 await self.async_rollout.close()
             self._checkpoint()
-            if step > start_step or "start" not in self.summary.evals:
+            if not self.summary.broken and (step > start_step or "start" not in self.summary.evals):
                 await self._evaluate("final")
             lingered = await self.observability.linger(self.echo)
         finally:

@@ -8,7 +8,14 @@ from typing import Any
 import torch
 
 from miles.config import ConfigError
-from miles.tito import ChatTemplateError, TITOTokenizer, TokenizerSpec, TokenizerSpecError
+from miles.envs import EnvRecipe, Task
+from miles.tito import (
+    ChatTemplateError,
+    TemplateDropsToolsError,
+    TITOTokenizer,
+    TokenizerSpec,
+    TokenizerSpecError,
+)
 from miles.trainers.train_config import ModelConfig
 
 
@@ -25,6 +32,19 @@ def build_tito(cfg: ModelConfig) -> TITOTokenizer:
         raise ModelSpecError("model.chat_template", str(exc)) from exc
     except TokenizerSpecError as exc:
         raise ModelSpecError("model.tokenizer", str(exc)) from exc
+
+
+async def check_tools_reach_model(tito: TITOTokenizer, recipe: EnvRecipe, task: Task) -> None:
+    """`ModelSpecError` on `model.chat_template` when the template would not show the env's tools to the model:
+    `task`'s first prompt is rendered with and without its tool schemas, as a session renders it."""
+    env = recipe.make()
+    try:
+        messages, _ = await env.areset(options={"task": task})
+        tito.check_renders_tools(messages, list(env.tool_schemas()))
+    except TemplateDropsToolsError as exc:
+        raise ModelSpecError("model.chat_template", str(exc)) from None
+    finally:
+        await env.aclose()
 
 
 def build_policy(cfg: ModelConfig, tokenizer: Any) -> torch.nn.Module:

@@ -80,6 +80,15 @@ def run_loop(cfg: TrainConfig, args: argparse.Namespace, *, resume: bool) -> int
     finally:
         stop_workers(getattr(loop, "trainer", None))
     leave_process_group()
+    return report(summary, cfg, args)
+
+
+def report(summary: RunSummary, cfg: TrainConfig, args: argparse.Namespace) -> int:
+    """Print the final table and return 0; a run that stopped broken prints its one line instead, exit 3."""
+    if summary.broken:
+        print(f"miles {args.command}: the run is broken: {summary.broken} (run dir: {summary.output_dir})",
+              file=sys.stderr)
+        return 3
     print(format_summary(summary, cfg))
     return 0
 
@@ -93,8 +102,7 @@ def run_on_ray_cli(cfg: TrainConfig, args: argparse.Namespace, *, resume: bool) 
     except (RolloutManagerError, TrainerRankError) as exc:  # the run stopped; its checkpoints are intact
         print(f"miles {args.command}: {exc}", file=sys.stderr)
         return 1
-    print(format_summary(summary, cfg))
-    return 0
+    return report(summary, cfg, args)
 
 
 def run_from_cli(args: argparse.Namespace) -> int:

@@ -13,6 +13,7 @@ from miles.observability import ObservabilityConfig
 from miles.sessions.config import SchedulerConfig, SessionConfig
 from miles.sessions.openai_config import AgentConfig
 from miles.trainers.cluster_config import ClusterConfig
+from miles.trainers.health import HealthConfig
 from miles.trainers.lora_config import LoraSpec, check_adapters
 from miles.trainers.trainer_config import (
     AlgorithmConfig,
@@ -316,6 +317,7 @@ class TrainConfig:
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     asynchronous: AsyncConfig = field(default_factory=AsyncConfig, metadata={"key": "async"})
     cluster: ClusterConfig = field(default_factory=ClusterConfig)  # where the roles run: here, or on Ray
+    health: HealthConfig = field(default_factory=HealthConfig)  # when a run that is not learning stops
     adapters: list[AdapterConfig] = field(default_factory=list)
 
     def __post_init__(self) -> None:

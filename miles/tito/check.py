@@ -15,6 +15,7 @@ from miles.engine import FinishReason
 from miles.tito.errors import DeltaPrefixError
 from miles.tito.loading import load_tokenizer
 from miles.tito.report import TITOReport
+from miles.tito.spec import resolve_chat_template
 from miles.tito.tokenizer import MessageLike, TITOTokenizer
 from miles.types import Message, ToolCall
 
@@ -180,10 +181,12 @@ def play(tito: TITOTokenizer, scenario: Scenario) -> TITOReport:
 
 
 def run_check(tokenizer_spec: str | Path | Any, family: str | None = None,
-              chat_template_kwargs: dict[str, Any] | None = None) -> CheckReport:
-    """Run the battery through one tokenizer: a spec for `load_tokenizer`, or a loaded HF tokenizer."""
+              chat_template_kwargs: dict[str, Any] | None = None, chat_template: str | None = None) -> CheckReport:
+    """Run the battery through one tokenizer: a spec for `load_tokenizer`, or a loaded HF tokenizer, with an
+    optional chat-template override (a `CHAT_TEMPLATES` name or a .jinja path)."""
     tok = load_tokenizer(tokenizer_spec) if isinstance(tokenizer_spec, str | Path) else tokenizer_spec
-    tito = TITOTokenizer(tok, family, chat_template_kwargs=chat_template_kwargs)
+    tito = TITOTokenizer(tok, family, chat_template=resolve_chat_template(chat_template),
+                         chat_template_kwargs=chat_template_kwargs)
     results = []
     for sc in scenarios():
         try:
@@ -198,6 +201,8 @@ def run_check(tokenizer_spec: str | Path | Any, family: str | None = None,
                                       explanations=explanations,
                                       error=None if report.ok else report.summary()))
     name = str(tokenizer_spec) if isinstance(tokenizer_spec, str | Path) else getattr(tok, "name_or_path", "")
+    if chat_template:
+        name += f" + {chat_template}"
     return CheckReport(tokenizer=name, family=tito.family, handler=tito.handler.description, scenarios=results)
 
 

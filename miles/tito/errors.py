@@ -20,6 +20,11 @@ class TokenizerSpecError(TITOError):
     """`load_tokenizer` got a spec that is neither a known name nor a tokenizer folder."""
 
 
+class TemplateDropsToolsError(TITOError):
+    """The chat template does not show the tool schemas to the model: a prompt renders the same with and
+    without them (or leaves a tool's name out)."""
+
+
 class DeltaPrefixError(TITOError):
     """The shorter render is not a token prefix of the longer one: the template is not append-only there."""
 

@@ -4,18 +4,18 @@ kwargs). Sessions record it, so a replay renders with exactly the template the r
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from miles.tito.errors import TokenizerSpecError
-from miles.tito.loading import load_tokenizer
+from miles.tito.loading import TEMPLATES_DIR, load_tokenizer
 from miles.tito.tokenizer import TITOTokenizer
 
 
 class ChatTemplateError(TokenizerSpecError):
-    """A chat-template override is neither a known name ("compact") nor a template file."""
+    """A chat-template override is neither a known name (see `CHAT_TEMPLATES`) nor a template file."""
 
 
 def _compact() -> str:
@@ -24,20 +24,31 @@ def _compact() -> str:
     return compact_chat_template()
 
 
-#: Named chat-template overrides.
-CHAT_TEMPLATES = {"compact": _compact}
+def _shipped(file_name: str) -> Callable[[], str]:
+    return lambda: (TEMPLATES_DIR / file_name).read_text(encoding="utf-8")
+
+
+#: Named chat-template overrides: "compact" (the tiny kit's short tool prompt: signatures instead of JSON
+#: schemas), "chatml-tools" (ChatML with Hermes / Qwen2.5-style tool calls, for ChatML models whose own template
+#: drops `tools`, such as SmolLM2) and "llama3-tools" (Llama 3.x JSON tool calls with `ipython` tool turns).
+CHAT_TEMPLATES: dict[str, Callable[[], str]] = {
+    "compact": _compact,
+    "chatml-tools": _shipped("chatml_tools.jinja"),
+    "llama3-tools": _shipped("llama3_tools.jinja"),
+}
 
 
 def resolve_chat_template(name: str | None) -> str | None:
-    """The template text of an override: None for none (the tokenizer's own), a name in `CHAT_TEMPLATES`
-    ("compact": the tiny kit's short tool prompt), or the path of a Jinja file."""
+    """The template text of an override: None for none (the tokenizer's own), a name in `CHAT_TEMPLATES`,
+    or the path of a Jinja file."""
     if not name:
         return None
     if name in CHAT_TEMPLATES:
         return CHAT_TEMPLATES[name]()
     path = Path(name)
     if not path.is_file():
-        raise ChatTemplateError(f"{name!r}: use {' or '.join(repr(n) for n in CHAT_TEMPLATES)} or a .jinja file")
+        raise ChatTemplateError(f"{name!r} is neither a template name ({', '.join(CHAT_TEMPLATES)}) nor a .jinja "
+                                "file")
     return path.read_text(encoding="utf-8")
 
 

@@ -6,7 +6,7 @@ import json
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from miles.tito.errors import DeltaPrefixError, TITOError
+from miles.tito.errors import DeltaPrefixError, TemplateDropsToolsError, TITOError
 from miles.tito.families import FamilyHandler, detect_family, get_handler, template_source
 from miles.types import Message
 
@@ -67,6 +67,26 @@ class TITOTokenizer:
         return self.tokenizer.apply_chat_template(
             as_dicts(messages), tools=tools or None, chat_template=self.chat_template, tokenize=False,
             add_generation_prompt=add_generation_prompt, **self.chat_template_kwargs)
+
+    def check_renders_tools(self, messages: Sequence[MessageLike], tools: list[dict] | None) -> None:
+        """`TemplateDropsToolsError` unless the chat template shows `tools` to the model: the prompt of
+        `messages` must differ with and without them, and name every tool. No tools: nothing to check."""
+        if not tools:
+            return
+        with_tools = self.render_text(messages, tools, add_generation_prompt=True)
+        without = self.render_text(messages, None, add_generation_prompt=True)
+        names = [str((t.get("function") or t).get("name") or "") for t in tools]
+        missing = [n for n in names if n and n not in with_tools]
+        if with_tools != without and not missing:
+            return
+        fix = {"llama3": "llama3-tools"}.get(self.family, "chatml-tools")
+        what = ("renders the prompt the same with and without its tool schemas" if with_tools == without
+                else f"leaves out {len(missing)} of the {len(names)} tools ({', '.join(missing[:3])})")
+        name = self.spec.tokenizer if self.spec is not None else getattr(self.tokenizer, "name_or_path", "")
+        raise TemplateDropsToolsError(
+            f"the chat template of tokenizer {name!r} {what}, so "
+            f"the model would never see its tools: set model.chat_template: {fix} (or a .jinja file that renders "
+            "`tools`)")
 
     def encode(self, text: str) -> list[int]:
         """Ids of `text` with no BOS/EOS added (templates write their own)."""

@@ -1,0 +1,96 @@
+"""A run says when it is not learning: every step counts its sessions by termination, tool calls and
+unparsable calls, and after `health.no_signal_steps` steps without one group of differing rewards the run
+stops with a one-line diagnosis and exit status 3 (or goes on with `health.on_no_signal: continue`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from miles.cli import main
+from miles.sessions.records import ErrorInfo
+from miles.trainers.health import HealthConfig, SignalWatch, StepActivity, diagnose
+from miles.trainers.metrics_log import read_metrics
+
+REPO = Path(__file__).resolve().parents[1]
+MAIN_JOB = str(REPO / "configs" / "calculator.yaml")
+
+
+def _activity(sessions: int = 8, *, informative: int = 0, calls: int = 8, failures: int = 0,
+              ends: dict[str, int] | None = None, rewards: tuple[float, ...] = (0.0,)) -> StepActivity:
+    return StepActivity(sessions=sessions, groups=2, informative_groups=informative, tool_calls=calls,
+                        parse_failures=failures, terminations=ends or {"done": sessions},
+                        rewards=frozenset(rewards), has_tools=True)
+
+
+def test_each_cause_of_no_signal_is_named():
+    assert "no session finished" in diagnose([_activity(0, ends={})])
+    assert "6 of 8 sessions ended engine_error" in diagnose([_activity(ends={"engine_error": 6, "done": 2})])
+    assert "8 of 8 sessions ended env_error" in diagnose([_activity(ends={"env_error": 8})])
+    assert "no session called a tool" in diagnose([_activity(calls=0)])
+    assert "5 of 8 tool calls could not be parsed" in diagnose([_activity(failures=5)])
+    text = diagnose([_activity(rewards=(0.0,)), _activity(rewards=(1.0,))])
+    assert text.startswith("nothing trained in 2 steps: every group's samples got the same reward (0, 1)")
+
+
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=40), st.integers(1, 6))
+def test_the_watch_fires_exactly_when_n_steps_in_a_row_had_no_signal(informative, limit):
+    watch = SignalWatch(HealthConfig(no_signal_steps=limit), warn=lambda line: None)
+    run = 0
+    for n in informative:
+        run = 0 if n else run + 1
+        fired = watch.observe(_activity(informative=n)) is not None
+        assert fired == (run == limit), (informative, limit)
+
+
+def test_the_first_env_error_of_each_kind_is_one_warning():
+    lines: list[str] = []
+    watch = SignalWatch(HealthConfig(), warn=lines.append)
+    err = ErrorInfo("step", "KeyError", "'flights'\nmore")
+    for _ in range(3):
+        watch.observe(StepActivity(sessions=1, groups=1, informative_groups=1, tool_calls=0, parse_failures=0,
+                                   env_errors=(("train-s7", err),)))
+    assert lines == ["[warn] session train-s7 ended env_error in step: KeyError: 'flights' (later ones are counted "
+                     "in env_error_sessions)"]
+
+
+def _untrained(tmp_path: Path, *extra: str) -> list[str]:
+    """The calculator example on a fresh (untrained) 0.1m model: no session ever earns a reward."""
+    return ["train", "--config", MAIN_JOB, "--output-dir", str(tmp_path / "run"), "--set", "model.init_from=null",
+            "--set", "model.size=0.1m", "--set", "steps=6", "--set", "rollout.tasks_per_step=2", "--set",
+            "eval.num_tasks=4", "--set", "health.no_signal_steps=3", *extra]
+
+
+def test_a_run_that_never_learns_stops_with_exit_3_and_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    assert main(_untrained(tmp_path)) == 3
+    out, err = capsys.readouterr()
+    assert err.count("\n") == 1 and err.startswith("miles train: the run is broken: nothing trained in 3 steps: ")
+    assert "held-out success" not in out and "RL gain" not in out  # no score
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps_done"] == 3 and summary["broken"].startswith("nothing trained in 3 steps")
+    assert "final" not in summary["evals"]
+    rows = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "train"]
+    assert [r["informative_groups"] for r in rows] == [0.0, 0.0, 0.0]
+    assert all(r["generated_tokens"] > 0 and r["trained_sessions"] == 0 for r in rows)  # every session counts
+    assert all(r["done_sessions"] + r["max_turns_sessions"] == r["sessions"] == 16 for r in rows)
+
+
+def test_on_no_signal_continue_reports_once_and_runs_every_step(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    assert main(_untrained(tmp_path, "--set", "health.on_no_signal=continue")) == 0
+    out = capsys.readouterr().out
+    assert out.count("[health] nothing trained in 3 steps") == 1 and "Going on" in out
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps_done"] == 6
+
+
+def test_the_calculator_example_does_not_stop(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    assert main(["train", "--config", MAIN_JOB, "--output-dir", str(tmp_path / "run"), "--set", "steps=4",
+                 "--set", "eval.num_tasks=4", "--set", "health.no_signal_steps=2"]) == 0
+    out = capsys.readouterr().out
+    assert "[health]" not in out and "RL gain (greedy)" in out
+    assert "tool calls/session" in out and "trained " in out

@@ -1,0 +1,150 @@
+"""Whether a run is learning: what each step's sessions did, and a one-line diagnosis when nothing has trained
+for `health.no_signal_steps` steps in a row.
+
+A step gives GRPO a signal only through a group whose rewards differ. A run whose groups all score alike (the
+model never calls its tools, its calls never parse, the env fails, or the task is out of reach) spends its
+whole budget on zero gradients; this module says so, and why, instead of printing a table.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from miles.config import ConfigError
+from miles.sessions.records import ErrorInfo, SessionRecord
+from miles.types import TerminationReason
+
+#: Sessions that ended for infrastructure reasons say nothing about the policy: recorded, never trained on.
+UNTRAINABLE = (TerminationReason.ENGINE_ERROR, TerminationReason.ABORTED, TerminationReason.ENV_ERROR)
+
+
+@dataclass(frozen=True)
+class HealthConfig:
+    """The `health:` section: when a run that is not learning stops.
+
+    - `no_signal_steps`: after this many steps in a row without one group of differing rewards (nothing to
+      learn from), the run prints a one-line diagnosis and stops with exit status 3; 0 never stops.
+    - `on_no_signal`: `stop` (the default), or `continue`: print the diagnosis once and go on.
+    """
+
+    no_signal_steps: int = 20
+    on_no_signal: Literal["stop", "continue"] = "stop"
+
+    def __post_init__(self) -> None:
+        if self.no_signal_steps < 0:
+            raise ConfigError("no_signal_steps", f"must be >= 0 (0: never stop), got {self.no_signal_steps}")
+
+
+@dataclass(frozen=True)
+class StepActivity:
+    """What one step's sessions did: counts by termination, tool calls, unparsable calls, and the groups
+    whose rewards differ (the ones GRPO learns from)."""
+
+    sessions: int
+    groups: int
+    informative_groups: int
+    tool_calls: int
+    parse_failures: int
+    terminations: dict[str, int] = field(default_factory=dict)
+    rewards: frozenset[float] = frozenset()
+    has_tools: bool = False
+    env_errors: tuple[tuple[str, ErrorInfo], ...] = ()  # (session id, error) of each env_error session
+
+    def metrics(self) -> dict[str, float]:
+        """The step's row entries: `<termination>_sessions` for every termination, tool calls per session,
+        unparsable tool calls and the share of groups with no reward spread."""
+        row: dict[str, float] = {f"{reason.value}_sessions": float(self.terminations.get(reason.value, 0))
+                                 for reason in TerminationReason}
+        row["tool_calls_per_session"] = self.tool_calls / self.sessions if self.sessions else 0.0
+        row["tool_parse_failures"] = float(self.parse_failures)
+        row["informative_groups"] = float(self.informative_groups)
+        return row
+
+
+def step_activity(records: Iterable[SessionRecord]) -> StepActivity:
+    """Summarise one step's sessions (the infrastructure failures count as sessions, never as signal)."""
+    records = list(records)
+    groups: dict[str, set[float]] = {}
+    calls = failures = 0
+    for r in records:
+        if r.termination not in UNTRAINABLE and r.trajectory.num_generated:
+            groups.setdefault(r.group_id or r.session_id, set()).add(float(r.reward))
+        for turn in r.turns:
+            calls += len(turn.tool_calls)
+            failures += sum(1 for c in turn.tool_calls if c.get("parse_error"))
+    return StepActivity(
+        sessions=len(records), groups=len(groups), informative_groups=sum(len(g) > 1 for g in groups.values()),
+        tool_calls=calls, parse_failures=failures,
+        terminations=dict(Counter(r.termination.value for r in records)),
+        rewards=frozenset(float(r.reward) for r in records), has_tools=any(r.tools for r in records),
+        env_errors=tuple((r.session_id, r.error) for r in records
+                         if r.termination == TerminationReason.ENV_ERROR and r.error is not None))
+
+
+def diagnose(window: list[StepActivity]) -> str:
+    """Why the steps of `window` gave nothing to learn from, most basic cause first."""
+    n = len(window)
+    sessions = sum(a.sessions for a in window)
+    ends: Counter[str] = Counter()
+    for a in window:
+        ends.update(a.terminations)
+    calls = sum(a.tool_calls for a in window)
+    failures = sum(a.parse_failures for a in window)
+    head = f"nothing trained in {n} steps"
+    if not sessions:
+        return f"{head}: no session finished"
+    for reason, cause in ((TerminationReason.ENGINE_ERROR, "the engines failed them"),
+                          (TerminationReason.ENV_ERROR, "the env raised (see each record's `error`)"),
+                          (TerminationReason.TIMEOUT, "they ran out of time"),
+                          (TerminationReason.ABORTED, "they were aborted")):
+        if ends[reason.value] * 2 > sessions:
+            return f"{head}: {ends[reason.value]} of {sessions} sessions ended {reason.value}: {cause}"
+    if any(a.has_tools for a in window) and calls == 0:
+        return (f"{head}: no session called a tool ({sessions} sessions answered without them); the model does "
+                "not use the tool format its prompt shows: warm start it with SFT (sft.enabled: true)")
+    if calls and failures * 2 > calls:
+        return (f"{head}: {failures} of {calls} tool calls could not be parsed; the model's tool-call format "
+                "does not match the env's parser: warm start it with SFT (sft.enabled: true)")
+    rewards = sorted(set().union(*(a.rewards for a in window)))
+    seen = ", ".join(f"{r:g}" for r in rewards[:4]) + (", ..." if len(rewards) > 4 else "")
+    return (f"{head}: every group's samples got the same reward ({seen}), so GRPO has no signal; the task is "
+            "out of reach (or solved) for this policy: warm start with SFT, make the task easier, or raise "
+            "rollout.scheduler.group_size")
+
+
+class SignalWatch:
+    """Counts the steps in a row with no informative group; `observe` returns the diagnosis once they reach
+    `config.no_signal_steps` (then, with `on_no_signal: continue`, again only after a step that learned).
+
+    `warn` gets one line the first time each new kind of env error appears, naming the session.
+    """
+
+    def __init__(self, config: HealthConfig, warn: Callable[[str], None] = print) -> None:
+        self.config = config
+        self.warn = warn
+        self.window: list[StepActivity] = []
+        self.reported = False
+        self._env_errors_seen: set[str] = set()
+
+    def observe(self, activity: StepActivity) -> str | None:
+        """Take one step; the diagnosis when the run has gone `no_signal_steps` steps without a signal."""
+        for session_id, error in activity.env_errors:
+            kind = f"{error.where}:{error.type}"
+            if kind not in self._env_errors_seen:
+                self._env_errors_seen.add(kind)
+                first_line = error.message.splitlines()[0][:200] if error.message else ""
+                self.warn(f"[warn] session {session_id} ended env_error in {error.where}: {error.type}: "
+                          f"{first_line} (later ones are counted in env_error_sessions)")
+        if activity.informative_groups:
+            self.window.clear()
+            self.reported = False
+            return None
+        self.window.append(activity)
+        limit = self.config.no_signal_steps
+        if not limit or len(self.window) < limit or self.reported:
+            return None
+        self.reported = True
+        return diagnose(self.window[-limit:])
