@@ -94,3 +94,21 @@ def test_the_calculator_example_does_not_stop(tmp_path, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "[health]" not in out and "RL gain (greedy)" in out
     assert "tool calls/session" in out and "trained " in out
+
+
+def test_sft_shows_progress_and_ends_within_the_runs_budget_with_its_weights_saved(tmp_path, capsys, monkeypatch):
+    """`miles sft` prints its steps, loss and ETA as it goes, stops at the run's `max_seconds` (its own
+    `sft.max_seconds` unset, 1,000 epochs asked for) and still syncs and saves what it trained."""
+    monkeypatch.chdir(REPO)
+    save_to = tmp_path / "warm"
+    assert main(["sft", "--config", str(REPO / "configs" / "calculator_sft.yaml"), "--output-dir",
+                 str(tmp_path / "run"), "--set", "max_seconds=6", "--set", "sft.num_demos=64", "--set",
+                 "sft.epochs=1000", "--set", "sft.target_success=null", "--set", f"sft.save_to={save_to}",
+                 "--set", "eval.num_tasks=4"]) == 0
+    out = capsys.readouterr().out
+    assert "[sft] building 64 oracle demonstrations" in out and "steps of 32 within " in out
+    progress = [line for line in out.splitlines() if line.startswith("[sft] step ")]
+    assert progress and all(" loss " in line and " ETA " in line and "/2000 " in line for line in progress)
+    assert "(ended by its budget of " in out and f"saved to {save_to}" in out
+    assert (save_to / "config.json").is_file() and any(save_to.glob("*.safetensors"))
+    assert "after SFT" in out  # the table of `miles sft`: held-out success of the saved weights

@@ -246,12 +246,28 @@ class TrainLoop:
         self.trainer.begin_sft(self.cfg.sft.lr, warmup_steps=self.cfg.sft.warmup_steps)
         return self.trainer
 
-    async def _sft(self) -> None:
+    def _sft_budget(self, t_run: float) -> float | None:
+        """Seconds SFT may take: `sft.max_seconds`, and within the run's own `max_seconds` (counted from
+        `t_run`, the run's start), whichever ends first; None for no limit."""
+        limits = [self.cfg.sft.max_seconds]
+        if self.cfg.max_seconds is not None:
+            limits.append(self.cfg.max_seconds - (time.perf_counter() - t_run))
+        limits = [x for x in limits if x is not None]
+        return min(limits) if limits else None
+
+    async def _sft(self, t_run: float) -> None:
+        """Train on oracle demonstrations until the epochs, the validation target or the budget end; the
+        weights are then synced (and saved to `sft.save_to`) however it ended."""
         cfg, sft = self.cfg, self.cfg.sft
         t0 = time.perf_counter()
+        budget = self._sft_budget(t_run)
+        self.echo(f"[sft] building {sft.num_demos} oracle demonstrations ...")
         demos = await oracle_demos(self.train_recipe.make, self.train_tasks[: sft.num_demos], self.tito)
+        total = sft.epochs * -(-len(demos) // sft.batch_size)
+        self.echo(f"[sft] {len(demos)} demonstrations in {time.perf_counter() - t0:.1f} s; {total} steps of "
+                  f"{sft.batch_size}" + (f" within {budget:.0f} s" if budget is not None else ""))
         rng = random.Random(cfg.seed)
-        steps = 0
+        steps, reason, t_train, last_echo = 0, "all epochs", time.perf_counter(), 0.0
         sft_trainer = self._sft_trainer()
         # Validation for the early stop: distinct training prompts, never the held-out split.
         val_tasks = (load_tasks(self.recipe, cfg.env.train_split, sft.check_tasks, distinct=True)
@@ -263,9 +279,16 @@ class TrainLoop:
                 batch = TrajectoryBatch.from_trajectories([demos[j] for j in order[i:i + sft.batch_size]])
                 m = sft_trainer.sft_step(batch)
                 steps += 1
+                now = time.perf_counter()
                 if steps % 10 == 0:
                     self.metrics.write("sft", steps, epoch=epoch, loss=m["loss"], lr=m["lr"])
-                if sft.max_seconds is not None and time.perf_counter() - t0 > sft.max_seconds:
+                if now - last_echo >= 10 or steps == total:
+                    last_echo = now
+                    eta = (now - t_train) / steps * (total - steps)
+                    self.echo(f"[sft] step {steps}/{total}  epoch {epoch + 1}/{sft.epochs}  loss {m['loss']:.3f}  "
+                              f"{now - t0:.0f} s  ETA {eta:.0f} s")
+                if budget is not None and now - t0 > budget:
+                    reason = f"its budget of {budget:.0f} s"
                     break
                 if val_tasks and steps >= sft.min_steps and steps % sft.check_every == 0:
                     await self._sync()
@@ -276,6 +299,7 @@ class TrainLoop:
                     self.echo(f"[sft] step {steps}: loss {m['loss']:.3f}, validation success "
                               f"{val.success_rate:.1%}")
                     if val.success_rate >= sft.target_success:
+                        reason = f"validation success {val.success_rate:.1%} >= {sft.target_success:.1%}"
                         break
             else:
                 continue
@@ -286,7 +310,8 @@ class TrainLoop:
             self.trainer.save_pretrained(sft.save_to)
             self.tito.tokenizer.save_pretrained(sft.save_to)
         self.summary.seconds["sft"] = time.perf_counter() - t0
-        self.echo(f"[sft] {len(demos)} oracle demos, {steps} steps in {self.summary.seconds['sft']:.1f} s")
+        self.echo(f"[sft] {len(demos)} oracle demos, {steps} steps in {self.summary.seconds['sft']:.1f} s (ended by "
+                  f"{reason})" + (f"; saved to {sft.save_to}" if sft.save_to else ""))
 
     async def _rollout(self) -> tuple[list[SessionRecord], dict[str, float]]:
         """This step's sessions: run now (synchronous loop), or taken from the rollout process."""
@@ -439,7 +464,7 @@ class TrainLoop:
                     await self.lora.restore(ckpt, start_step)
                 self.echo(f"[resume] from {ckpt.path.name}: step {start_step}")
             elif cfg.sft.enabled:
-                await self._sft()
+                await self._sft(t_start)
             elif cfg.model.init_from or cfg.engine.kind != "embedded":
                 await self._sync()
             if self.lora is not None and start_step == 0:
