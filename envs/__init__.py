@@ -13,6 +13,7 @@ from miles.envs.base import (
     OraclePolicy,
     ResetNeededError,
 )
+from miles.envs.bfcl import CATEGORIES as BFCL_CATEGORIES
 from miles.envs.episode import EpisodeResult, arun_episode, run_episode
 from miles.envs.hooks import HookDefinitionError, cleanup, reward, stop_condition
 from miles.envs.recipe import EnvRecipe, import_user_modules
@@ -25,6 +26,8 @@ register("Calculator-v0", "miles.envs.calculator:CalculatorEnv")
 register("SQL-v0", "miles.envs.sql:SQLEnv")
 register("Orders-v0", "miles.envs.orders:OrdersEnv")
 register("PythonSandbox-v0", "miles.envs.python_sandbox:PythonSandboxEnv")
+for _bfcl_id, _category in BFCL_CATEGORIES.items():  # needs bfcl-eval when made (the [bfcl] extra)
+    register(_bfcl_id, "miles.envs.bfcl:BFCLMultiTurnEnv", category=_category)
 
 __all__ = [
     "Env", "EnvError", "EnvRecipe", "EnvSpec", "EpisodeOverError", "EpisodeResult", "HookDefinitionError",

@@ -28,7 +28,10 @@ class UnknownTaskError(KeyError):
 
 @dataclass
 class Task:
-    """One episode's problem: the user prompt, the reference answer and any extra data the env needs."""
+    """One episode's problem: the user prompt, the reference answer and any extra data the env needs.
+
+    Splits hash the prompt, or `data["split_key"]` where tasks with different prompts must land on the same
+    side (variants of one problem)."""
 
     id: str
     prompt: str
@@ -68,7 +71,8 @@ class _SplitFilter:
     keep_held_out: bool
 
     def __call__(self, task: Task) -> bool:
-        return (_split_bucket(task.prompt, self.salt) < self.held_out) == self.keep_held_out
+        key = str(task.data.get("split_key", task.prompt))
+        return (_split_bucket(key, self.salt) < self.held_out) == self.keep_held_out
 
 
 class TaskSource:
@@ -222,7 +226,8 @@ class TaskSource:
 
     # ---- splitting ----------------------------------------------------------------------------------
     def split(self, held_out: float = 0.1, *, salt: str = "") -> tuple[TaskSource, TaskSource]:
-        """Deterministic (train, held_out) parts; a task is held out when the hash of its prompt says so.
+        """Deterministic (train, held_out) parts; a task is held out when the hash of its prompt (or split key)
+        says so.
 
         Splitting by prompt keeps identical prompts (which generators produce) on one side only.
         """

@@ -57,6 +57,12 @@ def _cmd_sft(args: argparse.Namespace) -> int:
     return sft_from_cli(args)
 
 
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from miles.trainers.run import eval_from_cli
+
+    return eval_from_cli(args)
+
+
 def _cmd_export(args: argparse.Namespace) -> int:
     from miles.trainers.lora_export import export_adapter
 
@@ -130,12 +136,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--merge", action="store_true", help="merge the adapter into the base: an ordinary HF folder")
 
     for name, help_text in (("train", "run an agent-RL experiment from a YAML config"),
-                            ("sft", "supervised warm-start on an environment's oracle demonstrations")):
+                            ("sft", "supervised warm-start on an environment's oracle demonstrations"),
+                            ("eval", "held-out success per env (the config's env and eval.envs) of the config's "
+                                     "model or of a run's newest weights")):
         p = sub.add_parser(name, help=help_text)
         p.add_argument("--config", required=True, help="a YAML config file")
         p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="dotted override, e.g. --set trainer.lr=1e-5 (repeatable)")
-        p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in the run dir")
+        if name == "eval":
+            p.add_argument("--run", default=None, help="a `miles train` run folder: evaluate its newest checkpoint")
+        else:
+            p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in the run dir")
         p.add_argument("--output-dir", default=None, help="overrides the config's output_dir")
         p.add_argument("--seed", type=int, default=None, help="overrides the config's seed")
         p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
@@ -155,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         return _cmd_replay(argparse.Namespace(), argv[1:])
     args = build_parser().parse_args(argv)
     handlers = {"envs": _cmd_envs, "rollout": _cmd_rollout, "tito": _cmd_tito, "top": _cmd_top, "train": _cmd_train,
-                "sft": _cmd_sft, "export": _cmd_export}
+                "sft": _cmd_sft, "eval": _cmd_eval, "export": _cmd_export}
     from miles.config import ConfigError
 
     try:

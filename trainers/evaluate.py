@@ -13,6 +13,10 @@ from miles.sessions.config import SchedulerConfig
 from miles.sessions.recorder import Recorder
 from miles.sessions.records import SessionRecord
 from miles.sessions.scheduler import SessionScheduler
+from miles.trainers.data import load_tasks
+
+#: Terminations that say nothing about the policy: an evaluation made mostly of them measured no policy.
+_INFRASTRUCTURE = ("engine_error", "aborted")
 
 
 @dataclass
@@ -27,6 +31,38 @@ class EvalResult:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @property
+    def invalid(self) -> str:
+        """Why this result is no score (most sessions failed in the infrastructure), or ""."""
+        failed = sum(self.terminations.get(t, 0) for t in _INFRASTRUCTURE)
+        if self.num_tasks and failed * 2 > self.num_tasks:
+            kinds = ", ".join(f"{self.terminations[t]} {t}" for t in _INFRASTRUCTURE if self.terminations.get(t))
+            return f"{failed} of {self.num_tasks} sessions failed in the engines ({kinds})"
+        return ""
+
+
+@dataclass(frozen=True)
+class EvalSet:
+    """The held-out tasks of one env: `label` names its results ("" for the run's own env, else the env id)."""
+
+    label: str
+    recipe: EnvRecipe
+    tasks: list[Task]
+
+    def key(self, mode: str) -> str:
+        """The name of this set's result in `mode`: the mode alone, or `label/mode`."""
+        return f"{self.label}/{mode}" if self.label else mode
+
+
+def eval_sets(recipe: EnvRecipe, split: str, num_tasks: int, extra_envs: Sequence[str] = ()) -> list[EvalSet]:
+    """The run's env and each of `extra_envs` (registered ids, built with the run's user modules), each with
+    `num_tasks` distinct tasks of `split`."""
+    out = [EvalSet("", recipe.with_kwargs(split=split), load_tasks(recipe, split, num_tasks, distinct=True))]
+    for env_id in extra_envs:
+        other = EnvRecipe(id=env_id, imports=recipe.imports)
+        out.append(EvalSet(env_id, other.with_kwargs(split=split), load_tasks(other, split, num_tasks, distinct=True)))
+    return out
 
 
 def summarize(mode: str, records: Sequence[SessionRecord]) -> EvalResult:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -28,7 +29,7 @@ from miles.trainers.cluster_sync import rejoining_weight_sync
 from miles.trainers.data import TaskCursor, load_tasks
 from miles.trainers.demos import oracle_demos
 from miles.trainers.engine_setup import bounded_by_context, build_engine_set
-from miles.trainers.evaluate import EvalResult, evaluate, summarize
+from miles.trainers.evaluate import EvalResult, eval_sets, evaluate, summarize
 from miles.trainers.health import UNTRAINABLE, SignalWatch, StepActivity, step_activity
 from miles.trainers.lora_process import LoraTrainerProcess
 from miles.trainers.metrics_log import MetricsLog
@@ -140,9 +141,8 @@ class TrainLoop:
         self.recipe.make(split=cfg.env.train_split).close()  # imports the user's modules; fails early, in one line
         self.tito = build_tito(cfg.model)
         self.train_recipe = self.recipe.with_kwargs(split=cfg.env.train_split)
-        self.eval_recipe = self.recipe.with_kwargs(split=cfg.env.eval_split)
         self.train_tasks = load_tasks(self.recipe, cfg.env.train_split, cfg.env.num_train_tasks)
-        self.eval_tasks = load_tasks(self.recipe, cfg.env.eval_split, cfg.eval.num_tasks, distinct=True)
+        self.eval_sets = eval_sets(self.recipe, cfg.env.eval_split, cfg.eval.num_tasks, cfg.eval.envs)
         await check_tools_reach_model(self.tito, self.train_recipe, self.train_tasks[0])  # before the model loads
         self.model = build_policy(cfg.model, self.tito.tokenizer)
         self.cursor = TaskCursor(len(self.train_tasks), cfg.seed)
@@ -223,20 +223,23 @@ class TrainLoop:
             await self._sync(version=self.version)
         modes = ([True] if cfg.eval.greedy else []) + ([False] if cfg.eval.sampled else [])
         results = {}
-        for greedy in modes:
-            run_id = f"eval-{stage}-{'greedy' if greedy else 'sampled'}"
-            if self.agents is not None:  # held-out success of the user's agent, through the endpoint
-                res = summarize("greedy" if greedy else "sampled", await self.agents.evaluate(
-                    self.eval_tasks, recipe=self.eval_recipe, recorder=self.eval_recorder, greedy=greedy,
-                    max_tokens=cfg.eval.max_new_tokens, run_id=run_id))
-            else:
-                res = await evaluate(self.engines, tokenizer=self.tito, recipe=self.eval_recipe, run_id=run_id,
-                                     tasks=self.eval_tasks, scheduler=self.scheduler_cfg, greedy=greedy,
-                                     recorder=self.eval_recorder, max_new_tokens=cfg.eval.max_new_tokens)
-            results[res.mode] = res
-            self.metrics.write("eval", self.trainer.step, stage=stage, **res.to_dict())
-            self.echo(f"[eval {stage}] {res.mode}: success {res.success_rate:.1%}  "
-                      f"mean reward {res.mean_reward:.3f}  ({res.num_tasks} held-out tasks)")
+        for part in self.eval_sets:
+            for greedy in modes:
+                key = part.key("greedy" if greedy else "sampled")
+                run_id = f"eval-{stage}-{key.replace('/', '-')}"
+                if self.agents is not None:  # held-out success of the user's agent, through the endpoint
+                    res = summarize(key, await self.agents.evaluate(
+                        part.tasks, recipe=part.recipe, recorder=self.eval_recorder, greedy=greedy,
+                        max_tokens=cfg.eval.max_new_tokens, run_id=run_id))
+                else:
+                    res = dataclasses.replace(await evaluate(
+                        self.engines, tokenizer=self.tito, recipe=part.recipe, run_id=run_id, tasks=part.tasks,
+                        scheduler=self.scheduler_cfg, greedy=greedy, recorder=self.eval_recorder,
+                        max_new_tokens=cfg.eval.max_new_tokens), mode=key)
+                results[key] = res
+                self.metrics.write("eval", self.trainer.step, stage=stage, **res.to_dict())
+                self.echo(f"[eval {stage}] {key}: success {res.success_rate:.1%}  mean reward "
+                          f"{res.mean_reward:.3f}  ({res.num_tasks} held-out tasks)")
         self.summary.evals[stage] = results
         return results
 

@@ -109,6 +109,26 @@ def run_from_cli(args: argparse.Namespace) -> int:
     return run_loop(config_from_args(args), args, resume=args.resume)
 
 
+def eval_from_cli(args: argparse.Namespace) -> int:
+    """`miles eval`: the held-out table of the config's model, or of `--run`'s newest weights; exit 3 when a
+    result is no score (its sessions failed in the engines)."""
+    import time
+
+    from miles.trainers.eval_run import format_eval, run_eval
+
+    run_dir = Path(args.run) if args.run else None
+    if args.output_dir is None:  # a new folder per evaluation, beside the run (or the config's output_dir)
+        base = run_dir if run_dir is not None else Path(load_train_config(args.config, list(args.overrides)).output_dir)
+        args.output_dir = str(base / time.strftime("eval-%Y%m%d-%H%M%S"))
+    cfg = config_from_args(args)
+    report = asyncio.run(run_eval(cfg, run_dir=run_dir))
+    if report.invalid:
+        print(f"miles eval: no score: {'; '.join(report.invalid)} (sessions in {cfg.output_dir})", file=sys.stderr)
+        return 3
+    print(format_eval(report))
+    return 0
+
+
 def sft_from_cli(args: argparse.Namespace) -> int:
     """SFT only: the config's `sft` stage with RL steps set to zero."""
     cfg = config_from_args(args)

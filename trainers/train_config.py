@@ -156,13 +156,22 @@ class SFTConfig:
 
 @dataclass
 class EvalConfig:
-    """Held-out evaluation every `every` steps (0: only before and after training)."""
+    """Held-out evaluation every `every` steps (0: only before and after training), of `num_tasks` distinct
+    tasks of `env.eval_split`. `envs` adds more registered env ids, each evaluated on its own held-out tasks
+    beside the run's env (e.g. BFCL's other multi-turn categories); their results are named `ENV_ID/MODE`."""
 
     every: int = 0
     num_tasks: int = 100
     greedy: bool = True
     sampled: bool = False
     max_new_tokens: int | None = None
+    envs: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.num_tasks < 1:
+            raise ConfigError("num_tasks", f"must be >= 1, got {self.num_tasks}")
+        if not (self.greedy or self.sampled):
+            raise ConfigError("greedy", "evaluation needs greedy or sampled decoding (or both)")
 
 
 @dataclass
