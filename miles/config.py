@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 import types
 import typing
 from pathlib import Path
@@ -12,6 +13,28 @@ from typing import Any, TypeVar
 import yaml
 
 T = TypeVar("T")
+
+
+class ConfigLoader(yaml.SafeLoader):
+    """YAML for configs: `1e-5` is a number (YAML 1.2; PyYAML's 1.1 rules read it as a string), and aliases
+    (`*name`) are refused, so no config can expand into gigabytes ("billion laughs")."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            mark = self.peek_event().start_mark
+            raise yaml.constructor.ConstructorError(
+                None, None, "YAML aliases (*name) are not allowed in configs; write the value out", mark)
+        return super().compose_node(parent, index)
+
+
+ConfigLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"), list("-+0123456789."))
+
+
+def parse_yaml(text: str) -> Any:
+    """`text` as a config value or document (`ConfigLoader`)."""
+    return yaml.load(text, Loader=ConfigLoader)  # noqa: S506 - a SafeLoader subclass
 
 
 class ConfigError(ValueError):
@@ -159,7 +182,10 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             if not isinstance(nxt, dict):
                 raise ConfigError(".".join(parts[: i + 1]), "is not a section, cannot set a key inside it")
             node = nxt
-        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+        try:
+            node[parts[-1]] = parse_yaml(raw) if raw.strip() else ""
+        except yaml.YAMLError as exc:
+            raise ConfigError(path.strip(), f"{raw!r} is not a YAML value: {getattr(exc, 'problem', exc)}") from None
     return data
 
 
@@ -168,7 +194,7 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
     data: dict[str, Any] = {}
     if path is not None:
         try:
-            loaded = yaml.safe_load(Path(path).read_text())
+            loaded = parse_yaml(Path(path).read_text())
         except OSError as exc:
             raise ConfigError("", f"cannot read the config file {str(path)!r}: {exc.strerror}") from None
         except yaml.YAMLError as exc:

@@ -58,3 +58,22 @@ def test_override_into_a_scalar_is_an_error():
     assert exc.value.key == "name"
     with pytest.raises(ConfigError):
         apply_overrides({}, ["no-equals-sign"])
+
+
+def test_exponent_floats_without_a_dot_are_numbers_in_files_and_overrides(tmp_path):
+    """PyYAML reads `1e-5` as a string (YAML 1.1); a config reads it as the number everyone means."""
+    path = tmp_path / "c.yaml"
+    path.write_text("name: run\ninner: {lr: 1e-5}\n")
+    assert load_config(Outer, path).inner.lr == 1e-5
+    assert load_config(Outer, path, ["inner.lr=3E+2"]).inner.lr == 300.0
+    assert load_config(Outer, path, ["name=1e5x"]).name == "1e5x"
+
+
+def test_a_yaml_alias_bomb_is_refused_before_it_expands(tmp_path):
+    levels = ["a: &a [x, x, x, x, x, x, x, x, x, x]"]
+    levels += [f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 10)}]" for i in range(8)]
+    path = tmp_path / "bomb.yaml"
+    path.write_text("name: run\ninner:\n  tags: []\n" + "\n".join(levels) + "\n")
+    with pytest.raises(ConfigError, match=r"is not valid YAML at line 5, column 8: YAML aliases \(\*name\) are "
+                                          r"not allowed in configs"):
+        load_config(Outer, path)
