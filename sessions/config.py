@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from miles.config import ConfigError
 from miles.engine import BASE_POLICY, SamplingParams
+from miles.tools import UnknownParserError, get_parser
 
 
 class SessionConfigError(ConfigError):
@@ -140,6 +141,10 @@ class SessionConfig:
             raise SessionConfigError("max_turns must be > 0")
         if self.sampling.max_new_tokens <= 0:
             raise SessionConfigError("sampling.max_new_tokens must be > 0")
+        try:
+            get_parser(self.parser)
+        except UnknownParserError as exc:
+            raise SessionConfigError(f"session.parser: {exc}") from None
         self.timeouts.validate()
         self.retry.validate()
 

@@ -20,7 +20,7 @@ from miles.config import ConfigError, to_dict
 from miles.sessions.recorder import Recorder
 from miles.trainers.engine_setup import bounded_by_context, build_engine_set
 from miles.trainers.evaluate import EvalResult, eval_sets, evaluate
-from miles.trainers.models import build_policy, build_tito, check_tools_reach_model
+from miles.trainers.models import build_policy, build_tito, check_devices, check_tools_reach_model
 from miles.trainers.output_dir import OutputDirLock, check_fresh_output_dir
 from miles.trainers.train_config import TrainConfig
 
@@ -68,6 +68,7 @@ async def run_eval(cfg: TrainConfig, *, run_dir: Path | None = None, echo: Any =
     lock = OutputDirLock(out)
     try:
         (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        check_devices(cfg)
         tito = build_tito(cfg.model)
         sets = eval_sets(cfg.env.recipe, cfg.env.eval_split, cfg.eval.num_tasks, cfg.eval.envs)
         for part in sets:

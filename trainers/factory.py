@@ -171,7 +171,10 @@ def dispatch_ranks(cfg: TrainConfig, argv: list[str]) -> int | None:
     should run the train loop (a single process, or rank 0 under torchrun), else its exit status: the launcher
     re-runs ``argv`` under torchrun with ``tp * pp * dp`` ranks and returns torchrun's status; a worker rank
     serves rank 0's trainer commands and returns 0. Setup errors are raised before any rank starts."""
+    from miles.trainers.models import check_devices
+
     check_trainer_setup(cfg)
+    check_devices(cfg)
     world = world_size_of(cfg)
     if world == 1 and not in_torchrun_worker():
         return None

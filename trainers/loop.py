@@ -33,7 +33,7 @@ from miles.trainers.evaluate import EvalResult, eval_sets, evaluate, summarize
 from miles.trainers.health import UNTRAINABLE, SignalWatch, StepActivity, step_activity
 from miles.trainers.lora_process import LoraTrainerProcess
 from miles.trainers.metrics_log import MetricsLog
-from miles.trainers.models import build_policy, build_tito, check_tools_reach_model
+from miles.trainers.models import build_policy, build_tito, check_devices, check_tools_reach_model
 from miles.trainers.output_dir import OutputDirLock, check_fresh_output_dir
 from miles.trainers.rollout_process import RolloutProcess
 from miles.trainers.train_config import TrainConfig
@@ -136,6 +136,7 @@ class TrainLoop:
     # ---- setup ---------------------------------------------------------------------------------------
     async def _setup(self) -> None:
         cfg = self.cfg
+        check_devices(cfg)
         seed_everything(cfg.seed)
         self.recipe = cfg.env.recipe
         self.recipe.make(split=cfg.env.train_split).close()  # imports the user's modules; fails early, in one line

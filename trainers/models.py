@@ -16,7 +16,7 @@ from miles.tito import (
     TokenizerSpec,
     TokenizerSpecError,
 )
-from miles.trainers.train_config import ModelConfig
+from miles.trainers.train_config import ModelConfig, TrainConfig
 
 
 class ModelSpecError(ConfigError):
@@ -63,6 +63,28 @@ def build_policy(cfg: ModelConfig, tokenizer: Any) -> torch.nn.Module:
 
         return load_smollm2()[0]  # tokenizer: set model.tokenizer to "smollm2-135m" as well
     return AutoModelForCausalLM.from_pretrained(cfg.name, dtype=torch.float32)
+
+
+def check_device(key: str, device: str) -> None:
+    """`ConfigError` on `key` when `device` names a CUDA device this process cannot use."""
+    if not device.startswith("cuda"):
+        return
+    if not torch.cuda.is_available():
+        why = "this torch is a CPU build" if torch.version.cuda is None else "no GPU is visible"
+        raise ConfigError(key, f"{device!r}, but {why}: set {key}: cpu (or install a CUDA torch on a GPU machine)")
+    index = device.partition(":")[2]
+    if index and (not index.isdigit() or int(index) >= torch.cuda.device_count()):
+        raise ConfigError(key, f"{device!r}: this machine has {torch.cuda.device_count()} GPU(s), cuda:0 .. "
+                          f"cuda:{torch.cuda.device_count() - 1}")
+
+
+def check_devices(cfg: TrainConfig) -> None:
+    """The devices the run's embedded engines and torch trainer name exist here (checked where they will run,
+    before the model loads)."""
+    if cfg.engine.kind == "embedded":
+        check_device("engine.device", cfg.engine.device)
+    if cfg.backend == "torch":
+        check_device("torch.device", cfg.torch.device)
 
 
 def check_model_source(cfg: ModelConfig) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from miles.config import ConfigError, load_config
@@ -200,6 +201,20 @@ class ParallelConfig:
                 raise ConfigError(key, f"must be >= 1, got {getattr(self, key)}")
 
 
+def check_output_dir(path: str) -> None:
+    """`ConfigError` on `output_dir` for a value that cannot hold a run: empty, the working directory or the
+    filesystem root itself, a system folder (/proc, /sys, /dev), or an existing file."""
+    if not path.strip():
+        raise ConfigError("output_dir", "is empty; name the run's folder, e.g. runs/my-run")
+    resolved = Path(path).expanduser().resolve()
+    if resolved in (Path.cwd(), Path("/")):
+        raise ConfigError("output_dir", f"{path!r} is {resolved}; a run needs a folder of its own, e.g. runs/my-run")
+    if any(resolved == Path(p) or Path(p) in resolved.parents for p in ("/proc", "/sys", "/dev")):
+        raise ConfigError("output_dir", f"{path!r} is under a system folder; give a folder on disk")
+    if resolved.exists() and not resolved.is_dir():
+        raise ConfigError("output_dir", f"{path!r} exists and is not a folder")
+
+
 def _check_backend_sections(cfg: TrainConfig) -> None:
     """Settings that the chosen backend would silently ignore are errors that name the key and the fix."""
     if cfg.backend == "torch":
@@ -332,6 +347,11 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.steps < 0:
             raise ConfigError("steps", "must be >= 0")
+        if self.max_seconds is not None and not self.max_seconds > 0:
+            raise ConfigError("max_seconds", f"must be > 0 (or null for no budget), got {self.max_seconds}")
+        if not 0 <= self.seed < 2**63:
+            raise ConfigError("seed", f"must be in [0, 2**63), got {self.seed}")
+        check_output_dir(self.output_dir)
         check_adapters(self)
         if self.asynchronous.enabled and self.rollout.agent.enabled:
             raise ConfigError("async.enabled", "the asynchronous loop runs the env's sessions itself; it does not "
