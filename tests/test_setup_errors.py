@@ -23,6 +23,13 @@ MAIN_JOB = str(REPO / "configs" / "calculator.yaml")
     (["--config", MAIN_JOB, "--set", "model.chat_template=/no/such.jinja"], "model.chat_template"),
     (["--config", MAIN_JOB, "--set", "env.id=Calculatr-v0"], "env.id"),
     (["--config", MAIN_JOB, "--set", "engine.kv_cache_fraction=1.5"], "engine.kv_cache_fraction: must be in (0, 1]"),
+    (["--config", MAIN_JOB, "--set", "engine.device=cuda:99"], "engine.device: 'cuda:99'"),
+    (["--config", MAIN_JOB, "--set", "torch.device=cuda:99"], "torch.device: 'cuda:99'"),
+    (["--config", MAIN_JOB, "--set", "rollout.scheduler.session.parser=hermess"],
+     "unknown tool-call parser 'hermess'; registered: ['hermes'"),
+    (["--config", MAIN_JOB, "--set", "max_seconds=-1"], "max_seconds: must be > 0 (or null for no budget)"),
+    (["--config", MAIN_JOB, "--set", "eval.num_tasks=0"], "eval.num_tasks: must be >= 1, got 0"),
+    (["--config", MAIN_JOB, "--seed", str(2**70)], "seed: must be in [0, 2**63)"),
 ])
 def test_setup_mistakes_are_one_line(args, expected, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(REPO)
@@ -30,6 +37,18 @@ def test_setup_mistakes_are_one_line(args, expected, tmp_path, capsys, monkeypat
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and expected in err and "Traceback" not in err, err
     assert not (tmp_path / "run" / "sessions.jsonl").exists()
+
+
+@pytest.mark.parametrize(("output_dir", "expected"), [
+    ("", "output_dir: is empty"), (".", "a run needs a folder of its own"), ("/", "a run needs a folder of its own"),
+    ("/dev/null", "is under a system folder"), ("/proc/self/run", "is under a system folder"),
+])
+def test_output_dirs_that_cannot_hold_a_run_are_one_line(output_dir, expected, capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--config", MAIN_JOB, "--output-dir", output_dir]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and expected in err and "Traceback" not in err, err
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_kv_cache_fraction_that_holds_nothing_is_one_line(tmp_path, capsys, monkeypatch):
