@@ -16,15 +16,23 @@ T = TypeVar("T")
 
 
 class ConfigLoader(yaml.SafeLoader):
-    """YAML for configs: `1e-5` is a number (YAML 1.2; PyYAML's 1.1 rules read it as a string), and aliases
-    (`*name`) are refused, so no config can expand into gigabytes ("billion laughs")."""
+    """YAML for configs: `1e-5` is a number (YAML 1.2; PyYAML's 1.1 rules read it as a string)."""
 
-    def compose_node(self, parent: Any, index: Any) -> Any:
-        if self.check_event(yaml.AliasEvent):
-            mark = self.peek_event().start_mark
-            raise yaml.constructor.ConstructorError(
-                None, None, "YAML aliases (*name) are not allowed in configs; write the value out", mark)
-        return super().compose_node(parent, index)
+
+#: The most values a config may hold once its YAML aliases (`*name`) are expanded: far above any real config,
+#: far below an alias bomb ("billion laughs"), which PyYAML loads as shared references in no time.
+MAX_CONFIG_VALUES = 100_000
+
+
+def _count_values(node: Any, budget: int) -> int:
+    """How much of `budget` is left after counting the values of `node` as if its aliases were copies."""
+    budget -= 1
+    children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+    for child in children:
+        if budget < 0:
+            break
+        budget = _count_values(child, budget)
+    return budget
 
 
 ConfigLoader.add_implicit_resolver(
@@ -33,8 +41,13 @@ ConfigLoader.add_implicit_resolver(
 
 
 def parse_yaml(text: str) -> Any:
-    """`text` as a config value or document (`ConfigLoader`)."""
-    return yaml.load(text, Loader=ConfigLoader)  # noqa: S506 - a SafeLoader subclass
+    """`text` as a config value or document (`ConfigLoader`); `ConfigError` when its aliases expand it beyond
+    `MAX_CONFIG_VALUES` values."""
+    data = yaml.load(text, Loader=ConfigLoader)  # noqa: S506 - a SafeLoader subclass
+    if _count_values(data, MAX_CONFIG_VALUES) < 0:
+        raise ConfigError("", f"the YAML expands to more than {MAX_CONFIG_VALUES:,} values through its aliases "
+                              "(*name); write the config out without them")
+    return data
 
 
 class ConfigError(ValueError):

@@ -6,6 +6,8 @@ transformers dequantises the GGUF weights on load (about 13 s on 2 CPU cores).
 
 from __future__ import annotations
 
+import copy
+import functools
 import importlib.util
 from pathlib import Path
 from typing import Any
@@ -29,11 +31,17 @@ def smollm2_dir() -> Path:
     return folder
 
 
-def load_smollm2_tokenizer() -> Any:
-    """SmolLM2's tokenizer and ChatML chat template, read from the GGUF file."""
+@functools.cache
+def _smollm2_tokenizer() -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(smollm2_dir()), gguf_file=SMOLLM2_FILE)
+
+
+def load_smollm2_tokenizer() -> Any:
+    """SmolLM2's tokenizer and ChatML chat template, read from the GGUF file once per process (about 6 s on 2
+    cores); each call returns its own copy."""
+    return copy.deepcopy(_smollm2_tokenizer())
 
 
 def load_smollm2() -> tuple[Any, Any]:

@@ -17,7 +17,9 @@ def test_resolve_chat_template_names_files_and_errors(tmp_path):
     custom = tmp_path / "mine.jinja"
     custom.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
     assert resolve_chat_template(str(custom)) == custom.read_text()
-    with pytest.raises(ChatTemplateError, match=r"^'fancy': use 'compact' or a \.jinja file$"):
+    assert "<tool_call>" in resolve_chat_template("chatml-tools") and "ipython" in resolve_chat_template("llama3-tools")
+    with pytest.raises(ChatTemplateError, match=r"^'fancy' is neither a template name \(compact, chatml-tools, "
+                                                r"llama3-tools\) nor a \.jinja file$"):
         resolve_chat_template("fancy")
 
 
@@ -39,5 +41,6 @@ def test_build_tito_keeps_naming_the_config_key():
     from miles.trainers.train_config import ModelConfig
 
     assert build_tito(ModelConfig(chat_template="compact")).spec.chat_template == "compact"
-    with pytest.raises(ModelSpecError, match=r"model.chat_template.*'nope': use 'compact' or a \.jinja file$"):
+    with pytest.raises(ModelSpecError, match=r"model.chat_template.*'nope' is neither a template name .* nor a "
+                                             r"\.jinja file$"):
         build_tito(ModelConfig(chat_template="nope"))
