@@ -8,7 +8,6 @@ thousands of episodes can share one event loop; `reset`/`step` run them on a pri
 from __future__ import annotations
 
 import asyncio
-import math
 from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 
@@ -17,7 +16,7 @@ import gymnasium
 from miles.envs.hooks import BoundHook, collect_hooks
 from miles.envs.spaces import MessageSpace, MessagesSpace
 from miles.envs.tasks import Task, TaskSource, as_task_source, select_split
-from miles.types import Message, TerminationReason, ToolErrorType
+from miles.types import MAX_ABS_REWARD, Message, TerminationReason, ToolErrorType, reward_problem
 
 
 class EnvError(RuntimeError):
@@ -219,6 +218,10 @@ class Env(gymnasium.Env):
             components = await self._rewards(action, info)
             weights = dict(self.reward_weights)
             reward = float(sum(weights[k] * v for k, v in components.items()))
+            problem = reward_problem(reward)
+            if problem is not None:
+                raise HookError(f"the weighted reward is {problem} (weights {weights}); keep rewards within "
+                                f"±{MAX_ABS_REWARD:g}")
             info["reward_components"] = components
             info["reward_weights"] = weights
             info["success"] = self.is_success(components)
@@ -326,8 +329,10 @@ class Env(gymnasium.Env):
             value = await self._call(hook, values)
             if isinstance(value, bool):
                 value = float(value)
-            if not isinstance(value, int | float) or not math.isfinite(value):
-                raise HookError(f"reward {hook.spec.name!r} returned {value!r}; expected a finite number")
+            problem = reward_problem(value)
+            if problem is not None:
+                raise HookError(f"reward {hook.spec.name!r} returned {problem}; a reward must be a finite number "
+                                f"within ±{MAX_ABS_REWARD:g}")
             out[hook.spec.name] = float(value)
         return out
 

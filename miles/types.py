@@ -8,6 +8,21 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+#: The largest reward magnitude miles accepts at any entry (env reward hooks, the agent endpoint's `/reward`,
+#: `miles replay --rescore`): beyond it a float32 reward batch overflows to inf and every weight becomes NaN.
+MAX_ABS_REWARD = 1e6
+
+
+def reward_problem(value: Any, *, bound: float = MAX_ABS_REWARD) -> str | None:
+    """Why `value` cannot be a reward (not a finite number within ±`bound`), or None."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return f"{value!r} is not a number"
+    if not math.isfinite(value):
+        return f"{value!r} is not a finite number"
+    if abs(value) > bound:
+        return f"{value!r} is outside [-{bound:g}, {bound:g}]"
+    return None
+
 
 class TerminationReason(str, Enum):
     """Why a session ended. Every recorded session carries exactly one."""

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from miles.types import Message, ToolCall, loads_strict
+from miles.types import MAX_ABS_REWARD, Message, ToolCall, loads_strict, reward_problem
 
 #: Roles a request may use; "developer" is OpenAI's newer name for "system" and is rendered as one.
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -410,7 +410,9 @@ def parse_reward(body: Any) -> ClientReward:
         raise bad_request("give 'reward' (a number) or 'components' (name -> number)", "reward")
     values = [req.reward] if req.reward is not None else []
     values += list((req.components or {}).values())
-    if any(v != v or v in (float("inf"), float("-inf")) for v in values):
-        raise bad_request("rewards must be finite numbers", "reward")
     components = dict(req.components or {})
-    return ClientReward(req.reward if req.reward is not None else sum(components.values()), components)
+    total = req.reward if req.reward is not None else sum(components.values())
+    problem = next((p for p in map(reward_problem, [*values, total]) if p is not None), None)
+    if problem is not None:
+        raise bad_request(f"rewards must be finite numbers within ±{MAX_ABS_REWARD:g}: {problem}", "reward")
+    return ClientReward(total, components)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from miles.cli import main
 from miles.sessions.records import ErrorInfo
-from miles.trainers.health import HealthConfig, SignalWatch, StepActivity, diagnose
+from miles.trainers.health import HealthConfig, RunHealth, StepActivity, diagnose
 from miles.trainers.metrics_log import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,23 +38,43 @@ def test_each_cause_of_no_signal_is_named():
 
 @given(st.lists(st.integers(0, 3), min_size=1, max_size=40), st.integers(1, 6))
 def test_the_watch_fires_exactly_when_n_steps_in_a_row_had_no_signal(informative, limit):
-    watch = SignalWatch(HealthConfig(no_signal_steps=limit), warn=lambda line: None)
+    health = RunHealth(HealthConfig(no_signal_steps=limit), warn=lambda line: None)
     run = 0
     for n in informative:
         run = 0 if n else run + 1
-        fired = watch.observe(_activity(informative=n)) is not None
-        assert fired == (run == limit), (informative, limit)
+        verdict = health.observe(_activity(informative=n))
+        assert (verdict is not None) == (run == limit), (informative, limit)
+        assert verdict is None or verdict.stop
 
 
 def test_the_first_env_error_of_each_kind_is_one_warning():
     lines: list[str] = []
-    watch = SignalWatch(HealthConfig(), warn=lines.append)
+    health = RunHealth(HealthConfig(), warn=lines.append)
     err = ErrorInfo("step", "KeyError", "'flights'\nmore")
     for _ in range(3):
-        watch.observe(StepActivity(sessions=1, groups=1, informative_groups=1, tool_calls=0, parse_failures=0,
+        health.observe(StepActivity(sessions=1, groups=1, informative_groups=1, tool_calls=0, parse_failures=0,
                                    env_errors=(("train-s7", err),)))
     assert lines == ["[warn] session train-s7 ended env_error in step: KeyError: 'flights' (later ones are counted "
                      "in env_error_sessions)"]
+
+
+def test_engines_failing_five_steps_in_a_row_stop_the_run_and_a_good_step_resets_the_count():
+    health = RunHealth(HealthConfig(), warn=lambda line: None)
+    dead = _activity(8, informative=1, ends={"engine_error": 7, "done": 1})
+    verdicts = [health.observe(a) for a in [dead] * 4 + [_activity(informative=1)] + [dead] * 4 + [_activity(0)]]
+    assert verdicts[:-1] == [None] * 9
+    assert verdicts[-1].stop and verdicts[-1].reason.startswith("the engines failed 5 steps in a row (last step: "
+                                                                "0 of 0 sessions")
+
+
+def test_updates_skipped_for_a_nonfinite_gradient_three_times_in_a_row_stop_the_run():
+    health = RunHealth(HealthConfig(), warn=lambda line: None)
+    nan = {"optimizer_steps": 1.0, "nonfinite_steps": 1.0, "loss": float("nan"), "grad_norm": float("nan")}
+    ok = {"optimizer_steps": 1.0, "nonfinite_steps": 0.0}
+    rows = [nan, nan, ok, nan, nan, nan]
+    verdicts = [health.observe(_activity(informative=1), row) for row in rows]
+    assert verdicts[:5] == [None] * 5 and verdicts[5].stop
+    assert verdicts[5].reason.startswith("the update was NaN or inf in 3 steps in a row (loss nan, grad norm nan)")
 
 
 def _untrained(tmp_path: Path, *extra: str) -> list[str]:

@@ -1,5 +1,5 @@
-"""Whether a run is learning: what each step's sessions did, and a one-line diagnosis when nothing has trained
-for `health.no_signal_steps` steps in a row.
+"""Whether a run is broken or learning: what each step's sessions did, and a one-line verdict when the engines
+keep failing, the updates keep coming out NaN, or nothing has trained for `health.no_signal_steps` steps.
 
 A step gives GRPO a signal only through a group whose rewards differ. A run whose groups all score alike (the
 model never calls its tools, its calls never parse, the env fails, or the task is out of reach) spends its
@@ -9,9 +9,11 @@ whole budget on zero gradients; this module says so, and why, instead of printin
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
+
+import torch
 
 from miles.config import ConfigError
 from miles.sessions.records import ErrorInfo, SessionRecord
@@ -23,19 +25,44 @@ UNTRAINABLE = (TerminationReason.ENGINE_ERROR, TerminationReason.ABORTED, Termin
 
 @dataclass(frozen=True)
 class HealthConfig:
-    """The `health:` section: when a run that is not learning stops.
+    """The `health:` section: when a run that is broken or not learning stops (exit status 3, one line, no score).
 
     - `no_signal_steps`: after this many steps in a row without one group of differing rewards (nothing to
-      learn from), the run prints a one-line diagnosis and stops with exit status 3; 0 never stops.
+      learn from), the run prints a diagnosis and stops; 0 never stops.
     - `on_no_signal`: `stop` (the default), or `continue`: print the diagnosis once and go on.
+    - `engine_failure_steps`: after this many steps in a row in which most sessions failed in the engines
+      (`engine_error`, `aborted`) or none ran, the run stops: the engines are dead or wedged.
+    - `nonfinite_steps`: after this many updates in a row whose every optimizer step was skipped for a NaN
+      or inf gradient (the weights did not move), the run stops.
     """
 
     no_signal_steps: int = 20
     on_no_signal: Literal["stop", "continue"] = "stop"
+    engine_failure_steps: int = 5
+    nonfinite_steps: int = 3
 
     def __post_init__(self) -> None:
         if self.no_signal_steps < 0:
             raise ConfigError("no_signal_steps", f"must be >= 0 (0: never stop), got {self.no_signal_steps}")
+        for key in ("engine_failure_steps", "nonfinite_steps"):
+            if getattr(self, key) < 1:
+                raise ConfigError(key, f"must be >= 1, got {getattr(self, key)}")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the run's health says after a step: `reason` (one line), and whether the run must stop."""
+
+    reason: str
+    stop: bool
+
+
+def first_nonfinite(state: Mapping[str, Any]) -> str | None:
+    """The name of the first floating-point tensor of `state` holding a NaN or inf, or None."""
+    for name, tensor in state.items():
+        if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            return name
+    return None
 
 
 @dataclass(frozen=True)
@@ -115,9 +142,14 @@ def diagnose(window: list[StepActivity]) -> str:
             "rollout.scheduler.group_size")
 
 
-class SignalWatch:
-    """Counts the steps in a row with no informative group; `observe` returns the diagnosis once they reach
-    `config.no_signal_steps` (then, with `on_no_signal: continue`, again only after a step that learned).
+class RunHealth:
+    """Watches a run step by step; `observe` returns a `Verdict` when the run is broken or not learning:
+
+    - `health.engine_failure_steps` steps in a row in which most sessions failed in the engines (or none ran);
+    - `health.nonfinite_steps` updates in a row that were all skipped for a non-finite gradient;
+    - `health.no_signal_steps` steps in a row with no informative group (`diagnose` says why; with
+      `on_no_signal: continue` the verdict does not stop the run, and comes again only after a step that
+      learned).
 
     `warn` gets one line the first time each new kind of env error appears, naming the session.
     """
@@ -127,17 +159,32 @@ class SignalWatch:
         self.warn = warn
         self.window: list[StepActivity] = []
         self.reported = False
+        self.engine_failures = 0
+        self.nonfinite = 0
         self._env_errors_seen: set[str] = set()
 
-    def observe(self, activity: StepActivity) -> str | None:
-        """Take one step; the diagnosis when the run has gone `no_signal_steps` steps without a signal."""
-        for session_id, error in activity.env_errors:
-            kind = f"{error.where}:{error.type}"
-            if kind not in self._env_errors_seen:
-                self._env_errors_seen.add(kind)
-                first_line = error.message.splitlines()[0][:200] if error.message else ""
-                self.warn(f"[warn] session {session_id} ended env_error in {error.where}: {error.type}: "
-                          f"{first_line} (later ones are counted in env_error_sessions)")
+    def observe(self, activity: StepActivity, row: Mapping[str, Any] | None = None) -> Verdict | None:
+        """Take one step (its sessions, and its metrics row when it trained)."""
+        row = row or {}
+        self._warn_env_errors(activity)
+        failed = sum(activity.terminations.get(t.value, 0) for t in (TerminationReason.ENGINE_ERROR,
+                                                                      TerminationReason.ABORTED))
+        self.engine_failures = self.engine_failures + 1 if failed * 2 > activity.sessions or not activity.sessions \
+            else 0
+        if self.engine_failures >= self.config.engine_failure_steps:
+            n = self.config.engine_failure_steps
+            return Verdict(f"the engines failed {n} steps in a row (last step: {failed} of {activity.sessions} "
+                           "sessions ended engine_error or aborted): they are dead or wedged; check them and "
+                           "continue with --resume", stop=True)
+        steps = float(row.get("optimizer_steps", 0.0))
+        self.nonfinite = self.nonfinite + 1 if steps and row.get("nonfinite_steps", 0.0) >= steps else 0
+        if self.nonfinite >= self.config.nonfinite_steps:
+            return Verdict(f"the update was NaN or inf in {self.nonfinite} steps in a row (loss {row.get('loss')}, "
+                           f"grad norm {row.get('grad_norm')}); each was skipped and the weights are unchanged: "
+                           "lower trainer.lr, or look for extreme rewards or logprobs (miles replay)", stop=True)
+        return self._signal(activity)
+
+    def _signal(self, activity: StepActivity) -> Verdict | None:
         if activity.informative_groups:
             self.window.clear()
             self.reported = False
@@ -147,4 +194,13 @@ class SignalWatch:
         if not limit or len(self.window) < limit or self.reported:
             return None
         self.reported = True
-        return diagnose(self.window[-limit:])
+        return Verdict(diagnose(self.window[-limit:]), stop=self.config.on_no_signal == "stop")
+
+    def _warn_env_errors(self, activity: StepActivity) -> None:
+        for session_id, error in activity.env_errors:
+            kind = f"{error.where}:{error.type}"
+            if kind not in self._env_errors_seen:
+                self._env_errors_seen.add(kind)
+                first_line = error.message.splitlines()[0][:200] if error.message else ""
+                self.warn(f"[warn] session {session_id} ended env_error in {error.where}: {error.type}: "
+                          f"{first_line} (later ones are counted in env_error_sessions)")

@@ -30,7 +30,7 @@ from miles.trainers.data import TaskCursor, load_tasks
 from miles.trainers.demos import oracle_demos
 from miles.trainers.engine_setup import bounded_by_context, build_engine_set
 from miles.trainers.evaluate import EvalResult, eval_sets, evaluate, summarize
-from miles.trainers.health import UNTRAINABLE, SignalWatch, StepActivity, step_activity
+from miles.trainers.health import UNTRAINABLE, RunHealth, StepActivity, first_nonfinite, step_activity
 from miles.trainers.lora_process import LoraTrainerProcess
 from miles.trainers.metrics_log import MetricsLog
 from miles.trainers.models import build_policy, build_tito, check_devices, check_tools_reach_model
@@ -106,6 +106,10 @@ def progress_line(step: int, steps: int, row: dict[str, Any]) -> str:
             f"{row['step_s']:.1f} s")
 
 
+class NonFiniteWeightsError(RuntimeError):
+    """The trainer's weights hold a NaN or inf: the run stops before they reach an engine or a checkpoint."""
+
+
 class TrainLoop:
     """One `miles train` run. `await run()` does SFT (if enabled), evaluation, and the RL steps."""
 
@@ -124,6 +128,7 @@ class TrainLoop:
             self.lock.release()
             raise
         self.summary = RunSummary(output_dir=str(self.out), steps_done=0)
+        self.weights_ok = True  # False once the weights held a NaN or inf: nothing is synced or saved after that
 
     def _set_aside_after(self, saved_at: float) -> None:
         """Forget the metric rows and move aside the sessions of the work after `saved_at`, which a resumed run
@@ -170,7 +175,7 @@ class TrainLoop:
             self._close_trainer()
             raise
         self.eval_recorder = Recorder(self.out / "eval_sessions.jsonl")
-        self.watch = SignalWatch(cfg.health, warn=self.echo)
+        self.health = RunHealth(cfg.health, warn=self.echo)
         self.session_metrics = SessionMetrics(self.observability.labels)
         self.version = self.sync.version  # the weights the trainer's policy was last synced as
         self.async_rollout: AsyncRollout | None = None
@@ -208,8 +213,19 @@ class TrainLoop:
             self.trainer.close()
 
     # ---- stages --------------------------------------------------------------------------------------
+    def _finite_weights(self) -> dict[str, Any]:
+        """The trainer's weights for the engines; `NonFiniteWeightsError` when one holds a NaN or inf (then
+        nothing is synced or checkpointed again)."""
+        state = self.trainer.hf_state_dict()
+        bad = first_nonfinite(state)
+        if bad is not None:
+            self.weights_ok = False
+            raise NonFiniteWeightsError(f"the weights hold NaN or inf after step {self.trainer.step} (first: {bad}); "
+                                        "they were not synced, and no checkpoint was written after the last good one")
+        return state
+
     async def _sync(self, version: int | None = None) -> None:
-        report = await self.sync.push(self.trainer.hf_state_dict(), version=version)
+        report = await self.sync.push(self._finite_weights(), version=version)
         self.version = report.version
         self.metrics.write("sync", self.trainer.step, version=report.version, method=report.method,
                            seconds=report.seconds, drain_seconds=report.drain_seconds, mb=report.num_bytes / 1e6)
@@ -238,6 +254,8 @@ class TrainLoop:
                         scheduler=self.scheduler_cfg, greedy=greedy, recorder=self.eval_recorder,
                         max_new_tokens=cfg.eval.max_new_tokens), mode=key)
                 results[key] = res
+                if res.invalid and not self.summary.broken:
+                    self.summary.broken = f"the {stage} evaluation ({key}) is no score: {res.invalid}"
                 self.metrics.write("eval", self.trainer.step, stage=stage, **res.to_dict())
                 self.echo(f"[eval {stage}] {key}: success {res.success_rate:.1%}  mean reward "
                           f"{res.mean_reward:.3f}  ({res.num_tasks} held-out tasks)")
@@ -335,7 +353,7 @@ class TrainLoop:
             await self._sync()
             return
         self.version += 1
-        await self.async_rollout.publish(self.version, self.trainer.hf_state_dict)
+        await self.async_rollout.publish(self.version, self._finite_weights)
 
     def _to_train(self, records: list[SessionRecord]) -> list[Trajectory]:
         """The trajectories of `records` that train: finished (or timed-out, per `rollout.on_timeout`), and
@@ -422,6 +440,8 @@ class TrainLoop:
                                        resume_time=resume_time)
 
     def _checkpoint(self) -> None:
+        if not self.weights_ok:
+            return
         cursor = self.cursor.to_dict()
         if self.async_rollout is not None:
             cursor.update(self.async_rollout.data_cursor())
@@ -479,22 +499,27 @@ class TrainLoop:
                 await self._start_rollout_process(start_step, consumed, saved_at)
             t_rl = time.perf_counter()
             step, committed = start_step, False
-            while step < cfg.steps:
+            while step < cfg.steps and not self.summary.broken:
                 if (not committed and cfg.max_seconds is not None
                         and time.perf_counter() - t_start > cfg.max_seconds):
                     self.echo(f"[train] time budget of {cfg.max_seconds:.0f} s reached after {step} steps")
                     break
                 committed = self.lora is not None and self._runs_ahead(step, t_start)
-                row, activity = await self._rl_step(step, ahead=committed)
+                try:
+                    row, activity = await self._rl_step(step, ahead=committed)
+                except NonFiniteWeightsError as exc:
+                    self.summary.broken = str(exc)
+                    self.echo(f"[health] {exc}. Stopping.")
+                    break
                 step += 1
                 self.echo(progress_line(step, cfg.steps, row))
-                diagnosis = self.watch.observe(activity)
-                if diagnosis and cfg.health.on_no_signal == "stop":
-                    self.summary.broken = diagnosis
-                    self.echo(f"[health] {diagnosis}. Stopping (health.on_no_signal: continue goes on).")
+                verdict = self.health.observe(activity, row)
+                if verdict is not None and verdict.stop:
+                    self.summary.broken = verdict.reason
+                    self.echo(f"[health] {verdict.reason}. Stopping.")
                     break
-                if diagnosis:
-                    self.echo(f"[health] {diagnosis}. Going on (health.on_no_signal: continue).")
+                if verdict is not None:
+                    self.echo(f"[health] {verdict.reason}. Going on (health.on_no_signal: continue).")
                 if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.steps:
                     await self._evaluate(f"step{step}")
                 if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:

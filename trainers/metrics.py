@@ -110,11 +110,13 @@ def reward_metrics(rewards: torch.Tensor, group_ids: torch.Tensor, *, zero_std_t
 
 
 def train_step_metrics(batch: Any, *, adv_seq: torch.Tensor, losses: list[float], grad_norms: list[float],
-                       lr: float, step: int, temperature: float, t0: float, micro_batches: int) -> dict[str, float]:
+                       lr: float, step: int, temperature: float, t0: float, micro_batches: int,
+                       nonfinite_steps: int = 0) -> dict[str, float]:
     """The per-step scalars both backends report after an RL step (besides the loss metrics).
 
     ``micro_batches``: forward/backward passes this rank ran for the update (old/reference logprob passes
-    not counted)."""
+    not counted). ``nonfinite_steps``: optimizer steps of the update that were skipped because the gradient
+    was NaN or inf (the weights did not move)."""
     metrics = reward_metrics(batch.rewards, batch.group_ids)
     metrics.update({
         "loss": sum(losses) / max(len(losses), 1),
@@ -125,6 +127,7 @@ def train_step_metrics(batch: Any, *, adv_seq: torch.Tensor, losses: list[float]
         "num_train_tokens": float(batch.loss_mask.sum()),
         "num_sequences": float(batch.num_sequences),
         "optimizer_steps": float(len(grad_norms)),
+        "nonfinite_steps": float(nonfinite_steps),
         "micro_batches": float(micro_batches),
         "step": float(step),
         "temperature": temperature,

@@ -19,6 +19,7 @@ normalizes the loss by batch-global token/sequence counts so the update equals t
 from __future__ import annotations
 
 import copy
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,7 @@ class TorchTrainer:
         self.use_bf16 = self.config.precision == "bf16" or (
             self.config.precision == "auto" and self.device.type == "cuda")
         self.step = 0
+        self.nonfinite_steps = 0  # optimizer steps skipped because their gradient was not finite
         model.to(self.device)
         self._ref_follows_policy = ref_model is None
         if ref_model is None and self.algorithm.needs_reference:
@@ -134,6 +136,7 @@ class TorchTrainer:
         old_lp = self._logprobs_of(self.model, batch, temperature) if rl.needs_old_logprobs else None
         ref_lp = self._logprobs_of(self.ref_model, batch, temperature) if self.ref_model is not None else None
         grad_norms, losses, lrs, passes = [], [], [], 0
+        skipped_before = self.nonfinite_steps
         self.model.train()
         for mini in rl.mini_batches():
             lrs.append(self.optimizer.param_groups[0]["lr"])
@@ -155,7 +158,7 @@ class TorchTrainer:
         result.update(train_step_metrics(
             batch, adv_seq=rl.adv_seq, losses=losses, grad_norms=grad_norms, step=self.step,
             temperature=temperature, lr=lrs[-1] if lrs else self.optimizer.param_groups[0]["lr"], t0=t0,
-            micro_batches=passes))
+            micro_batches=passes, nonfinite_steps=self.nonfinite_steps - skipped_before))
         return result
 
     def sft_step(self, batch: TrajectoryBatch) -> dict[str, float]:
@@ -371,11 +374,14 @@ class TorchTrainer:
             norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
-        self.optimizer.step()
-        self.scheduler.step()
+        if math.isfinite(float(norm)):  # the same total norm on every rank: all skip, or none
+            self.optimizer.step()
+            self.scheduler.step()
+            if self.masters is not None:
+                self.masters.copy_to_model()
+        else:  # a NaN or inf gradient would poison every weight: skip the update (the schedule counts updates)
+            self.nonfinite_steps += 1
         self.optimizer.zero_grad(set_to_none=True)
-        if self.masters is not None:
-            self.masters.copy_to_model()
         self.step += 1
         return float(norm)
 

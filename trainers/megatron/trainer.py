@@ -112,6 +112,7 @@ class MegatronTrainer:
         self.model = module
         self._wrap(module)
         self.step = 0
+        self.nonfinite_steps = 0  # optimizer steps skipped because their gradient was not finite
         self._in_sft = False
         self._build_optimizer(cfg)
 
@@ -186,6 +187,7 @@ class MegatronTrainer:
         ref_lp = self._logprobs_of(self.ref_model, rl.batch, rl.temperature) if self.ref_model is not None else None
         metrics = MetricAccumulator()
         grad_norms, losses, lrs, passes = [], [], [], 0
+        skipped_before = self.nonfinite_steps
         for mini in rl.mini_batches():
             loss_fn = partial(self._policy_loss, rl=rl, old_lp=old_lp, ref_lp=ref_lp, num_tokens=mini.num_tokens,
                               num_seqs=mini.num_seqs)
@@ -197,7 +199,8 @@ class MegatronTrainer:
         result = reduce_metrics(metrics)
         result.update(train_step_metrics(
             rl.batch, adv_seq=rl.adv_seq, losses=losses, grad_norms=grad_norms, step=self.step,
-            temperature=rl.temperature, lr=lrs[-1] if lrs else self._lr(), t0=t0, micro_batches=passes))
+            temperature=rl.temperature, lr=lrs[-1] if lrs else self._lr(), t0=t0, micro_batches=passes,
+            nonfinite_steps=self.nonfinite_steps - skipped_before))
         return result
 
     def sft_step(self, batch: TrajectoryBatch) -> dict[str, float]:
@@ -470,11 +473,28 @@ class MegatronTrainer:
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         local, passes = self._run(batch, seqs, loss_fn, metrics)
-        _, grad_norm, _ = self.optimizer.step()
+        if self._gradients_finite():
+            _, grad_norm, _ = self.optimizer.step()
+        else:  # a NaN or inf gradient would poison every weight: skip the update
+            self.nonfinite_steps += 1
+            self.optimizer.zero_grad()
+            grad_norm = float("nan")
         self.step += 1
         total = torch.tensor([local], dtype=torch.float64, device=self.info.device)
         dist.all_reduce(total)
         return float(total), float(grad_norm or 0.0), passes
+
+    def _gradients_finite(self) -> bool:
+        """Whether every rank's gradients are finite (a collective: every rank gets the same answer)."""
+        bad = torch.zeros(1, dtype=torch.float32, device=self.info.device)
+        for p in self.ddp.parameters():
+            grad = getattr(p, "main_grad", None)
+            grad = p.grad if grad is None else grad
+            if grad is not None and not bool(torch.isfinite(grad).all()):
+                bad.fill_(1.0)
+                break
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        return not bool(bad.item())
 
     def _logprobs(self, mb: _MicroBatch, model: nn.Module, hidden: torch.Tensor, temperature: float, *,
                   entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
