@@ -15,11 +15,19 @@ if TYPE_CHECKING:
 BASE_POLICY = "base"
 
 
+#: Below this a temperature is greedy decoding: dividing logits by a denormal overflows them to inf.
+MIN_TEMPERATURE = 1e-5
+#: No model's context is this long; a larger `max_new_tokens` is a mistake, not a budget.
+MAX_NEW_TOKENS = 1 << 24
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """Sampling settings for one generate call.
+    """Sampling settings for one generate call, checked when built (a `ValueError` names the bad field, so one
+    request's bad settings fail that request alone, never the batch it would have joined).
 
-    `top_k <= 0` and `top_p >= 1` disable those filters; `temperature == 0` is greedy decoding.
+    `top_k <= 0` and `top_p >= 1` disable those filters; `temperature == 0` is greedy decoding, and so is any
+    temperature below `MIN_TEMPERATURE`. Engines cap `max_new_tokens` at what their context leaves.
     """
 
     temperature: float = 1.0
@@ -28,6 +36,27 @@ class SamplingParams:
     max_new_tokens: int = 128
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+
+    def __post_init__(self) -> None:
+        def number(name: str, value: Any) -> float:
+            if isinstance(value, bool) or not isinstance(value, int | float) or value != value or value in (
+                    float("inf"), float("-inf")):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+            return float(value)
+
+        temperature = number("temperature", self.temperature)
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature!r}")
+        object.__setattr__(self, "temperature", 0.0 if temperature < MIN_TEMPERATURE else temperature)
+        top_p = number("top_p", self.top_p)
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+        for name in ("top_k", "max_new_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+        if not 0 <= self.max_new_tokens <= MAX_NEW_TOKENS:
+            raise ValueError(f"max_new_tokens must be in [0, {MAX_NEW_TOKENS}], got {self.max_new_tokens}")
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -231,3 +231,28 @@ async def test_two_live_engines_with_one_id_export_one_series_the_newest():
     lines = [x for x in text.splitlines()
              if x.startswith("miles_engine_decode_tokens_total{") and 'engine="embedded-0",model=""' in x]
     assert len(lines) == 1 and float(lines[0].rsplit(" ", 1)[1]) == newer.stats["decode_tokens"] > 0
+
+
+@pytest.mark.parametrize("bad", [{"temperature": float("nan")}, {"temperature": -1.0}, {"temperature": "hot"},
+                                 {"top_p": 0.0}, {"top_p": float("inf")}, {"max_new_tokens": 10**12}])
+async def test_a_request_with_bad_sampling_fails_alone_and_the_batch_decodes_on(bad, served):
+    """Sampling settings that would break a decode step (a NaN or denormal temperature, an empty top-p set, an
+    absurd token budget) are refused with 400 for that request; requests decoding beside it finish."""
+    import json
+
+    url = served[1].url
+    body = {"input_ids": [1, 2, 3], "sampling_params": {"temperature": 0.9, "max_new_tokens": 40, **bad}}
+    async with httpx.AsyncClient(base_url=url, timeout=60) as raw:
+        good = [asyncio.create_task(raw.post("/generate", json={"input_ids": [1, 2, 3, i], "sampling_params": {
+            "temperature": 0.9, "max_new_tokens": 40, "sampling_seed": i}})) for i in range(4)]
+        refused = await raw.post("/generate", content=json.dumps(body), headers={"content-type": "application/json"})
+        done = await asyncio.gather(*good)
+    assert refused.status_code == 400, refused.text
+    assert all(r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 40 for r in done)
+
+
+async def test_a_denormal_temperature_decodes_greedily(client):
+    ids = [5, 6, 7, 8]
+    tiny = await client.generate(ids, SamplingParams(temperature=1e-45, max_new_tokens=10, seed=1))
+    greedy = await client.generate(ids, SamplingParams(temperature=0.0, max_new_tokens=10))
+    assert tiny.output_ids == greedy.output_ids and SamplingParams(temperature=1e-45).temperature == 0.0
