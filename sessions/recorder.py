@@ -108,12 +108,21 @@ def repair_tail(path: str | os.PathLike[str]) -> int:
 
 
 def encode_record(record: SessionRecord | dict[str, Any]) -> str:
-    """One JSON line (with its newline). Never contains a raw newline inside."""
+    """One JSON line (with its newline) that encodes as UTF-8. Never contains a raw newline inside.
+
+    Text that UTF-8 cannot hold (a lone surrogate such as `\\ud800` from model output) is written as a JSON
+    escape, which reads back to the same string."""
     data = record.to_dict() if isinstance(record, SessionRecord) else record
     try:
-        return json.dumps(data, ensure_ascii=False, separators=(",", ":"), allow_nan=False) + "\n"
+        line = json.dumps(data, ensure_ascii=False, separators=(",", ":"), allow_nan=False) + "\n"
     except (TypeError, ValueError):  # a non-JSON value or a non-finite float somewhere: sanitise everything
-        return json.dumps(jsonable(data), ensure_ascii=False, separators=(",", ":"), allow_nan=False) + "\n"
+        data = jsonable(data)
+        line = json.dumps(data, ensure_ascii=False, separators=(",", ":"), allow_nan=False) + "\n"
+    try:
+        line.encode()
+    except UnicodeEncodeError:
+        line = json.dumps(data, ensure_ascii=True, separators=(",", ":"), allow_nan=False) + "\n"
+    return line
 
 
 class Recorder:

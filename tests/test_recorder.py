@@ -270,3 +270,35 @@ def test_any_record_encodes_to_exactly_one_parseable_line(value: object, text: s
     assert back.turns[0].text == text
     assert back.final_info["anything"] == jsonable(value)
     assert back.final_info["msg"]["content"] == text
+
+
+def test_a_lone_surrogate_in_model_text_is_recorded_and_reads_back_the_same(tmp_path: Path) -> None:
+    path = tmp_path / "sessions.jsonl"
+    with Recorder(path, fsync="line") as rec:
+        rec.write(make_record(0, text="before \ud800 after é"))
+        rec.write(make_record(1))
+    result = read_sessions(path)
+    assert result.bad_lines == [] and [r.session_id for r in result.records] == ["s0", "s1"]
+    assert result.records[0].turns[0].text == "before \ud800 after é"
+    assert path.read_bytes().decode("utf-8")  # the file itself stays valid UTF-8
+
+
+def test_a_record_that_cannot_be_written_stops_the_run_with_exit_3(tmp_path, capsys, monkeypatch) -> None:
+    from miles.cli import main
+
+    real = Recorder.append
+    calls = {"n": 0}
+
+    async def failing(self, record):
+        calls["n"] += 1
+        if calls["n"] == 3 and self.path.name == "sessions.jsonl":
+            raise OSError("No space left on device")
+        await real(self, record)
+
+    monkeypatch.setattr(Recorder, "append", failing)
+    repo = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(repo)
+    assert main(["train", "--config", str(repo / "configs" / "calculator.yaml"), "--output-dir", str(tmp_path / "r"),
+                 "--set", "steps=3", "--set", "eval.num_tasks=2", "--set", "rollout.tasks_per_step=1"]) == 3
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("miles train: the run is broken: 1 session record(s) could not be written to ")

@@ -513,6 +513,13 @@ class TrainLoop:
                     break
                 step += 1
                 self.echo(progress_line(step, cfg.steps, row))
+                unrecorded = getattr(getattr(self.scheduler, "stats", None), "record_failures", 0)
+                if unrecorded:
+                    self.summary.broken = (f"{unrecorded} session record(s) could not be written to "
+                                           f"{self.out / 'sessions.jsonl'} (the log says why); the run stops so "
+                                           "that no session it trains on goes unrecorded")
+                    self.echo(f"[health] {self.summary.broken}.")
+                    break
                 verdict = self.health.observe(activity, row)
                 if verdict is not None and verdict.stop:
                     self.summary.broken = verdict.reason
