@@ -74,9 +74,15 @@ def main(argv: list[str] | None = None, *, stdout: Any = None) -> int:
     except OSError as exc:
         err.print(f"cannot read {args.file}: {exc}")
         return 2
-    for bad in result.bad_lines:
+    for bad in result.bad_lines[:20]:
         what = "torn last line (the writer was killed mid-write)" if bad.torn_tail else "bad line"
         err.print(f"skipped {what} {bad.line_no} at byte {bad.offset}: {bad.reason}")
+    if len(result.bad_lines) > 20:
+        err.print(f"... and {len(result.bad_lines) - 20} more bad lines")
+    if not result.records and (result.bad_lines or args.check or args.rescore or args.tito):
+        err.print(f"miles replay: {args.file} holds no session record ({len(result.bad_lines)} bad lines): "
+                  "give the sessions.jsonl or eval_sessions.jsonl of a run")
+        return 2
     try:
         records = filter_records(result.records, env=args.env, min_reward=args.min_reward,
                                  max_reward=args.max_reward, termination=args.termination, session=args.session)

@@ -137,3 +137,15 @@ def test_torn_last_line_is_skipped_and_reported(recording: Path, tmp_path: Path,
     assert code == 0 and "3 of 3 sessions" in out
     assert "torn last line" in capsys.readouterr().err
     assert cli(str(tmp_path / "missing.jsonl"))[0] == 2
+
+
+def test_check_on_a_file_with_no_session_record_fails(tmp_path, capsys):
+    from miles.sessions.replay_cli import main as replay
+
+    noise = tmp_path / "noise.jsonl"
+    noise.write_bytes(bytes(range(256)) * 40 + b"\n{\"not\": \"a record\"}\n")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_bytes(b"")
+    for path in (noise, empty):
+        assert replay([str(path), "--check"]) == 2
+        assert f"miles replay: {path} holds no session record" in capsys.readouterr().err
