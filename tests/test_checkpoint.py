@@ -124,3 +124,56 @@ def test_rng_state_round_trip():
     seed_all(12)
     restore_rng_state(state)
     assert (random.random(), float(np.random.rand()), float(torch.rand(())), float(np.random.randn())) == want
+
+
+@pytest.mark.parametrize("damage", ["flip a byte of the weights", "truncate the optimizer", "garble meta.json"])
+def test_a_damaged_newest_checkpoint_is_passed_over_for_the_one_before(damage, tmp_path):
+    for step in (1, 2):
+        save_checkpoint(tmp_path, step=step, model_state={"w": torch.full((64,), float(step))},
+                        optimizer_state={"state": {}, "param_groups": []})
+    newest = tmp_path / "step_00000002"
+    if damage.startswith("flip"):
+        data = bytearray((newest / "model.safetensors").read_bytes())
+        data[-3] ^= 0xFF
+        (newest / "model.safetensors").write_bytes(bytes(data))
+    elif damage.startswith("truncate"):
+        (newest / "optimizer.pt").write_bytes((newest / "optimizer.pt").read_bytes()[:10])
+    else:
+        (newest / "meta.json").write_text("{not json")
+    ckpt = load_checkpoint(tmp_path)
+    assert ckpt.step == 1 and torch.equal(ckpt.model["w"], torch.ones(64))
+    assert len(ckpt.passed_over) == 1 and ckpt.passed_over[0].startswith("step_00000002")
+    with pytest.raises(CheckpointError, match="step_00000002"):
+        load_checkpoint(newest)
+    (tmp_path / "step_00000001" / "state.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="every checkpoint under .* is damaged"):
+        load_checkpoint(tmp_path)
+
+
+def test_resume_passes_over_a_damaged_checkpoint_and_a_damaged_warm_start_is_one_line(tmp_path, capsys,
+                                                                                     monkeypatch):
+    from pathlib import Path
+
+    from miles.cli import main
+
+    repo = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(repo)
+    args = ["train", "--config", str(repo / "configs" / "calculator.yaml"), "--output-dir", str(tmp_path / "r"),
+            "--set", "eval.num_tasks=2", "--set", "rollout.tasks_per_step=1", "--set", "checkpoint.every=1",
+            "--set", "checkpoint.keep=3"]
+    assert main([*args, "--set", "steps=2"]) == 0
+    weights = tmp_path / "r" / "checkpoints" / "step_00000002" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    capsys.readouterr()
+    assert main([*args, "--set", "steps=3", "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert "[resume] passed over a damaged checkpoint: step_00000002: model.safetensors is damaged" in out
+    assert "[resume] from step_00000001: step 1" in out and "[step 3/3]" in out
+    warm = tmp_path / "warm"
+    warm.mkdir()
+    for f in (repo / "checkpoints" / "calculator-sft-1m").iterdir():
+        (warm / f.name).write_bytes(f.read_bytes()[: -200] if f.suffix == ".safetensors" else f.read_bytes())
+    assert main(["train", "--config", str(repo / "configs" / "calculator.yaml"), "--output-dir",
+                 str(tmp_path / "w"), "--set", f"model.init_from={warm}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"miles train: config error: model.init_from: cannot load '{warm}': ")

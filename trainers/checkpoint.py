@@ -14,6 +14,7 @@ replaced atomically afterwards, so a killed run leaves either the old or the new
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -47,6 +48,7 @@ class Checkpoint:
     rng: list[dict[str, Any]] = field(default_factory=list)
     data_cursor: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+    passed_over: list[str] = field(default_factory=list)  # newer checkpoints found damaged, and why
 
 
 def capture_rng_state() -> dict[str, Any]:
@@ -88,7 +90,7 @@ def save_checkpoint(root: str | Path, *, step: int, model_state: dict[str, torch
     meta = {"format_version": FORMAT_VERSION, "step": int(step), "data_cursor": data_cursor or {},
             "extra": extra or {}, "has_optimizer": optimizer_state is not None}
     try:
-        meta_text = json.dumps(meta, indent=1, sort_keys=True)
+        json.dumps(meta)
     except TypeError as e:
         raise CheckpointError(f"data_cursor and extra must be JSON-serializable: {e}") from e
     root = Path(root)
@@ -101,7 +103,8 @@ def save_checkpoint(root: str | Path, *, step: int, model_state: dict[str, torch
         if optimizer_state is not None:
             torch.save(optimizer_state, tmp / "optimizer.pt")
         torch.save({"scheduler": scheduler_state, "rng": rng_states or [capture_rng_state()]}, tmp / "state.pt")
-        (tmp / "meta.json").write_text(meta_text)
+        meta["files"] = {f.name: _sha256(f) for f in sorted(tmp.iterdir())}
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True))
         for f in tmp.iterdir():
             _fsync(f)
         final = root / name
@@ -142,14 +145,51 @@ def latest_checkpoint(root: str | Path) -> Path | None:
 
 
 def load_checkpoint(path: str | Path) -> Checkpoint:
-    """Load a checkpoint directory, or the latest checkpoint under a root directory."""
+    """Load a checkpoint directory, or the newest intact checkpoint under a root directory.
+
+    Every file is checked against the SHA-256 that `save_checkpoint` recorded. Under a root, a damaged newest
+    checkpoint is passed over for the one before it (`Checkpoint.passed_over` says which and why); a damaged
+    checkpoint named directly, or a root with none intact, is a `CheckpointError`.
+    """
     path = Path(path)
-    if not _complete(path):
-        latest = latest_checkpoint(path)
-        if latest is None:
-            raise CheckpointError(f"no complete checkpoint at or under {path}")
-        path = latest
-    meta = json.loads((path / "meta.json").read_text())
+    if _complete(path):
+        return _load_one(path)
+    candidates = list_checkpoints(path)
+    latest = latest_checkpoint(path)
+    if latest is not None and latest in candidates:  # `latest` first, then the others, newest first
+        candidates.remove(latest)
+        candidates.append(latest)
+    if not candidates:
+        raise CheckpointError(f"no complete checkpoint at or under {path}")
+    passed_over: list[str] = []
+    for candidate in reversed(candidates):
+        try:
+            ckpt = _load_one(candidate)
+        except CheckpointError as exc:
+            passed_over.append(str(exc))
+            continue
+        ckpt.passed_over = passed_over
+        return ckpt
+    raise CheckpointError(f"every checkpoint under {path} is damaged: " + "; ".join(passed_over))
+
+
+def _load_one(path: Path) -> Checkpoint:
+    try:
+        return _read(path)
+    except CheckpointError:
+        raise
+    except Exception as exc:  # a truncated or garbled file that slipped past the checksums (or had none)
+        raise CheckpointError(f"{path.name} cannot be read: {type(exc).__name__}: {str(exc)[:200]}") from exc
+
+
+def _read(path: Path) -> Checkpoint:
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path.name}: meta.json is damaged ({exc})") from exc
+    for name, digest in (meta.get("files") or {}).items():
+        if not (path / name).is_file() or _sha256(path / name) != digest:
+            raise CheckpointError(f"{path.name}: {name} is damaged (its SHA-256 is not the one recorded)")
     if meta.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{path}: unsupported checkpoint format {meta.get('format_version')!r}")
     state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
@@ -165,6 +205,14 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
 
 def _complete(p: Path) -> bool:
     return p.is_dir() and all((p / f).is_file() for f in _FILES)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _fsync(path: Path) -> None:

@@ -476,6 +476,8 @@ class TrainLoop:
                           "moved to sessions.jsonl.dropped)")
             if resumed:
                 ckpt = self.trainer.load_checkpoint(ckpt_root)
+                for reason in getattr(ckpt, "passed_over", []):
+                    self.echo(f"[resume] passed over a damaged checkpoint: {reason}")
                 self.cursor.position = int(ckpt.data_cursor.get("position", 0))
                 consumed = tuple(int(p) for p in ckpt.data_cursor.get("consumed", ()))
                 start_step = ckpt.step

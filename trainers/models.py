@@ -53,7 +53,12 @@ def build_policy(cfg: ModelConfig, tokenizer: Any) -> torch.nn.Module:
 
     check_model_source(cfg)
     if cfg.init_from:
-        return AutoModelForCausalLM.from_pretrained(cfg.init_from, dtype=torch.float32)
+        try:
+            return AutoModelForCausalLM.from_pretrained(cfg.init_from, dtype=torch.float32)
+        except Exception as exc:  # a truncated or garbled weights file, a missing config.json, ...
+            first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+            raise ModelSpecError("model.init_from", f"cannot load {cfg.init_from!r}: {type(exc).__name__}: "
+                                 f"{first}") from None
     if cfg.name == "tiny":
         from miles.tiny import make_tiny_model
 

@@ -9,6 +9,7 @@ import json
 import sys
 from pathlib import Path
 
+from miles.trainers.errors import CheckpointError
 from miles.trainers.loop import RunSummary, TrainLoop
 from miles.trainers.rollout_process import RolloutManagerError
 from miles.trainers.train_config import TrainConfig, load_train_config
@@ -74,7 +75,7 @@ def run_loop(cfg: TrainConfig, args: argparse.Namespace, *, resume: bool) -> int
     loop = TrainLoop(cfg, resume=resume)
     try:
         summary = asyncio.run(loop.run())
-    except (RolloutManagerError, TrainerProcessError) as exc:  # the run stopped; its checkpoints are intact
+    except (RolloutManagerError, TrainerProcessError, CheckpointError) as exc:  # one line, no traceback
         print(f"miles {args.command}: {exc}", file=sys.stderr)
         return 1
     finally:
