@@ -31,15 +31,20 @@ class HealthConfig:
       learn from), the run prints a diagnosis and stops; 0 never stops.
     - `on_no_signal`: `stop` (the default), or `continue`: print the diagnosis once and go on.
     - `engine_failure_steps`: after this many steps in a row in which most sessions failed in the engines
-      (`engine_error`, `aborted`) or none ran, the run stops: the engines are dead or wedged.
+      (`engine_error`, `aborted`), none ran, or the weight update did not reach the engines, the run stops:
+      the engines are dead or wedged.
     - `nonfinite_steps`: after this many updates in a row whose every optimizer step was skipped for a NaN
       or inf gradient (the weights did not move), the run stops.
+    - `grace_s`: `max_seconds` is a hard wall: the step under way when the budget runs out, and the final
+      evaluation, may take this much longer; past it, work in flight is aborted (engine calls included) and
+      the run ends broken.
     """
 
     no_signal_steps: int = 20
     on_no_signal: Literal["stop", "continue"] = "stop"
     engine_failure_steps: int = 5
     nonfinite_steps: int = 3
+    grace_s: float = 120.0
 
     def __post_init__(self) -> None:
         if self.no_signal_steps < 0:
@@ -47,6 +52,8 @@ class HealthConfig:
         for key in ("engine_failure_steps", "nonfinite_steps"):
             if getattr(self, key) < 1:
                 raise ConfigError(key, f"must be >= 1, got {getattr(self, key)}")
+        if not self.grace_s >= 0:
+            raise ConfigError("grace_s", f"must be >= 0, got {self.grace_s}")
 
 
 @dataclass(frozen=True)
@@ -169,11 +176,13 @@ class RunHealth:
         self._warn_env_errors(activity)
         failed = sum(activity.terminations.get(t.value, 0) for t in (TerminationReason.ENGINE_ERROR,
                                                                       TerminationReason.ABORTED))
-        self.engine_failures = self.engine_failures + 1 if failed * 2 > activity.sessions or not activity.sessions \
-            else 0
+        sync_failed = bool(row.get("sync_failed"))
+        bad_step = failed * 2 > activity.sessions or not activity.sessions or sync_failed
+        self.engine_failures = self.engine_failures + 1 if bad_step else 0
         if self.engine_failures >= self.config.engine_failure_steps:
             n = self.config.engine_failure_steps
-            return Verdict(f"the engines failed {n} steps in a row (last step: {failed} of {activity.sessions} "
+            last = "the weight update did not reach them, " if sync_failed else ""
+            return Verdict(f"the engines failed {n} steps in a row (last step: {last}{failed} of {activity.sessions} "
                            "sessions ended engine_error or aborted): they are dead or wedged; check them and "
                            "continue with --resume", stop=True)
         steps = float(row.get("optimizer_steps", 0.0))

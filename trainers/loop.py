@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 import json
@@ -18,6 +19,8 @@ import torch
 import yaml
 
 from miles.config import to_dict
+from miles.engine import EngineError
+from miles.envs.recipe import error_line
 from miles.observability import run_labels, start_observability
 from miles.sessions.metrics import SessionMetrics
 from miles.sessions.recorder import Recorder
@@ -104,6 +107,12 @@ def progress_line(step: int, steps: int, row: dict[str, Any]) -> str:
             f"tool calls/session {row['tool_calls_per_session']:.1f}  "
             f"parse errors {row['tool_parse_failures']:.0f}  env errors {row['env_error_sessions']:.0f}  "
             f"{row['step_s']:.1f} s")
+
+
+#: Cancellations sent to a run's work past its wall (each unwinds one cleanup that waits on a stuck peer).
+ABORT_ROUNDS = 5
+#: Seconds each part of the run gets to close.
+TEARDOWN_S = 5.0
 
 
 class NonFiniteWeightsError(RuntimeError):
@@ -407,7 +416,12 @@ class TrainLoop:
             row["train_s"] = time.perf_counter() - t1
             row.update({k: v for k, v in metrics.items() if k != "step"})
             t2 = time.perf_counter()
-            await self._update_engines()
+            try:
+                await self._update_engines()
+            except EngineError as exc:  # a dead engine: counted by the run's health, which stops a run of them
+                row["sync_failed"] = 1.0
+                self.echo(f"[warn] the weight update did not reach the engines ({error_line(exc)}); they keep "
+                          f"version {self.version}")
             row["sync_s"] = time.perf_counter() - t2
         else:
             self.trainer.step += 1
@@ -460,107 +474,142 @@ class TrainLoop:
             self.lock.release()
 
     async def _run(self) -> RunSummary:
-        cfg = self.cfg
         t_start, lingered = time.perf_counter(), 0.0
         await self._setup()
-        start_step = 0
-        consumed: tuple[int, ...] = ()
-        saved_at: float | None = None
         try:
-            ckpt_root = self.out / "checkpoints"
-            resumed = self.resume and any(ckpt_root.glob("step_*"))
-            if self.resume and not resumed:  # killed before its first checkpoint: every step is redone
-                saved_at = 0.0
-                self._set_aside_after(saved_at)
-                self.echo(f"[resume] no checkpoint in {ckpt_root}: starting at step 0 (the earlier sessions are "
-                          "moved to sessions.jsonl.dropped)")
-            if resumed:
-                ckpt = self.trainer.load_checkpoint(ckpt_root)
-                for reason in getattr(ckpt, "passed_over", []):
-                    self.echo(f"[resume] passed over a damaged checkpoint: {reason}")
-                self.cursor.position = int(ckpt.data_cursor.get("position", 0))
-                consumed = tuple(int(p) for p in ckpt.data_cursor.get("consumed", ()))
-                start_step = ckpt.step
-                await self._sync(version=ckpt.extra.get("weight_version"))
-                saved_at = float(ckpt.extra.get("time", float("inf")))
-                self._set_aside_after(saved_at)
-                if self.scheduler is not None:
-                    self.scheduler.run_id = f"train-r{start_step}"  # session ids stay unique across resumes
-                if self.lora is not None:
-                    await self.lora.restore(ckpt, start_step)
-                self.echo(f"[resume] from {ckpt.path.name}: step {start_step}")
-            elif cfg.sft.enabled:
-                await self._sft(t_start)
-            elif cfg.model.init_from or cfg.engine.kind != "embedded":
-                await self._sync()
-            if self.lora is not None and start_step == 0:
-                await self.lora.start()
-            if start_step == 0:
-                await self._evaluate("start")
-            if cfg.asynchronous.enabled:
-                await self._start_rollout_process(start_step, consumed, saved_at)
-            t_rl = time.perf_counter()
-            step, committed = start_step, False
-            while step < cfg.steps and not self.summary.broken:
-                if (not committed and cfg.max_seconds is not None
-                        and time.perf_counter() - t_start > cfg.max_seconds):
-                    self.echo(f"[train] time budget of {cfg.max_seconds:.0f} s reached after {step} steps")
-                    break
-                committed = self.lora is not None and self._runs_ahead(step, t_start)
-                try:
-                    row, activity = await self._rl_step(step, ahead=committed)
-                except NonFiniteWeightsError as exc:
-                    self.summary.broken = str(exc)
-                    self.echo(f"[health] {exc}. Stopping.")
-                    break
-                step += 1
-                self.echo(progress_line(step, cfg.steps, row))
-                unrecorded = getattr(getattr(self.scheduler, "stats", None), "record_failures", 0)
-                if unrecorded:
-                    self.summary.broken = (f"{unrecorded} session record(s) could not be written to "
-                                           f"{self.out / 'sessions.jsonl'} (the log says why); the run stops so "
-                                           "that no session it trains on goes unrecorded")
-                    self.echo(f"[health] {self.summary.broken}.")
-                    break
-                verdict = self.health.observe(activity, row)
-                if verdict is not None and verdict.stop:
-                    self.summary.broken = verdict.reason
-                    self.echo(f"[health] {verdict.reason}. Stopping.")
-                    break
-                if verdict is not None:
-                    self.echo(f"[health] {verdict.reason}. Going on (health.on_no_signal: continue).")
-                if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.steps:
-                    await self._evaluate(f"step{step}")
-                if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
-                    self._checkpoint()
-            self.summary.steps_done = step
-            self.summary.seconds["rl"] = time.perf_counter() - t_rl
-            if self.async_rollout is not None:  # running sessions are aborted and recorded; then checkpoint
-                await self.async_rollout.close()
-            self._checkpoint()
-            if not self.summary.broken and (step > start_step or "start" not in self.summary.evals):
-                await self._evaluate("final")
-            lingered = await self.observability.linger(self.echo)
+            if await self._within_the_wall(self._train(t_start), t_start):
+                lingered = await self.observability.linger(self.echo)
         finally:
-            if self.async_rollout is not None:
-                await self.async_rollout.close()
-            if self.lora is not None:
-                await self.lora.aclose()
-            if self.scheduler is not None:
-                await self.scheduler.aclose()
-            if self.agents is not None:
-                await self.agents.aclose()
-            if self.recorder is not None:
-                await self.recorder.aclose()
-            await self.eval_recorder.aclose()
-            await self.sync.close()
-            await self.engine_set.close()
-            self._close_trainer()
-            self.metrics.close()
-            self.observability.close()
+            await self._teardown()
         self.summary.seconds["total"] = time.perf_counter() - t_start - lingered
         (self.out / "summary.json").write_text(json.dumps(self.summary.to_dict(), indent=1))
         from miles.trainers.plot import plot_run
 
         plot_run(self.out / "metrics.jsonl", self.out / "curves.png")
         return self.summary
+
+    async def _within_the_wall(self, work: Any, t_start: float) -> bool:
+        """Run `work` until `max_seconds` plus `health.grace_s` have passed since `t_start` (no limit without
+        `max_seconds`); past that, abort it (a stalled engine or env, an endless step), checkpoint what is
+        consistent and mark the run broken. Whether `work` finished."""
+        cfg = self.cfg
+        task = asyncio.ensure_future(work)
+        wall = None if cfg.max_seconds is None else cfg.max_seconds + cfg.health.grace_s
+        done, _ = await asyncio.wait({task}, timeout=None if wall is None else
+                                     max(wall - (time.perf_counter() - t_start), 0.0))
+        if task in done:
+            task.result()
+            return True
+        for _ in range(ABORT_ROUNDS):  # each cancel unwinds one `finally: await ...` that waits on a stuck peer
+            task.cancel()
+            done, _ = await asyncio.wait({task}, timeout=2.0)
+            if done:
+                break
+        if task.done() and not task.cancelled() and task.exception() is not None:
+            self.echo(f"[health] aborting raised {error_line(task.exception())}")
+        if self.async_rollout is None:  # the synchronous loop's state is consistent between awaits
+            self._checkpoint()
+        self.summary.broken = (f"the run was still working {cfg.health.grace_s:.0f} s after its max_seconds "
+                               f"({cfg.max_seconds:.0f} s), so its work in flight was aborted after step "
+                               f"{self.summary.steps_done} (a stalled engine or env?); continue with --resume")
+        self.echo(f"[health] {self.summary.broken}.")
+        return False
+
+    async def _teardown(self) -> None:
+        """Close every part of the run, each within `TEARDOWN_S` (a wedged engine must not hold the exit)."""
+        parts = [self.async_rollout and self.async_rollout.close, self.lora and self.lora.aclose,
+                 self.scheduler and self.scheduler.aclose, self.agents and self.agents.aclose,
+                 self.recorder and self.recorder.aclose, self.eval_recorder.aclose, self.sync.close,
+                 self.engine_set.close]
+        for close in parts:
+            if not close:
+                continue
+            try:
+                await asyncio.wait_for(close(), timeout=TEARDOWN_S)
+            except Exception as exc:  # noqa: BLE001 - the run's own outcome matters more than a close
+                log.warning("closing %s failed: %s", getattr(close, "__qualname__", close), error_line(exc))
+        self._close_trainer()
+        self.metrics.close()
+        self.observability.close()
+
+    async def _train(self, t_start: float) -> None:
+        """Resume or warm-start, evaluate, the RL steps, the last checkpoint and the final evaluation."""
+        cfg = self.cfg
+        start_step = 0
+        consumed: tuple[int, ...] = ()
+        saved_at: float | None = None
+        ckpt_root = self.out / "checkpoints"
+        resumed = self.resume and any(ckpt_root.glob("step_*"))
+        if self.resume and not resumed:  # killed before its first checkpoint: every step is redone
+            saved_at = 0.0
+            self._set_aside_after(saved_at)
+            self.echo(f"[resume] no checkpoint in {ckpt_root}: starting at step 0 (the earlier sessions are "
+                      "moved to sessions.jsonl.dropped)")
+        if resumed:
+            ckpt = self.trainer.load_checkpoint(ckpt_root)
+            for reason in getattr(ckpt, "passed_over", []):
+                self.echo(f"[resume] passed over a damaged checkpoint: {reason}")
+            self.cursor.position = int(ckpt.data_cursor.get("position", 0))
+            consumed = tuple(int(p) for p in ckpt.data_cursor.get("consumed", ()))
+            start_step = ckpt.step
+            await self._sync(version=ckpt.extra.get("weight_version"))
+            saved_at = float(ckpt.extra.get("time", float("inf")))
+            self._set_aside_after(saved_at)
+            if self.scheduler is not None:
+                self.scheduler.run_id = f"train-r{start_step}"  # session ids stay unique across resumes
+            if self.lora is not None:
+                await self.lora.restore(ckpt, start_step)
+            self.echo(f"[resume] from {ckpt.path.name}: step {start_step}")
+        elif cfg.sft.enabled:
+            await self._sft(t_start)
+        elif cfg.model.init_from or cfg.engine.kind != "embedded":
+            await self._sync()
+        if self.lora is not None and start_step == 0:
+            await self.lora.start()
+        if start_step == 0:
+            await self._evaluate("start")
+        if cfg.asynchronous.enabled:
+            await self._start_rollout_process(start_step, consumed, saved_at)
+        t_rl = time.perf_counter()
+        step, committed = start_step, False
+        self.summary.steps_done = step
+        while step < cfg.steps and not self.summary.broken:
+            if (not committed and cfg.max_seconds is not None
+                    and time.perf_counter() - t_start > cfg.max_seconds):
+                self.echo(f"[train] time budget of {cfg.max_seconds:.0f} s reached after {step} steps")
+                break
+            committed = self.lora is not None and self._runs_ahead(step, t_start)
+            try:
+                row, activity = await self._rl_step(step, ahead=committed)
+            except NonFiniteWeightsError as exc:
+                self.summary.broken = str(exc)
+                self.echo(f"[health] {exc}. Stopping.")
+                break
+            step += 1
+            self.summary.steps_done = step
+            self.summary.seconds["rl"] = time.perf_counter() - t_rl
+            self.echo(progress_line(step, cfg.steps, row))
+            unrecorded = getattr(getattr(self.scheduler, "stats", None), "record_failures", 0)
+            if unrecorded:
+                self.summary.broken = (f"{unrecorded} session record(s) could not be written to "
+                                       f"{self.out / 'sessions.jsonl'} (the log says why); the run stops so that "
+                                       "no session it trains on goes unrecorded")
+                self.echo(f"[health] {self.summary.broken}.")
+                break
+            verdict = self.health.observe(activity, row)
+            if verdict is not None and verdict.stop:
+                self.summary.broken = verdict.reason
+                self.echo(f"[health] {verdict.reason}. Stopping.")
+                break
+            if verdict is not None:
+                self.echo(f"[health] {verdict.reason}. Going on (health.on_no_signal: continue).")
+            if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.steps:
+                await self._evaluate(f"step{step}")
+            if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
+                self._checkpoint()
+        self.summary.seconds["rl"] = time.perf_counter() - t_rl
+        if self.async_rollout is not None:  # running sessions are aborted and recorded; then checkpoint
+            await self.async_rollout.close()
+        self._checkpoint()
+        if not self.summary.broken and (step > start_step or "start" not in self.summary.evals):
+            await self._evaluate("final")

@@ -9,6 +9,7 @@ import torch
 
 from miles.config import ConfigError
 from miles.envs import EnvRecipe, Task
+from miles.envs.recipe import error_line
 from miles.tito import (
     ChatTemplateError,
     TemplateDropsToolsError,
@@ -56,9 +57,7 @@ def build_policy(cfg: ModelConfig, tokenizer: Any) -> torch.nn.Module:
         try:
             return AutoModelForCausalLM.from_pretrained(cfg.init_from, dtype=torch.float32)
         except Exception as exc:  # a truncated or garbled weights file, a missing config.json, ...
-            first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
-            raise ModelSpecError("model.init_from", f"cannot load {cfg.init_from!r}: {type(exc).__name__}: "
-                                 f"{first}") from None
+            raise ModelSpecError("model.init_from", f"cannot load {cfg.init_from!r}: {error_line(exc)}") from None
     if cfg.name == "tiny":
         from miles.tiny import make_tiny_model
 
