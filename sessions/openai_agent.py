@@ -3,7 +3,8 @@ against the OpenAI endpoint, and the sessions come back as the same `Group`s of 
 `SessionScheduler.run` produces, so the train loop can train on them unchanged.
 
 Per session the runner resets the env for the task (its first messages and tool schemas are what the agent
-gets), opens an endpoint session, and runs the command with `{base_url}`, `{api_key}` (= the session id),
+gets), opens an endpoint session, and runs the command with `{base_url}`, `{api_key}` (the session's own
+unguessable token: the endpoint serves the session to it alone),
 `{session_id}`, `{task_id}` and `{task_file}` filled in. The agent's environment also holds `OPENAI_BASE_URL`
 and `OPENAI_API_KEY` (so an unmodified `openai.OpenAI()` client talks to the session), `MILES_SESSION_ID`,
 and `MILES_TASK`: the task as JSON (`task_id`, `prompt`, `messages`, `tools`, `seed`; never the answer).
@@ -178,7 +179,8 @@ class AgentRunner:
             session = endpoint.open(sid, spec=spec, recipe=self.recipe, env_id=env.env_id, override=self.override,
                                     scorer=scorer, accept_client_reward=cfg.reward != "env")
             try:
-                termination, error = await service.run_agent(spec, task_payload(spec, messages, tools))
+                termination, error = await service.run_agent(spec, task_payload(spec, messages, tools),
+                                                             token=session.token)
             except asyncio.CancelledError:
                 await self._end(sid, TerminationReason.ABORTED, ErrorInfo("agent", "Aborted", "the run was stopped"))
                 raise
@@ -282,17 +284,19 @@ class AgentRollout:
             await runner.aclose()
         return [g.records[-1] for g in groups if g.records]
 
-    async def run_agent(self, spec: SessionSpec, payload: dict[str, Any]) -> tuple[TerminationReason, ErrorInfo | None]:
-        """Run the agent command for one session until it exits or times out (then it is killed)."""
+    async def run_agent(self, spec: SessionSpec, payload: dict[str, Any], *,
+                        token: str) -> tuple[TerminationReason, ErrorInfo | None]:
+        """Run the agent command for one session until it exits or times out (then it is killed); `token` is the
+        session's credential, the agent's API key."""
         cfg, sid = self.config, spec.session_id
         task_file = self.log_dir / f"{sid}.task.json"
         log_file = self.log_dir / f"{sid}.log"
         task_json = json.dumps(payload, ensure_ascii=False)
         task_file.write_text(task_json, encoding="utf-8")
-        argv = cfg.argv(base_url=self.base_url, api_key=sid, session_id=sid, task_id=payload["task_id"],
+        argv = cfg.argv(base_url=self.base_url, api_key=token, session_id=sid, task_id=payload["task_id"],
                         task_file=str(task_file))
         no_proxy = ",".join(p for p in (os.environ.get("NO_PROXY", ""), "127.0.0.1,localhost,::1") if p)
-        env = {**os.environ, "OPENAI_BASE_URL": self.base_url, "OPENAI_API_KEY": sid, "MILES_SESSION_ID": sid,
+        env = {**os.environ, "OPENAI_BASE_URL": self.base_url, "OPENAI_API_KEY": token, "MILES_SESSION_ID": sid,
                "MILES_TASK": task_json, "MILES_TASK_FILE": str(task_file), "NO_PROXY": no_proxy,
                "no_proxy": no_proxy, **cfg.env}
         with open(log_file, "wb") as log:

@@ -32,6 +32,8 @@ class OpenAISessionConfig:
     - `max_tokens`: a request's token budget when it gives none. `max_turns`: chat requests per session
       (None: unbounded). `context_length`: the model's context (None: the engine's, when it reports one).
     - `idle_timeout_s`: a session without requests for this long is closed as `timeout`.
+    - `max_open_sessions`: a server that opens sessions on request (`miles rollout --openai`) refuses a new
+      one (429) while this many are open.
     - `timeouts`, `retry`: the generate calls' deadlines and retries, as for internal sessions, except that
       a turn's deadline is at least a minute by default (a client waits for its reply; a turn cut short at
       its deadline is a 504 that the client repeats, work lost).
@@ -43,6 +45,7 @@ class OpenAISessionConfig:
     max_turns: int | None = None
     context_length: int | None = None
     idle_timeout_s: float = 1800.0
+    max_open_sessions: int = 1024
     timeouts: TimeoutConfig = field(default_factory=lambda: TimeoutConfig(turn_floor_s=60.0))
     retry: RetryConfig = field(default_factory=RetryConfig)
 
@@ -59,6 +62,8 @@ class OpenAISessionConfig:
             raise ConfigError("max_turns", "must be >= 1 or null")
         if self.context_length is not None and self.context_length < 2:
             raise ConfigError("context_length", "must be >= 2 or null")
+        if self.max_open_sessions < 1:
+            raise ConfigError("max_open_sessions", "must be >= 1")
         if self.idle_timeout_s <= 0:
             raise ConfigError("idle_timeout_s", "must be > 0")
 

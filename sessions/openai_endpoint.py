@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import re
+import secrets
 import time
 import uuid
 from collections import OrderedDict
@@ -75,8 +76,10 @@ class OpenAIEndpoint:
     """Endpoint sessions over `engines` (one engine, several, or a `Router`).
 
     `tokenizer` is the `miles.tito.TITOTokenizer` of the served model. `open_sessions`: a request for an
-    unknown session id opens it (a standalone server); otherwise only sessions `open`ed beforehand are served
-    (the agent runner's). Closed sessions go to `recorder` (a `Recorder` or a path) when given.
+    unknown session id opens it (a standalone server: the session id is the client's credential, and at most
+    `config.max_open_sessions` are open at once); otherwise only sessions `open`ed beforehand are served (the
+    agent runner's), each to the holder of its own unguessable `token` (see `authorize`). Closed sessions go to
+    `recorder` (a `Recorder` or a path) when given.
     """
 
     def __init__(self, engines: RolloutEngine | Sequence[RolloutEngine] | Router, *, tokenizer: Any,
@@ -101,6 +104,7 @@ class OpenAIEndpoint:
         self.keep_closed = keep_closed
         self.stats = EndpointStats()
         self._scorers: dict[str, Scorer] = {}
+        self._owners: dict[str, str] = {}  # token -> session id (sessions opened by a runner)
         self._background: set[asyncio.Task[Any]] = set()
         self._last_sweep = time.monotonic()
 
@@ -119,15 +123,44 @@ class OpenAIEndpoint:
                                 param="session_id")
         if sid in self.sessions or sid in self.closed:
             raise EndpointError(409, f"session {sid!r} exists already", code="session_exists")
+        if self.open_sessions and len(self.sessions) >= self.config.max_open_sessions:
+            raise EndpointError(429, f"{len(self.sessions)} sessions are open, the most this server takes "
+                                "(max_open_sessions); close finished ones", kind="rate_limit_error",
+                                code="too_many_sessions")
         session = OpenAISession(sid, tito=self.tito, parser=get_parser(self.config.parser), config=self.config,
                                 spec=spec, recipe=recipe, env_id=env_id, override=override,
                                 context_length=self.context_length)
         session.accept_client_reward = accept_client_reward
+        session.token = sid if self.open_sessions else secrets.token_urlsafe(24)
+        if not self.open_sessions:
+            self._owners[session.token] = sid
         self.sessions[sid] = session
         if scorer is not None:
             self._scorers[sid] = scorer
         self.stats.sessions_opened += 1
         return session
+
+    def authorize(self, bearer: str | None, session_id: str | None = None) -> str:
+        """The session a request may act on: the one its bearer token names (`session_id`, from the URL path,
+        must be that one). On a standalone server the token is the session id itself; otherwise it is the
+        session's own `token`, so no client can read, extend, score or close another's session."""
+        if self.open_sessions:
+            if session_id is not None:
+                return session_id
+            if not bearer:
+                raise EndpointError(401, "name the session: use the session id as the API key (Authorization: "
+                                    "Bearer <session id>) or the base URL /sessions/<session id>/v1",
+                                    kind="authentication_error", code="no_session")
+            return bearer
+        owned = self._owners.get(bearer or "")
+        if owned is None:
+            raise EndpointError(401, "this server serves only the sessions its runner opened: send the session's "
+                                "token as the API key (OPENAI_API_KEY)", kind="authentication_error",
+                                code="invalid_api_key")
+        if session_id is not None and session_id != owned:
+            raise EndpointError(403, f"the API key is not the token of session {session_id!r}",
+                                kind="permission_error", code="not_your_session")
+        return owned
 
     def get(self, session_id: str) -> OpenAISession:
         """An open or recently closed session; `EndpointError` 404 when there is none."""
@@ -258,7 +291,8 @@ class OpenAIEndpoint:
             self._scorers.pop(session_id, None)
             self.closed[session_id] = session
             while len(self.closed) > self.keep_closed:
-                self.closed.popitem(last=False)
+                _, gone = self.closed.popitem(last=False)
+                self._owners.pop(gone.token, None)
             self.stats.sessions_closed += 1
             session.closed.set()
         return records

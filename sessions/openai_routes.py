@@ -3,7 +3,8 @@ serves a `RolloutEngine` (the embedded engine's SGLang-native server, or an app 
 servers), and a uvicorn server that runs on the caller's event loop.
 
 Routes (the session id is a path segment, or the bearer token, so an unmodified OpenAI client needs only
-`base_url=http://HOST:PORT/v1` and `api_key=<session id>`):
+`base_url=http://HOST:PORT/v1` and `api_key=<session id>`; sessions an agent runner opened answer only to their
+own token, which the runner gives the agent as `OPENAI_API_KEY`, on every route):
 
 - `POST /v1/chat/completions`, `POST /sessions/{id}/v1/chat/completions`: OpenAI's chat completions, with
   `stream: true` as server-sent events;
@@ -54,14 +55,10 @@ async def _body(request: fastapi.Request, limit: int) -> Any:
         raise EndpointError(400, f"the body is not JSON: {exc}") from None
 
 
-def _bearer(request: fastapi.Request) -> str:
-    auth = request.headers.get("authorization", "")
-    scheme, _, token = auth.partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
-        raise EndpointError(401, "name the session: use the session id as the API key (Authorization: Bearer "
-                            "<session id>) or the base URL /sessions/<session id>/v1", kind="authentication_error",
-                            code="no_session")
-    return token.strip()
+def _bearer(request: fastapi.Request) -> str | None:
+    """The request's bearer token, if it has one."""
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return token.strip() or None if scheme.lower() == "bearer" else None
 
 
 async def _sse(chunks: list[dict[str, Any]]) -> AsyncIterator[bytes]:
@@ -100,11 +97,11 @@ def openai_router(endpoint: OpenAIEndpoint, *, max_request_bytes: int = MAX_REQU
 
     @router.post("/v1/chat/completions")
     async def chat_by_key(request: fastapi.Request) -> Response:
-        return await guarded(lambda: chat(_bearer(request), request))()
+        return await guarded(lambda: chat(endpoint.authorize(_bearer(request)), request))()
 
     @router.post("/sessions/{session_id}/v1/chat/completions")
     async def chat_by_path(session_id: str, request: fastapi.Request) -> Response:
-        return await guarded(chat)(session_id, request)
+        return await guarded(lambda: chat(endpoint.authorize(_bearer(request), session_id), request))()
 
     def models() -> JSONResponse:
         return JSONResponse({"object": "list", "data": [
@@ -117,21 +114,24 @@ def openai_router(endpoint: OpenAIEndpoint, *, max_request_bytes: int = MAX_REQU
     @router.post("/sessions/{session_id}/reward")
     async def reward(session_id: str, request: fastapi.Request) -> Response:
         async def run() -> Response:
+            endpoint.authorize(_bearer(request), session_id)
             endpoint.post_reward(session_id, parse_reward(await _body(request, max_request_bytes)))
             return JSONResponse({"session_id": session_id, "ok": True})
         return await guarded(run)()
 
     @router.post("/sessions/{session_id}/close")
-    async def close(session_id: str) -> Response:
+    async def close(session_id: str, request: fastapi.Request) -> Response:
         async def run() -> Response:
+            endpoint.authorize(_bearer(request), session_id)
             records = await endpoint.close(session_id)
             return JSONResponse({"session_id": session_id, "records": len(records),
                                  "termination": records[0].termination.value, "reward": records[0].reward})
         return await guarded(run)()
 
     @router.get("/sessions/{session_id}/trajectory")
-    async def trajectory(session_id: str) -> Response:
+    async def trajectory(session_id: str, request: fastapi.Request) -> Response:
         async def run() -> Response:
+            endpoint.authorize(_bearer(request), session_id)
             return JSONResponse(endpoint.view(session_id))
         return await guarded(run)()
 

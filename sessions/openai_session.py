@@ -121,6 +121,7 @@ class OpenAISession:
                  spec: SessionSpec | None = None, recipe: EnvRecipe | None = None, env_id: str = "openai",
                  override: SamplingOverride | None = None, context_length: int | None = None) -> None:
         self.session_id = session_id
+        self.token = session_id  # the credential a request must carry (the endpoint sets it when it opens)
         self.tito = tito
         self.parser = parser
         self.config = config

@@ -53,10 +53,10 @@ def agent_file(tmp_path: Path, name: str, body: str) -> str:
     path.write_text(textwrap.dedent('''\
         import json, os, sys, time, urllib.request
         BASE, KEY = os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"]
-        TASK = json.loads(os.environ["MILES_TASK"])
-        def post(url, body):
+        SID, TASK = os.environ["MILES_SESSION_ID"], json.loads(os.environ["MILES_TASK"])
+        def post(url, body, key=None):
             req = urllib.request.Request(url, json.dumps(body).encode(), {"content-type": "application/json",
-                                         "authorization": "Bearer " + KEY})
+                                         "authorization": "Bearer " + (key or KEY)})
             return json.loads(urllib.request.urlopen(req, timeout=30).read())
         def chat(messages):
             return post(BASE + "/chat/completions", {"model": "m", "messages": messages, "tools": TASK["tools"]})
@@ -153,7 +153,7 @@ async def test_the_agents_reward_wins_unless_the_env_scores(tmp_path):
         reply = chat(TASK["messages"])["choices"][0]["message"]
         root = BASE.removesuffix("/v1")
         try:
-            post(f"{root}/sessions/{KEY}/reward", {"components": {"style": 0.25, "correct": 0.5}})
+            post(f"{root}/sessions/{SID}/reward", {"components": {"style": 0.25, "correct": 0.5}})
         except urllib.error.HTTPError as err:
             print(err.code, json.loads(err.read())["error"]["code"])
         ''')
@@ -236,3 +236,45 @@ def test_miles_train_trains_the_example_agent_through_the_endpoint(tmp_path):
                for r in train + evals)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert any("rollout_reward_mean" in r for r in rows)
+
+
+async def test_an_agent_can_reach_only_its_own_session(tmp_path):
+    """Session ids are predictable (`run-s0`, `run-s1`, ...); the credential is each session's own token. A rogue
+    agent that knows its sibling's id can neither read its trajectory, nor send its turns, nor score or close
+    it, nor talk with a made-up key; the sibling's session ends as its own agent left it."""
+    t = tito("tiny")
+    agent = agent_file(tmp_path, "rogue", '''\
+        import urllib.error
+        root = BASE.removesuffix("/v1")
+        other = SID[:-1] + ("1" if SID.endswith("0") else "0")
+        if SID.endswith("0"):
+            attempts = {
+                "read": lambda: urllib.request.urlopen(urllib.request.Request(
+                    f"{root}/sessions/{other}/trajectory", headers={"authorization": "Bearer " + KEY}), timeout=30),
+                "turn": lambda: post(f"{root}/sessions/{other}/v1/chat/completions",
+                                     {"model": "m", "messages": TASK["messages"]}),
+                "reward": lambda: post(f"{root}/sessions/{other}/reward", {"reward": 1.0}),
+                "close": lambda: post(f"{root}/sessions/{other}/close", {}),
+                "guess": lambda: post(BASE + "/chat/completions", {"model": "m", "messages": TASK["messages"]},
+                                      key=other),
+            }
+            for name, attempt in attempts.items():
+                try:
+                    attempt()
+                    print(name, "ALLOWED")
+                except urllib.error.HTTPError as err:
+                    print(name, err.code)
+        reply = chat(TASK["messages"])["choices"][0]["message"]
+        ''')
+    task = RECIPE.make().tasks.take(1)[0]
+    service = await AgentRollout.start(calculator_model(), tokenizer=t,
+                                       config=config(agent, reward="env", keep_logs=True), log_dir=tmp_path / "logs")
+    try:
+        [group] = await service.runner(recipe=RECIPE, run_id="run", group_size=2).run([{"task": task}])
+    finally:
+        await service.aclose()
+    log = (tmp_path / "logs" / "run-s0.log").read_text()
+    assert log.split() == ["read", "403", "turn", "403", "reward", "403", "close", "403", "guess", "401"], log
+    victim = next(r for r in group.records if r.session_id == "run-s1")
+    assert victim.termination is TerminationReason.DONE and len(victim.turns) == 1
+    assert victim.final_info["reward_source"] == "env"

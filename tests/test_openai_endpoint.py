@@ -352,16 +352,19 @@ def test_closed_sessions_are_recorded_and_replay_with_their_harness_calls(tmp_pa
 
 
 def test_sessions_of_a_closed_endpoint_are_aborted_and_unknown_ones_refused():
+    """A runner's endpoint serves a session only to its token; closing the endpoint aborts what is open."""
     t, script = tito("tiny"), calculator_script()
     _, outputs = direct(t, script)
     endpoint = OpenAIEndpoint(InstantEngine(outputs), tokenizer=t, open_sessions=False,
                               config=OpenAISessionConfig(max_turns=1))
-    endpoint.open("known")
+    known = endpoint.open("known")
     with served(endpoint) as url:
-        client = OpenAI(base_url=f"{url}/v1", api_key="unknown", max_retries=0)
-        with pytest.raises(openai.NotFoundError, match="serves only the sessions its runner opened"):
-            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
-        client = OpenAI(base_url=f"{url}/v1", api_key="known", max_retries=0)
+        for key in ("unknown", "known"):  # neither a made-up key nor the session's (guessable) id is its token
+            client = OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
+            with pytest.raises(openai.AuthenticationError, match="serves only the sessions its runner opened"):
+                client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+        assert len(known.token) >= 32 and known.token != "known"
+        client = OpenAI(base_url=f"{url}/v1", api_key=known.token, max_retries=0)
         first = client.chat.completions.create(model="m", messages=[m.to_dict() for m in script.messages],
                                                tools=TOOLS).choices[0].message
         with pytest.raises(openai.BadRequestError, match="max_turns"):
@@ -370,3 +373,16 @@ def test_sessions_of_a_closed_endpoint_are_aborted_and_unknown_ones_refused():
     [record] = endpoint.closed["known"].result
     assert record.termination is TerminationReason.ABORTED and record.error.type == "Aborted"
     assert len(record.turns) == 1 and record.reward == 0.0
+
+
+def test_a_standalone_server_caps_its_open_sessions():
+    from miles.sessions.openai_schema import EndpointError
+
+    t = tito("tiny")
+    endpoint = OpenAIEndpoint(InstantEngine([[1]]), tokenizer=t, config=OpenAISessionConfig(max_open_sessions=2))
+    endpoint.open("a")
+    endpoint.open("b")
+    with pytest.raises(EndpointError, match="2 sessions are open, the most this server takes") as caught:
+        endpoint.open("c")
+    assert caught.value.status == 429
+    assert endpoint.authorize("a") == "a" and endpoint.authorize(None, "b") == "b"  # the id is the credential
