@@ -90,10 +90,12 @@ class EngineLaunch:
 def sglang_spec(cfg: TrainConfig, host: str, port: int) -> Any:
     """The launcher's `LaunchSpec` for one SGLang server of the run: the policy's weights (`model.init_from`,
     else `model.name`) on `gpus_per_engine` GPUs (its --tp), at `host:port`, without a router."""
+    from miles.engines.auth import admin_token
     from miles.engines.launcher import LaunchSpec
 
     return LaunchSpec(engine="sglang", model=cfg.model.init_from or cfg.model.name,
-                      tp=int(cfg.cluster.engines.gpus_per_engine), host=host, port=port, router=False)
+                      tp=int(cfg.cluster.engines.gpus_per_engine), host=host, port=port, router=False,
+                      admin_key=admin_token(create=True))
 
 
 class EngineActor:
@@ -114,6 +116,7 @@ class EngineActor:
     def _start_embedded(self, cfg: TrainConfig, host: str, port: int) -> str:
         import ray
 
+        from miles.engines.auth import admin_token
         from miles.engines.server import serve_in_thread
         from miles.trainers.loop import seed_everything
         from miles.trainers.models import build_policy, build_tito
@@ -125,7 +128,7 @@ class EngineActor:
                                    max_batch_size=cfg.engine.max_batch_size, engine_id=f"ray-engine-{self.index}",
                                    kv_cache_fraction=cfg.engine.kv_cache_fraction,
                                    model_path=cfg.model.init_from or cfg.model.name)
-        self._server = serve_in_thread(engine, host=host, port=port)
+        self._server = serve_in_thread(engine, host=host, port=port, admin_key=admin_token(create=True))
         return self._server.url
 
     def _start_sglang(self, cfg: TrainConfig, host: str, port: int) -> str:

@@ -227,6 +227,10 @@ class RayRun:
 
     def _run(self) -> Any:
         runtime_env, worker_imports = runtime_env_for(self.cfg.env.imports)
+        from miles.engines.auth import TOKEN_ENV, admin_token
+
+        # every actor (engines, trainer ranks, the rollout manager) guards or calls the engines with one token
+        runtime_env["env_vars"] = {TOKEN_ENV: admin_token(create=True)}
         demand = sum(b.get("CPU", 0) for bundles in self.placement.groups.values() for b in bundles)
         connect(self.cfg.cluster, runtime_env, num_cpus=demand + self.cfg.cluster.manager.cpus)
         try:

@@ -11,7 +11,8 @@ from typing import Any
 import httpx
 
 from miles.engine import EngineError, GenerateResult, RolloutEngine, SamplingParams
-from miles.engines.errors import InvalidRequestError
+from miles.engines.auth import ADMIN_PATHS, TOKEN_ENV, admin_token, token_file
+from miles.engines.errors import EngineAuthError, InvalidRequestError
 from miles.engines.load import LOADS_PATH, EngineLoad, parse_loads
 from miles.engines.lora import AdapterWeights, served_name
 from miles.engines.wire import (
@@ -45,8 +46,10 @@ class SGLangClient(RolloutEngine):
 
     def __init__(self, base_url: str, *, timeout_s: float = 600.0, engine_id: str | None = None,
                  lora_path: str | None = None, max_connections: int = 256,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, admin_key: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
+        #: sent as the bearer of control calls (`miles.engines.auth`); by default the local admin token
+        self.admin_key = admin_key if admin_key is not None else admin_token()
         self.engine_id = engine_id or self.base_url
         self.lora_path = lora_path
         self._version = 0
@@ -63,7 +66,7 @@ class SGLangClient(RolloutEngine):
     # ------------------------------------------------------------------ plumbing
     async def _request(self, method: str, path: str, *, json: Any = None, headers: dict[str, str] | None = None,
                        timeout: float | None = None) -> httpx.Response:
-        kwargs: dict[str, Any] = {"json": json, "headers": headers}
+        kwargs: dict[str, Any] = {"json": json, "headers": self._headers(path, headers)}
         if timeout is not None:
             kwargs["timeout"] = timeout
         try:
@@ -71,6 +74,7 @@ class SGLangClient(RolloutEngine):
         except httpx.TransportError as exc:  # connect/read/write errors, timeouts, protocol errors
             raise EngineError(f"{method} {self.base_url}{path}: {type(exc).__name__}: {exc}",
                               engine_id=self.engine_id) from exc
+        self._check_auth(resp, path)
         if resp.status_code >= 500:
             raise EngineError(f"{method} {self.base_url}{path}: HTTP {resp.status_code}: {resp.text[:300]}",
                               engine_id=self.engine_id)
@@ -78,6 +82,17 @@ class SGLangClient(RolloutEngine):
             raise InvalidRequestError(f"{method} {self.base_url}{path}: HTTP {resp.status_code}: "
                                       f"{resp.text[:300]}", engine_id=self.engine_id)
         return resp
+
+    def _headers(self, path: str, headers: dict[str, str] | None) -> dict[str, str] | None:
+        if path in ADMIN_PATHS and self.admin_key:
+            return {**(headers or {}), "authorization": f"Bearer {self.admin_key}"}
+        return headers
+
+    def _check_auth(self, resp: httpx.Response, path: str) -> None:
+        if resp.status_code in (401, 403) and path in ADMIN_PATHS:
+            raise EngineAuthError(f"{self.base_url}{path} refused {'the' if self.admin_key else 'a call without an'} "
+                                  f"admin token: give miles the servers' token in {TOKEN_ENV} (miles rollout keeps "
+                                  f"it in {token_file()})")
 
     async def _json(self, method: str, path: str, **kwargs: Any) -> Any:
         resp = await self._request(method, path, **kwargs)
@@ -301,10 +316,11 @@ class SGLangClient(RolloutEngine):
     async def _weight_call(self, path: str, body: dict[str, Any]) -> tuple[int, Any]:
         """POST an admin request whose 4xx answers the caller interprets: (status, JSON body or text)."""
         try:
-            resp = await self._http.post(path, json=body)
+            resp = await self._http.post(path, json=body, headers=self._headers(path, None))
         except httpx.TransportError as exc:
             raise EngineError(f"POST {self.base_url}{path}: {type(exc).__name__}: {exc}",
                               engine_id=self.engine_id) from exc
+        self._check_auth(resp, path)
         if resp.status_code >= 500:
             raise EngineError(f"POST {self.base_url}{path}: HTTP {resp.status_code}: {resp.text[:300]}",
                               engine_id=self.engine_id)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from miles.config import ConfigError
 from miles.engine import EngineError
 
 
@@ -13,3 +14,10 @@ class InvalidRequestError(EngineError):
 
     def __init__(self, message: str, *, engine_id: str = "") -> None:
         super().__init__(message, engine_id=engine_id, retryable=False)
+
+
+class EngineAuthError(ConfigError):
+    """A server refused the admin token (or its absence) on a control route: a setup mistake, one line."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("", message)

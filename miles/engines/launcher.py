@@ -29,6 +29,7 @@ import httpx
 
 from miles.config import ConfigError
 from miles.engine import EngineError
+from miles.engines.auth import TOKEN_ENV, admin_token, token_file
 from miles.engines.errors import InvalidRequestError
 from miles.engines.server import DTYPES, SMOLLM2, parse_model_spec
 from miles.engines.sglang_router import SGLangRouter, router_command
@@ -113,6 +114,7 @@ class LaunchSpec:
     router_policy: str = "manual"
     sglang_args: tuple[str, ...] = ()
     openai: tuple[str, ...] | None = None  # serve the OpenAI-compatible session endpoint (KEY=VALUE settings)
+    admin_key: str | None = None  # SGLang servers get it as --admin-api-key (embedded ones read it themselves)
 
     def __post_init__(self) -> None:
         if self.engine not in ("embedded", "sglang"):
@@ -243,6 +245,8 @@ def _sglang_command(spec: LaunchSpec, index: int, port: int) -> tuple[str, ...]:
                         ("--device", spec.device)):
         if value is not None:
             cmd += [flag, str(value)]
+    if spec.admin_key:
+        cmd += ["--admin-api-key", spec.admin_key]
     return (*cmd, *spec.sglang_args)
 
 
@@ -354,7 +358,8 @@ async def serve(plan: LaunchPlan, *, log_dir: Path, startup_timeout_s: float = 6
     children: list[_Child] = []
     router: SGLangRouter | None = None
     try:
-        _say(f"starting {len(plan.servers)} {plan.spec.engine} server(s); logs in {log_dir}")
+        _say(f"starting {len(plan.servers)} {plan.spec.engine} server(s); logs in {log_dir}; their control routes "
+             f"(weights, aborts, LoRA) take the admin token ({TOKEN_ENV}, else {token_file()})")
         for i, server in enumerate(plan.servers):
             log = log_dir / f"server-{i}.log"
             children.append(_Child(server.name, server.url, spawn(list(server.command), log_path=log), log))
@@ -411,7 +416,8 @@ def rollout_from_cli(args: argparse.Namespace) -> int:
                       host=host, port=host_port or args.port or 30001, base_gpu_id=args.base_gpu_id,
                       router=args.router, router_port=args.router_port, router_policy=args.router_policy,
                       sglang_args=tuple(args.sglang_args),
-                      openai=tuple(args.openai) if args.openai is not None else None)
+                      openai=tuple(args.openai) if args.openai is not None else None,
+                      admin_key=None if args.dry_run else admin_token(create=True))
     plan = plan_launch(spec)
     if args.dry_run:
         for server in plan.servers:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import threading
 import time
 import uuid
@@ -27,6 +28,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from miles.engine import EngineError
+from miles.engines.auth import ADMIN_PATHS, admin_token, refusal
 from miles.engines.embedded import EmbeddedEngine
 from miles.engines.errors import InvalidRequestError
 from miles.engines.load import LOADS_PATH, loads_body
@@ -50,12 +52,26 @@ def _error(status: int, message: str, kind: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status)
 
 
+#: The largest request body the server reads (a 1M-token prompt is about 8 MB of JSON).
+MAX_BODY_BYTES = 32 << 20
+#: Bodies above this are parsed on a worker thread, so a big one never stalls `/health` or the other requests.
+_PARSE_INLINE_BYTES = 64 << 10
+
+
 async def _json_body(request: fastapi.Request) -> dict[str, Any]:
-    raw = await request.body()
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise BodyTooLargeError(f"the body has {declared} bytes; the limit is {MAX_BODY_BYTES}")
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > MAX_BODY_BYTES:
+            raise BodyTooLargeError(f"the body is over the limit of {MAX_BODY_BYTES} bytes")
     if not raw:
         return {}
     try:
-        body = await request.json()
+        body = (json.loads(raw) if len(raw) <= _PARSE_INLINE_BYTES else
+                await asyncio.to_thread(json.loads, bytes(raw)))
     except ValueError as exc:
         raise InvalidRequestError(f"the body is not JSON: {exc}") from exc
     if not isinstance(body, dict):
@@ -69,14 +85,29 @@ def _require(body: dict[str, Any], *names: str) -> None:
         raise InvalidRequestError(f"missing fields: {missing}")
 
 
-def create_app(engine: EmbeddedEngine) -> fastapi.FastAPI:
-    """A FastAPI app that serves `engine` over SGLang's native HTTP API."""
+class BodyTooLargeError(InvalidRequestError):
+    """A request body over `MAX_BODY_BYTES` (413)."""
+
+
+def create_app(engine: EmbeddedEngine, *, api_key: str | None = None, admin_key: str | None = None) -> fastapi.FastAPI:
+    """A FastAPI app that serves `engine` over SGLang's native HTTP API, with SGLang's `--api-key` and
+    `--admin-api-key` rules (`miles.engines.auth`)."""
     app = fastapi.FastAPI(title="miles embedded engine")
     started = time.time()
 
+    @app.middleware("http")
+    async def _authorize(request: fastapi.Request, call_next: Any) -> Response:
+        status = refusal(request.url.path, request.headers.get("authorization"), api_key=api_key,
+                         admin_key=admin_key)
+        if status is not None:
+            return _error(status, f"{request.url.path} needs the server's "
+                          f"{'admin token' if request.url.path in ADMIN_PATHS else 'API key'} as the bearer "
+                          "(see miles.engines.auth)", "authentication_error")
+        return await call_next(request)
+
     @app.exception_handler(InvalidRequestError)
     async def _bad_request(_: fastapi.Request, exc: InvalidRequestError) -> JSONResponse:
-        return _error(400, str(exc), "invalid_request_error")
+        return _error(413 if isinstance(exc, BodyTooLargeError) else 400, str(exc), "invalid_request_error")
 
     @app.exception_handler(EngineError)
     async def _engine_error(_: fastapi.Request, exc: EngineError) -> JSONResponse:
@@ -270,20 +301,23 @@ class ServerHandle:
         self.thread.join(10.0)
 
 
-def _config(engine: EmbeddedEngine, host: str, port: int) -> uvicorn.Config:
-    return uvicorn.Config(create_app(engine), host=host, port=port, log_level="warning", access_log=False,
-                          timeout_keep_alive=30)
+def _config(engine: EmbeddedEngine, host: str, port: int, admin_key: str | None) -> uvicorn.Config:
+    return uvicorn.Config(create_app(engine, admin_key=admin_key), host=host, port=port, log_level="warning",
+                          access_log=False, timeout_keep_alive=30)
 
 
-async def serve(engine: EmbeddedEngine, host: str = "127.0.0.1", port: int = 30001) -> None:
-    """Serve `engine` until cancelled (runs on the current event loop)."""
-    await uvicorn.Server(_config(engine, host, port)).serve()
+async def serve(engine: EmbeddedEngine, host: str = "127.0.0.1", port: int = 30001, *,
+                admin_key: str | None = None) -> None:
+    """Serve `engine` until cancelled (runs on the current event loop); `admin_key` guards its control
+    routes."""
+    await uvicorn.Server(_config(engine, host, port, admin_key)).serve()
 
 
 def serve_in_thread(engine: EmbeddedEngine, host: str = "127.0.0.1", port: int = 0,
-                    startup_timeout_s: float = 30.0) -> ServerHandle:
-    """Start a server in a daemon thread with its own event loop; `port=0` picks a free port."""
-    server = uvicorn.Server(_config(engine, host, port))
+                    startup_timeout_s: float = 30.0, *, admin_key: str | None = None) -> ServerHandle:
+    """Start a server in a daemon thread with its own event loop; `port=0` picks a free port; `admin_key`
+    guards its control routes."""
+    server = uvicorn.Server(_config(engine, host, port, admin_key))
     thread = threading.Thread(target=server.run, name="miles-engine-server", daemon=True)
     thread.start()
     deadline = time.monotonic() + startup_timeout_s
@@ -378,7 +412,8 @@ def load_engine(model: str, *, device: str = "cpu", max_batch_size: int = 64, co
 def run_server(model: str, host: str = "127.0.0.1", port: int = 30001, *, device: str = "cpu",
                max_batch_size: int = 64, context_length: int | None = None, dtype: str = "auto",
                engine_id: str = "embedded-0") -> None:
-    """Blocking: serve the embedded engine for `model` (see `load_engine`) until SIGINT/SIGTERM."""
+    """Blocking: serve the embedded engine for `model` (see `load_engine`) until SIGINT/SIGTERM; its control
+    routes take the admin token (`miles.engines.auth`)."""
     engine = load_engine(model, device=device, max_batch_size=max_batch_size, context_length=context_length,
                          dtype=dtype, engine_id=engine_id)
-    asyncio.run(serve(engine, host, port))
+    asyncio.run(serve(engine, host, port, admin_key=admin_token(create=True)))
