@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from miles.engine import RolloutEngine
+from miles.engines.subprocesses import die_with_parent
 from miles.envs.recipe import EnvRecipe
 from miles.sessions.metrics import SessionObserver
 from miles.sessions.openai_config import AgentConfig, SamplingOverride
@@ -303,7 +304,7 @@ class AgentRollout:
             try:
                 proc = await asyncio.create_subprocess_exec(*argv, env=env, stdin=asyncio.subprocess.DEVNULL,
                                                             stdout=log, stderr=asyncio.subprocess.STDOUT,
-                                                            start_new_session=True)
+                                                            start_new_session=True, preexec_fn=die_with_parent)
             except OSError as exc:
                 return TerminationReason.ENV_ERROR, ErrorInfo("agent", "AgentNotStarted", f"{argv[0]}: {exc}")
             try:

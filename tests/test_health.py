@@ -132,3 +132,29 @@ def test_sft_shows_progress_and_ends_within_the_runs_budget_with_its_weights_sav
     assert "(ended by its budget of " in out and f"saved to {save_to}" in out
     assert (save_to / "config.json").is_file() and any(save_to.glob("*.safetensors"))
     assert "after SFT" in out  # the table of `miles sft`: held-out success of the saved weights
+
+
+def test_sigterm_checkpoints_and_says_the_run_was_stopped(tmp_path):
+    """`miles train` handles SIGTERM like Ctrl-C: the step in flight is abandoned, the last finished step is
+    checkpointed, and the run ends with one line (exit 128 + 15), no score; `--resume` goes on from there."""
+    import signal
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    args = [sys.executable, "-m", "miles.cli", "train", "--config", MAIN_JOB, "--output-dir", str(out), "--set",
+            "eval.num_tasks=4", "--set", "steps=1000", "--set", "rollout.tasks_per_step=2"]
+    proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("[step 3/"):
+            break
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("miles train: stopped by SIGTERM after step ") and "continue with --resume" in last
+    summary = json.loads((out / "summary.json").read_text())
+    step = summary["steps_done"]
+    assert summary["stopped"] == "SIGTERM" and step >= 3 and "final" not in summary["evals"]
+    assert (out / "checkpoints" / f"step_{step:08d}").is_dir()

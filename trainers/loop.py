@@ -8,6 +8,8 @@ import functools
 import json
 import logging
 import random
+import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -59,10 +61,12 @@ class RunSummary:
     #: Why the run stopped before its budget because it was broken (empty when it was not): the run then
     #: reports this line and exit status 3, never a score.
     broken: str = ""
+    #: The signal that stopped the run ("SIGINT", "SIGTERM"), or "": it checkpointed and reports no score.
+    stopped: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {"output_dir": self.output_dir, "steps_done": self.steps_done, "seconds": self.seconds,
-                "broken": self.broken,
+                "broken": self.broken, "stopped": self.stopped,
                 "evals": {stage: {m: r.to_dict() for m, r in res.items()} for stage, res in self.evals.items()}}
 
 
@@ -113,6 +117,27 @@ def progress_line(step: int, steps: int, row: dict[str, Any]) -> str:
 ABORT_ROUNDS = 5
 #: Seconds each part of the run gets to close.
 TEARDOWN_S = 5.0
+
+
+class _StopSignals:
+    """SIGINT and SIGTERM handlers on the running loop (main thread only) that set `stop`; `restore()` puts
+    the previous handling back."""
+
+    def __init__(self, stop: asyncio.Event, summary: Any) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.installed: list[int] = []
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            def handler(sig: int = sig) -> None:
+                summary.stopped = summary.stopped or signal.Signals(sig).name
+                stop.set()
+            self.loop.add_signal_handler(sig, handler)
+            self.installed.append(sig)
+
+    def restore(self) -> None:
+        for sig in self.installed:
+            self.loop.remove_signal_handler(sig)
 
 
 class NonFiniteWeightsError(RuntimeError):
@@ -489,26 +514,37 @@ class TrainLoop:
         return self.summary
 
     async def _within_the_wall(self, work: Any, t_start: float) -> bool:
-        """Run `work` until `max_seconds` plus `health.grace_s` have passed since `t_start` (no limit without
-        `max_seconds`); past that, abort it (a stalled engine or env, an endless step), checkpoint what is
-        consistent and mark the run broken. Whether `work` finished."""
+        """Run `work` until it ends, until SIGINT or SIGTERM (a checkpoint, then the run reports it was
+        stopped), or until `max_seconds` plus `health.grace_s` have passed since `t_start` (a stalled engine or
+        env, an endless step: the run ends broken). Whether `work` finished."""
         cfg = self.cfg
         task = asyncio.ensure_future(work)
-        wall = None if cfg.max_seconds is None else cfg.max_seconds + cfg.health.grace_s
-        done, _ = await asyncio.wait({task}, timeout=None if wall is None else
-                                     max(wall - (time.perf_counter() - t_start), 0.0))
-        if task in done:
-            task.result()
-            return True
-        for _ in range(ABORT_ROUNDS):  # each cancel unwinds one `finally: await ...` that waits on a stuck peer
-            task.cancel()
-            done, _ = await asyncio.wait({task}, timeout=2.0)
-            if done:
-                break
+        stop = asyncio.Event()
+        signals = _StopSignals(stop, self.summary)
+        try:
+            waiter = asyncio.ensure_future(stop.wait())
+            wall = None if cfg.max_seconds is None else cfg.max_seconds + cfg.health.grace_s
+            done, _ = await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED,
+                                         timeout=None if wall is None else
+                                         max(wall - (time.perf_counter() - t_start), 0.0))
+            waiter.cancel()
+            if task in done:
+                task.result()
+                return True
+            for _ in range(ABORT_ROUNDS):  # each cancel unwinds one `finally: await ...` that waits on a stuck peer
+                task.cancel()
+                done, _ = await asyncio.wait({task}, timeout=2.0)
+                if done:
+                    break
+        finally:
+            signals.restore()
         if task.done() and not task.cancelled() and task.exception() is not None:
             self.echo(f"[health] aborting raised {error_line(task.exception())}")
         if self.async_rollout is None:  # the synchronous loop's state is consistent between awaits
             self._checkpoint()
+        if self.summary.stopped:
+            self.echo(f"[train] stopped by {self.summary.stopped} after step {self.summary.steps_done}")
+            return False
         self.summary.broken = (f"the run was still working {cfg.health.grace_s:.0f} s after its max_seconds "
                                f"({cfg.max_seconds:.0f} s), so its work in flight was aborted after step "
                                f"{self.summary.steps_done} (a stalled engine or env?); continue with --resume")

@@ -98,6 +98,10 @@ class Ack:
     version: int
 
 
+#: Seconds an orphaned rollout process gets to record its aborted sessions before it exits regardless.
+ORPHAN_EXIT_S = 20.0
+
+
 @dataclass(frozen=True)
 class Failed:
     """The manager failed; `message` is one line."""
@@ -156,7 +160,8 @@ async def _serve(cfg: TrainConfig, start: RolloutStart, inbox: Any, outbox: Any)
                              max_staleness=cfg.asynchronous.max_staleness, first_version=start.first_version)
     messages: asyncio.Queue[Any] = asyncio.Queue()
     loop = asyncio.get_running_loop()
-    threading.Thread(target=_forward, args=(inbox, loop, messages), name="rollout-inbox", daemon=True).start()
+    threading.Thread(target=_forward, args=(inbox, outbox, loop, messages), name="rollout-inbox",
+                     daemon=True).start()
     first_weights = asyncio.Event()
     idle = _IdleClock(scheduler)
     outbox.put(Ready())
@@ -215,9 +220,11 @@ async def _serve(cfg: TrainConfig, start: RolloutStart, inbox: Any, outbox: Any)
         await engines.close()
 
 
-def _forward(inbox: Any, loop: asyncio.AbstractEventLoop, messages: asyncio.Queue[Any]) -> None:
+def _forward(inbox: Any, outbox: Any, loop: asyncio.AbstractEventLoop, messages: asyncio.Queue[Any]) -> None:
     """Hand the trainer's messages to the event loop, one by one (a blocking queue read in its own thread).
-    A trainer process that died without a word (SIGKILL, SIGTERM) counts as a `Stop`: no orphan keeps running."""
+    A trainer process that died without a word (SIGKILL, SIGTERM) counts as a `Stop`: the sessions in flight
+    are aborted and recorded, and the process leaves within `ORPHAN_EXIT_S` whatever it is blocked on (a
+    full pipe to the dead trainer, a wedged engine): no orphan keeps running."""
     parent = multiprocessing.parent_process()  # None in a Ray actor: Ray ends the actor with its owner
     while True:
         try:
@@ -225,6 +232,8 @@ def _forward(inbox: Any, loop: asyncio.AbstractEventLoop, messages: asyncio.Queu
         except queue.Empty:
             if parent is None or parent.is_alive():
                 continue
+            outbox.cancel_join_thread()  # nobody reads it any more: exiting must not wait to flush it
+            threading.Timer(ORPHAN_EXIT_S, os._exit, (1,)).start()
             msg = Stop()
         loop.call_soon_threadsafe(messages.put_nowait, msg)
         if isinstance(msg, Stop):

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -85,7 +86,12 @@ def run_loop(cfg: TrainConfig, args: argparse.Namespace, *, resume: bool) -> int
 
 
 def report(summary: RunSummary, cfg: TrainConfig, args: argparse.Namespace) -> int:
-    """Print the final table and return 0; a run that stopped broken prints its one line instead, exit 3."""
+    """Print the final table and return 0; a run that stopped broken prints its one line instead, exit 3; one
+    stopped by a signal says so, exit 128 + the signal's number."""
+    if summary.stopped:
+        print(f"miles {args.command}: stopped by {summary.stopped} after step {summary.steps_done}; its checkpoint "
+              f"is in {summary.output_dir}/checkpoints: continue with --resume", file=sys.stderr)
+        return 128 + int(getattr(signal, summary.stopped))
     if summary.broken:
         print(f"miles {args.command}: the run is broken: {summary.broken} (run dir: {summary.output_dir})",
               file=sys.stderr)

@@ -16,9 +16,12 @@ from pathlib import Path
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+def die_with_parent() -> None:
+    """A `preexec_fn`: on Linux the child gets SIGTERM when the thread that started it exits (its parent died
+    or ended, whichever way); elsewhere nothing."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def spawn(cmd: list[str], *, log_path: str | Path | None = None,
@@ -32,7 +35,7 @@ def spawn(cmd: list[str], *, log_path: str | Path | None = None,
         out = stack.enter_context(open(log_path, "ab")) if log_path else subprocess.DEVNULL  # noqa: SIM115
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                 start_new_session=True,
-                                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+                                preexec_fn=die_with_parent)
 
 
 def stop(proc: subprocess.Popen[bytes], *, timeout_s: float = 15.0) -> None:
