@@ -210,6 +210,8 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
             loaded = parse_yaml(Path(path).read_text())
         except OSError as exc:
             raise ConfigError("", f"cannot read the config file {str(path)!r}: {exc.strerror}") from None
+        except UnicodeDecodeError:
+            raise ConfigError("", f"{str(path)!r} is not a text file (a YAML config is UTF-8 text)") from None
         except yaml.YAMLError as exc:
             where = getattr(exc, "problem_mark", None)
             at = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""

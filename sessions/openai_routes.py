@@ -51,8 +51,8 @@ async def _body(request: fastapi.Request, limit: int) -> Any:
             raise EndpointError(413, f"the request body is over the limit of {limit} bytes", code="too_large")
     try:
         return json.loads(raw or b"{}")
-    except ValueError as exc:
-        raise EndpointError(400, f"the body is not JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # RecursionError: JSON nested deeper than Python recurses
+        raise EndpointError(400, f"the body is not JSON: {str(exc)[:200]}") from None
 
 
 def _bearer(request: fastapi.Request) -> str | None:

@@ -256,3 +256,49 @@ async def test_a_denormal_temperature_decodes_greedily(client):
     tiny = await client.generate(ids, SamplingParams(temperature=1e-45, max_new_tokens=10, seed=1))
     greedy = await client.generate(ids, SamplingParams(temperature=0.0, max_new_tokens=10))
     assert tiny.output_ids == greedy.output_ids and SamplingParams(temperature=1e-45).temperature == 0.0
+
+
+def test_malformed_payloads_are_400s_and_nothing_in_them_runs(tmp_path):
+    """Every malformed payload of the probe list gets a 400 with its reason, never a 500 or a dropped connection,
+    and no pickle runs code: text with a lone surrogate, 100,000-deep JSON, a corrupt safetensors file, a pickle
+    that would run a command, a LoRA file whose header claims 1 TB, a non-integer truncate_size."""
+    import json
+    import os
+    import pickle
+    import struct
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path / 'pwned'}",))
+
+    (tmp_path / "evil").mkdir()
+    (tmp_path / "evil" / "pytorch_model.bin").write_bytes(pickle.dumps({"w": Evil()}))
+    (tmp_path / "corrupt").mkdir()
+    (tmp_path / "corrupt" / "model.safetensors").write_bytes(struct.pack("<Q", 16) + b"{not a header}")
+    (tmp_path / "lora").mkdir()
+    (tmp_path / "lora" / "adapter_model.safetensors").write_bytes(struct.pack("<Q", 1 << 40) + b"{}")
+    (tmp_path / "lora" / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 8,
+                                                                       "target_modules": ["q_proj"]}))
+    engine = load_engine("tiny-0.1m")
+    handle = serve_in_thread(engine)
+    raw_json = {"content-type": "application/json"}
+    try:
+        with httpx.Client(base_url=handle.url, timeout=60) as c:
+            answers = {
+                "surrogate": c.post("/generate", content=b'{"text": "a\\ud800", "sampling_params": {}}',
+                                    headers=raw_json),
+                "surrogate prompt": c.post("/tokenize", content=b'{"prompt": "\\udfff"}', headers=raw_json),
+                "deep": c.post("/generate", content=b"[" * 100_000 + b"]" * 100_000, headers=raw_json),
+                "corrupt": c.post("/update_weights_from_disk", json={"model_path": str(tmp_path / "corrupt")}),
+                "pickle": c.post("/update_weights_from_disk", json={"model_path": str(tmp_path / "evil")}),
+                "lora": c.post("/load_lora_adapter", json={"lora_name": "x", "lora_path": str(tmp_path / "lora")}),
+                "truncate": c.post("/get_weights_by_name", json={"name": "model.norm.weight", "truncate_size": "abc"}),
+            }
+            assert c.get("/health").status_code == 200
+    finally:
+        handle.stop()
+        asyncio.run(engine.close())
+    assert {k: r.status_code for k, r in answers.items()} == dict.fromkeys(answers, 400)
+    assert "lone surrogate" in answers["surrogate"].text and "not JSON" in answers["deep"].text
+    assert "cannot read" in answers["corrupt"].text and "cannot read" in answers["lora"].text
+    assert not (tmp_path / "pwned").exists() and engine.weight_version == 0

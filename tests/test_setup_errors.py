@@ -142,3 +142,11 @@ def test_torchrun_s_agent_is_silent_also_through_loggers_it_creates_later():
             "logging.getLogger('miles.x').warning('kept')\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stderr == "kept\n", proc.stderr
+
+
+def test_a_binary_config_file_is_one_line(tmp_path, capsys):
+    binary = tmp_path / "weights.bin"
+    binary.write_bytes(bytes(range(256)) * 4)
+    assert main(["train", "--config", str(binary)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is not a text file" in err

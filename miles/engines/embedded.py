@@ -639,22 +639,30 @@ class EmbeddedEngine(RolloutEngine):
         self._active = []
 
 
+def _read_weights(f: Path) -> Any:
+    if f.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(str(f))
+    return torch.load(f, map_location="cpu", weights_only=True)  # tensors only: no code runs while it loads
+
+
 def load_state_dict_from_folder(path: str) -> dict[str, torch.Tensor]:
     """Read the weights of an HF checkpoint folder (`*.safetensors`, else `pytorch_model*.bin`)."""
     folder = Path(path)
     if not folder.is_dir():
         raise InvalidRequestError(f"weights folder {path!r} does not exist")
-    files = sorted(folder.glob("*.safetensors"))
+    files = sorted(folder.glob("*.safetensors")) or sorted(folder.glob("pytorch_model*.bin"))
+    if not files:
+        raise InvalidRequestError(f"no *.safetensors or pytorch_model*.bin in {path!r}")
     out: dict[str, torch.Tensor] = {}
-    if files:
-        from safetensors.torch import load_file
-
-        for f in files:
-            out.update(load_file(str(f)))
-    else:
-        bins = sorted(folder.glob("pytorch_model*.bin"))
-        if not bins:
-            raise InvalidRequestError(f"no *.safetensors or pytorch_model*.bin in {path!r}")
-        for f in bins:
-            out.update(torch.load(f, map_location="cpu", weights_only=True))
+    for f in files:
+        try:
+            tensors = _read_weights(f)
+        except Exception as exc:  # a truncated or forged file, a pickle with more than tensors in it
+            raise InvalidRequestError(f"cannot read the weights file {f.name}: {type(exc).__name__}: "
+                                      f"{str(exc).strip()[:200]}") from None
+        if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
+            raise InvalidRequestError(f"{f.name} does not hold a mapping of names to tensors")
+        out.update(tensors)
     return out

@@ -163,7 +163,11 @@ class AdapterWeights:
             rank, alpha = int(config["r"]), float(config["lora_alpha"])
         except (KeyError, TypeError, ValueError) as exc:
             raise AdapterError(f"{folder / CONFIG_FILE}: needs integer r and numeric lora_alpha ({exc})") from None
-        tensors = load_file(str(folder / WEIGHTS_FILE))
+        try:
+            tensors = load_file(str(folder / WEIGHTS_FILE))
+        except Exception as exc:  # a truncated or forged file (a header that claims a terabyte)
+            raise AdapterError(f"cannot read {folder / WEIGHTS_FILE}: {type(exc).__name__}: "
+                               f"{str(exc).strip()[:200]}") from None
         return cls(rank=rank, alpha=alpha, target_modules=tuple(targets or ()), tensors=tensors,
                    use_rslora=bool(config.get("use_rslora", False)),
                    base_model=str(config.get("base_model_name_or_path") or ""))

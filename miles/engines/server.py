@@ -37,6 +37,7 @@ from miles.engines.weight_routes import add_weight_routes
 from miles.engines.wire import (
     ROUTING_KEY_HEADER,
     SESSION_HEADER,
+    check_text,
     generate_response,
     lora_update_response,
     parse_generate_request,
@@ -72,8 +73,8 @@ async def _json_body(request: fastapi.Request) -> dict[str, Any]:
     try:
         body = (json.loads(raw) if len(raw) <= _PARSE_INLINE_BYTES else
                 await asyncio.to_thread(json.loads, bytes(raw)))
-    except ValueError as exc:
-        raise InvalidRequestError(f"the body is not JSON: {exc}") from exc
+    except (ValueError, RecursionError) as exc:  # RecursionError: JSON nested deeper than Python recurses
+        raise InvalidRequestError(f"the body is not JSON: {str(exc)[:200]}") from None
     if not isinstance(body, dict):
         raise InvalidRequestError("the body must be a JSON object")
     return body
@@ -241,8 +242,10 @@ def create_app(engine: EmbeddedEngine, *, api_key: str | None = None, admin_key:
         params = engine.model.state_dict()
         if body["name"] not in params:
             raise InvalidRequestError(f"unknown parameter {body['name']!r}")
+        size = body.get("truncate_size", 100)
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise InvalidRequestError(f"truncate_size must be a non-negative integer, got {size!r}")
         t = params[body["name"]].detach().float().cpu()
-        size = int(body.get("truncate_size", 100))
         return JSONResponse(t[:size].tolist() if t.dim() else t.item())
 
     def _tokenizer() -> Any:
@@ -260,6 +263,8 @@ def create_app(engine: EmbeddedEngine, *, api_key: str | None = None, admin_key:
         texts = prompt if isinstance(prompt, list) else [prompt]
         if not all(isinstance(t, str) for t in texts):
             raise InvalidRequestError("prompt must be a string or a list of strings")
+        for t in texts:
+            check_text(t, "prompt")
         tokens = [_tokenizer().encode(t, add_special_tokens=special) for t in texts]
         out = (tokens, [len(t) for t in tokens]) if isinstance(prompt, list) else (tokens[0], len(tokens[0]))
         return JSONResponse({"tokens": out[0], "count": out[1], "max_model_len": engine.max_context})

@@ -216,6 +216,16 @@ def parse_sampling_params(raw: Any) -> tuple[SamplingParams, bool]:
     return params, bool(raw.get("ignore_eos", False))
 
 
+def check_text(text: str, field: str) -> None:
+    """`InvalidRequestError` when `text` is not valid Unicode text (a lone surrogate such as `\\ud800`, which
+    JSON can carry but no tokenizer can encode)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(f"{field} holds {text[exc.start:exc.end]!r} at {exc.start}, which is not "
+                                  "text (a lone surrogate)") from None
+
+
 def parse_generate_request(body: Any, tokenizer: Any = None) -> dict[str, Any]:
     """Validate a `/generate` body -> {"input_ids", "params", "rid", "return_logprob", "ignore_eos", "lora_path"}."""
     if not isinstance(body, dict):
@@ -232,6 +242,7 @@ def parse_generate_request(body: Any, tokenizer: Any = None) -> dict[str, Any]:
         text = body.get("text")
         if not isinstance(text, str):
             raise InvalidRequestError("give input_ids (a list of ints) or text (a string)")
+        check_text(text, "text")
         if tokenizer is None:
             raise InvalidRequestError("this server has no tokenizer: send input_ids")
         input_ids = tokenizer.encode(text, add_special_tokens=False)
