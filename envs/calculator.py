@@ -22,7 +22,7 @@ import numpy as np
 from miles.envs.arith import CalculatorError, evaluate, format_number
 from miles.envs.base import OraclePolicy
 from miles.envs.hooks import reward
-from miles.envs.tasks import SPLITS, Task, TaskSource, select_split
+from miles.envs.tasks import SPLITS, Task, TaskSource
 from miles.envs.tool_env import ToolEnv
 from miles.tools import tool
 from miles.types import Message, ToolCall
@@ -83,9 +83,10 @@ class CalculatorEnv(ToolEnv):
     max_turns = 4
     success_component = "correct"
 
+    split_salt = "calculator"
+
     def __init__(self, *, max_operand: int = 9, num_operators: Sequence[int] = (1, 1), operators: str = "+-*",
-                 allow_negative: bool = False, seed: int = 0, split: str = "all",
-                 held_out_fraction: float = 0.1, **kwargs: Any) -> None:
+                 allow_negative: bool = False, seed: int = 0, split: str = "all", **kwargs: Any) -> None:
         lo, hi = (int(num_operators[0]), int(num_operators[1]))
         if max_operand < 0 or not 1 <= lo <= hi:
             raise CalculatorConfigError(f"need max_operand >= 0 and 1 <= min <= max operators, got "
@@ -96,14 +97,12 @@ class CalculatorEnv(ToolEnv):
             raise CalculatorConfigError(f"split must be one of {SPLITS}, got {split!r}")
         self.config = {"max_operand": int(max_operand), "num_operators": (lo, hi), "operators": operators,
                        "allow_negative": bool(allow_negative)}
-        self._seed, self._split, self._held_out = seed, split, held_out_fraction
-        super().__init__(**kwargs)
+        self._seed = seed
+        super().__init__(split=split, **kwargs)
 
     def default_tasks(self) -> TaskSource:
         cfg = self.config
-        source = TaskSource.from_generator(lambda rng: make_problem(rng, **cfg), seed=self._seed,
-                                           name="calculator")
-        return select_split(source, self._split, self._held_out, salt="calculator")
+        return TaskSource.from_generator(lambda rng: make_problem(rng, **cfg), seed=self._seed, name="calculator")
 
     @tool
     def calculate(self, expression: str) -> str:

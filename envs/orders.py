@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from miles.envs.base import OraclePolicy
 from miles.envs.hooks import cleanup, reward
-from miles.envs.tasks import Task, TaskSource, select_split
+from miles.envs.tasks import Task, TaskSource
 from miles.envs.tool_env import ToolEnv
 from miles.tools import Injected, tool
 from miles.types import Message, ToolCall
@@ -218,12 +218,11 @@ class OrdersEnv(ToolEnv):
     system_prompt = SYSTEM_PROMPT
     success_component = "goal"
 
-    def __init__(self, *, split: str = "all", held_out_fraction: float = 0.2, **kwargs: Any) -> None:
-        self._split, self._held_out = split, held_out_fraction
-        super().__init__(**kwargs)
+    held_out_fraction = 0.2
+    split_salt = "orders"
 
     def default_tasks(self) -> TaskSource:
-        return select_split(orders_tasks(), self._split, self._held_out, salt="orders")
+        return orders_tasks()
 
     async def on_reset(self, task: Task) -> None:
         db = OrdersDB(load_seed_data())

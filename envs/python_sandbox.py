@@ -19,7 +19,7 @@ from typing import Any
 
 from miles.envs.base import OraclePolicy
 from miles.envs.hooks import reward
-from miles.envs.tasks import TaskSource, select_split
+from miles.envs.tasks import TaskSource
 from miles.envs.tool_env import ToolEnv
 from miles.tools import arun_python_sandboxed, make_run_python_tool
 from miles.tools import sandbox_backend as resolve_sandbox_backend
@@ -122,9 +122,10 @@ class PythonSandboxEnv(ToolEnv):
     max_turns = 6
     success_component = "all_passed"
 
-    def __init__(self, *, split: str = "all", held_out_fraction: float = 0.2, test_timeout_s: float = 10.0,
-                 sandbox_backend: str | None = None, **kwargs: Any) -> None:
-        self._split, self._held_out = split, held_out_fraction
+    held_out_fraction = 0.2
+    split_salt = "python"
+
+    def __init__(self, *, test_timeout_s: float = 10.0, sandbox_backend: str | None = None, **kwargs: Any) -> None:
         self.test_timeout_s = test_timeout_s
         if sandbox_backend is not None:
             resolve_sandbox_backend(sandbox_backend)  # a misspelt or unusable backend fails here, not mid-episode
@@ -132,7 +133,7 @@ class PythonSandboxEnv(ToolEnv):
         super().__init__(tools=[make_run_python_tool(timeout_s=5.0, backend=sandbox_backend)], **kwargs)
 
     def default_tasks(self) -> TaskSource:
-        return select_split(TaskSource.from_jsonl(TASKS_FILE), self._split, self._held_out, salt="python")
+        return TaskSource.from_jsonl(TASKS_FILE)
 
     def oracle(self) -> PythonSandboxOracle:
         return PythonSandboxOracle().bind(self)

@@ -16,6 +16,7 @@ from typing import Any
 
 from miles.config import ConfigError
 from miles.envs.base import Env
+from miles.envs.tasks import TaskSourceError
 
 IMPORT_KEY = "env.import"
 
@@ -125,6 +126,8 @@ class EnvRecipe:
         kwargs = {**self.kwargs, **loop_kwargs}
         try:
             return make(self.id, **kwargs)
+        except TaskSourceError as exc:  # a task file that cannot be read, or a row that is not a task
+            raise ConfigError("env.tasks", str(exc)) from None
         except TypeError as exc:
             raise ConfigError("env.kwargs", f"cannot build {self.id!r} with {sorted(kwargs)}: "
                               f"{error_line(exc)}") from exc

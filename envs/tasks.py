@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +32,8 @@ class Task:
     """One episode's problem: the user prompt, the reference answer and any extra data the env needs.
 
     Splits hash the prompt, or `data["split_key"]` where tasks with different prompts must land on the same
-    side (variants of one problem)."""
+    side (variants of one problem); a `split` field ("train" or "held_out", a task file's column) puts the
+    task on that side whatever its hash."""
 
     id: str
     prompt: str
@@ -71,6 +73,8 @@ class _SplitFilter:
     keep_held_out: bool
 
     def __call__(self, task: Task) -> bool:
+        if "split" in task.data:  # a task file's own split column decides
+            return (task.data["split"] == "held_out") == self.keep_held_out
         key = str(task.data.get("split_key", task.prompt))
         return (_split_bucket(key, self.salt) < self.held_out) == self.keep_held_out
 
@@ -116,16 +120,21 @@ class TaskSource:
     def from_jsonl(cls, path: str | Path) -> TaskSource:
         """One JSON object per line; blank lines are skipped. Bad lines raise `TaskSourceError` with the line."""
         path = Path(path)
-        rows = []
-        with path.open(encoding="utf-8") as fh:
-            for lineno, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as exc:
-                    raise TaskSourceError(f"{path}:{lineno}: invalid JSON: {exc}") from exc
-        return cls.from_iterable(rows, name=path.stem)
+        tasks = []
+        try:
+            with path.open(encoding="utf-8") as fh:
+                for lineno, line in enumerate(fh, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        row = json.loads(line)
+                    except json.JSONDecodeError as exc:
+                        raise TaskSourceError(f"{path}:{lineno}: invalid JSON: {exc}") from None
+                    tasks.append(_checked(_row_at(row, f"{path.stem}-{lineno}", f"{path}:{lineno}"),
+                                          f"{path}:{lineno}"))
+        except (OSError, UnicodeDecodeError) as exc:
+            raise TaskSourceError(f"cannot read the task file {str(path)!r}: {exc}") from None
+        return cls.from_iterable(tasks, name=path.stem)
 
     @classmethod
     def from_parquet(cls, path: str | Path) -> TaskSource:
@@ -135,7 +144,22 @@ class TaskSource:
         except ImportError as exc:  # pragma: no cover - depends on the installation
             raise TaskSourceError("reading Parquet needs pyarrow: pip install 'miles-rl[parquet]'") from exc
         path = Path(path)
-        return cls.from_iterable(pq.read_table(path).to_pylist(), name=path.stem)
+        try:
+            rows = pq.read_table(path).to_pylist()
+        except (OSError, ValueError) as exc:
+            raise TaskSourceError(f"cannot read the task file {str(path)!r}: {exc}") from None
+        return cls.from_iterable([_checked(_row_at(row, f"{path.stem}-{i}", f"{path} row {i}"), f"{path} row {i}")
+                                  for i, row in enumerate(rows)], name=path.stem)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> TaskSource:
+        """Tasks from a `.jsonl` or `.parquet` file, checked row by row (errors name the row and the field)."""
+        path = Path(path)
+        if path.suffix == ".jsonl":
+            return cls.from_jsonl(path)
+        if path.suffix == ".parquet":
+            return cls.from_parquet(path)
+        raise TaskSourceError(f"{str(path)!r}: a task file ends in .jsonl or .parquet")
 
     @classmethod
     def from_generator(cls, fn: Callable[[np.random.Generator], Task | Mapping[str, Any]], seed: int = 0,
@@ -253,12 +277,30 @@ class TaskSource:
         return f"TaskSource(name={self.name!r}, split={self.split_name!r}, size={size}, seed={self.seed})"
 
 
-def as_task_source(tasks: TaskSource | Iterable[Task | Mapping[str, Any]] | None, *,
+def as_task_source(tasks: TaskSource | Iterable[Task | Mapping[str, Any]] | str | os.PathLike[str] | None, *,
                    name: str = "tasks") -> TaskSource | None:
-    """Accept a `TaskSource`, an iterable of tasks/rows, or None."""
+    """Accept a `TaskSource`, an iterable of tasks/rows, the path of a `.jsonl` / `.parquet` task file, or
+    None."""
     if tasks is None or isinstance(tasks, TaskSource):
         return tasks
+    if isinstance(tasks, str | os.PathLike):
+        return TaskSource.from_file(tasks)
     return TaskSource.from_iterable(tasks, name=name)
+
+
+def _row_at(row: Any, default_id: str, where: str) -> Task:
+    try:
+        return Task.from_row(row, default_id=default_id)
+    except TaskSourceError as exc:
+        raise TaskSourceError(f"{where}: {exc}") from None
+
+
+def _checked(task: Task, where: str) -> Task:
+    """`task` from a row at `where`, once its split field (if any) is one `select_split` knows."""
+    split = task.data.get("split")
+    if split is not None and split not in ("train", "held_out"):
+        raise TaskSourceError(f"{where}: field 'split' is {split!r}; use 'train' or 'held_out'")
+    return task
 
 
 SPLITS = ("all", "train", "held_out")

@@ -34,12 +34,15 @@ class EnvConfig:
     `num_train_tasks` is the size of the training pool the data cursor shuffles (keep it fixed across a
     resumed run: it defines the task order). `import` (YAML key; `imports` in Python) lists the user modules
     (dotted names or paths to .py files) that register the env; they are imported before the id is looked up,
-    in every process of the run (the CLI's `--import` adds to it).
+    in every process of the run (the CLI's `--import` adds to it). `tasks` replaces the env's own tasks with
+    the rows of a `.jsonl` or `.parquet` file (`prompt` required; `id`, `answer`, `data` and any other field
+    optional; a `split` column of "train" / "held_out" overrides the hashed split), checked row by row.
     """
 
     id: str = "Calculator-v0"
     kwargs: dict[str, Any] = field(default_factory=dict)
     imports: list[str] = field(default_factory=list, metadata={"key": "import"})
+    tasks: str | None = None
     train_split: str = "train"
     eval_split: str = "held_out"
     num_train_tasks: int = 100_000
@@ -47,11 +50,17 @@ class EnvConfig:
     def __post_init__(self) -> None:
         if self.num_train_tasks < 1:
             raise ConfigError("num_train_tasks", "must be >= 1")
+        if self.tasks is not None and "tasks" in self.kwargs:
+            raise ConfigError("tasks", "is given twice: as env.tasks and as env.kwargs.tasks; keep one")
 
     @property
     def recipe(self) -> EnvRecipe:
-        """How every process of the run builds this env (and how replays rebuild it)."""
-        return EnvRecipe(id=self.id, kwargs=self.kwargs, imports=tuple(self.imports))
+        """How every process of the run builds this env (and how replays rebuild it); a task file by its
+        absolute path, so a replay from another folder finds it."""
+        kwargs = dict(self.kwargs)
+        if self.tasks is not None:
+            kwargs["tasks"] = str(Path(self.tasks).expanduser().resolve())
+        return EnvRecipe(id=self.id, kwargs=kwargs, imports=tuple(self.imports))
 
 
 @dataclass
