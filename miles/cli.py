@@ -147,6 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--run", default=None, help="a `miles train` run folder: evaluate its newest checkpoint")
         else:
             p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in the run dir")
+            p.add_argument("--extend", action="store_true",
+                           help="with --resume: a whole new max_seconds (default: what the budget has left)")
         p.add_argument("--output-dir", default=None, help="overrides the config's output_dir")
         p.add_argument("--seed", type=int, default=None, help="overrides the config's seed")
         p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",

@@ -177,3 +177,32 @@ def test_resume_passes_over_a_damaged_checkpoint_and_a_damaged_warm_start_is_one
                  str(tmp_path / "w"), "--set", f"model.init_from={warm}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith(f"miles train: config error: model.init_from: cannot load '{warm}': ")
+
+
+def test_a_resumed_run_keeps_its_budget_and_its_start_evaluation(tmp_path, capsys, monkeypatch):
+    """`max_seconds` counts the time a resumed run had spent before (`--extend` starts a new budget), and its
+    table still compares held-out success with the start of the run."""
+    from pathlib import Path
+
+    from miles.cli import main
+
+    repo = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(repo)
+    args = ["train", "--config", str(repo / "configs" / "calculator.yaml"), "--output-dir", str(tmp_path / "r"),
+            "--set", "eval.num_tasks=4", "--set", "rollout.tasks_per_step=2", "--set", "checkpoint.every=1",
+            "--set", "max_seconds=600"]
+    assert main([*args, "--set", "steps=2"]) == 0
+    meta = json.loads((tmp_path / "r" / "checkpoints" / "step_00000002" / "meta.json").read_text())
+    assert meta["extra"]["elapsed_s"] > 0
+    capsys.readouterr()
+    assert main([*args, "--set", "steps=3", "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert "[resume] from step_00000002: step 2; " in out and " s of max_seconds (600 s) spent" in out
+    assert "after SFT" in out and "after RL" in out and "RL gain (greedy)" in out
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert set(summary["evals"]) == {"start", "final"}
+    later = json.loads((tmp_path / "r" / "checkpoints" / "step_00000003" / "meta.json").read_text())
+    assert later["extra"]["elapsed_s"] > meta["extra"]["elapsed_s"]  # the budget's clock went on from there
+    assert main([*args, "--set", "steps=4", "--resume", "--extend"]) == 0
+    out = capsys.readouterr().out
+    assert "[resume] from step_00000003: step 3\n" in out

@@ -179,7 +179,7 @@ class TrainerRankActor:
         """This node's address and a free port for the process group's rendezvous (rank 0's)."""
         return self.host, free_port(self.host)
 
-    def run(self, cfg: TrainConfig, env: dict[str, str], resume: bool) -> Any:
+    def run(self, cfg: TrainConfig, env: dict[str, str], resume: bool, extend: bool = False) -> Any:
         """Join the process group described by `env` (torchrun's variables) and train."""
         from miles.trainers.distributed import leave_process_group, stop_workers
         from miles.trainers.factory import run_worker
@@ -192,7 +192,7 @@ class TrainerRankActor:
         if is_loopback(cfg.sync.master_address) and not is_loopback(self.host):
             # The engines join the weight-update group here; the default loopback address is this node's.
             cfg = dataclasses.replace(cfg, sync=dataclasses.replace(cfg.sync, master_address=self.host))
-        loop = TrainLoop(cfg, resume=resume)
+        loop = TrainLoop(cfg, resume=resume, extend=extend)
         try:
             summary = asyncio.run(loop.run())
         finally:

@@ -207,9 +207,9 @@ def connect(cluster: ClusterConfig, runtime_env: dict[str, Any], *, num_cpus: fl
 class RayRun:
     """One `miles train` run on Ray: `run()` places the roles, trains, and returns rank 0's `RunSummary`."""
 
-    def __init__(self, cfg: TrainConfig, *, resume: bool) -> None:
+    def __init__(self, cfg: TrainConfig, *, resume: bool, extend: bool = False) -> None:
         check_trainer_setup(cfg)
-        self.cfg, self.resume = cfg, resume
+        self.cfg, self.resume, self.extend = cfg, resume, extend
         self.world = trainer_ranks(cfg)
         self.placement = plan_placement(cfg.cluster, self.world)
         self.token = uuid.uuid4().hex[:8]
@@ -316,7 +316,7 @@ class RayRun:
             host, port = ray.get(self.ranks[0].master.remote())
             env = [{"RANK": str(r), "WORLD_SIZE": str(self.world), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
                     "MASTER_ADDR": host, "MASTER_PORT": str(port), WORKER_ENV: "1"} for r in range(self.world)]
-        refs = {rank.run.remote(cfg, env[r], self.resume): r for r, rank in enumerate(self.ranks)}
+        refs = {rank.run.remote(cfg, env[r], self.resume, self.extend): r for r, rank in enumerate(self.ranks)}
         summary = None
         pending = list(refs)
         while pending:
@@ -366,6 +366,6 @@ def _engine_failure(exc: BaseException) -> BaseException:
     return ConfigError("cluster.engines", f"an engine actor failed to start: {_first_line(cause)}")
 
 
-def run_on_ray(cfg: TrainConfig, *, resume: bool) -> Any:
+def run_on_ray(cfg: TrainConfig, *, resume: bool, extend: bool = False) -> Any:
     """Run `cfg` with its roles on Ray (see the module docstring); returns rank 0's `RunSummary`."""
-    return RayRun(cfg, resume=resume).run()
+    return RayRun(cfg, resume=resume, extend=extend).run()

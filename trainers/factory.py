@@ -159,6 +159,8 @@ def cli_argv(args: Any) -> list[str]:
         argv += ["--set", override]
     if getattr(args, "resume", False):
         argv.append("--resume")
+    if getattr(args, "extend", False):
+        argv.append("--extend")
     for flag in ("output_dir", "seed", "backend", "tp", "pp", "dp"):
         value = getattr(args, flag, None)
         if value is not None:

@@ -37,7 +37,7 @@ from miles.trainers.engine_setup import bounded_by_context, build_engine_set
 from miles.trainers.evaluate import EvalResult, eval_sets, evaluate, summarize
 from miles.trainers.health import UNTRAINABLE, RunHealth, StepActivity, first_nonfinite, step_activity
 from miles.trainers.lora_process import LoraTrainerProcess
-from miles.trainers.metrics_log import MetricsLog
+from miles.trainers.metrics_log import MetricsLog, read_metrics
 from miles.trainers.models import build_policy, build_tito, check_devices, check_tools_reach_model
 from miles.trainers.output_dir import OutputDirLock, check_fresh_output_dir
 from miles.trainers.rollout_process import RolloutProcess
@@ -147,10 +147,13 @@ class NonFiniteWeightsError(RuntimeError):
 class TrainLoop:
     """One `miles train` run. `await run()` does SFT (if enabled), evaluation, and the RL steps."""
 
-    def __init__(self, cfg: TrainConfig, *, resume: bool = False, echo: Callable[[str], None] = print) -> None:
+    def __init__(self, cfg: TrainConfig, *, resume: bool = False, extend: bool = False,
+                 echo: Callable[[str], None] = print) -> None:
         self.cfg = cfg
         self.resume = resume
+        self.extend = extend  # a resumed run gets a whole new max_seconds instead of what its budget has left
         self.echo = echo
+        self.t_origin = time.perf_counter()  # when the run's budget started (earlier, for a resumed run)
         self.out = Path(cfg.output_dir)
         self.lock = OutputDirLock(self.out)  # released at the end of `run`
         try:
@@ -487,7 +490,8 @@ class TrainLoop:
         if self.lora is not None:
             cursor.update(self.lora.data_cursor())
         self.trainer.save_checkpoint(self.out / "checkpoints", data_cursor=cursor,
-                                     extra={"weight_version": self.version, "time": time.time()},
+                                     extra={"weight_version": self.version, "time": time.time(),
+                                            "elapsed_s": time.perf_counter() - self.t_origin},
                                      keep_last=self.cfg.checkpoint.keep)
 
     # ---- the run -------------------------------------------------------------------------------------
@@ -501,8 +505,9 @@ class TrainLoop:
     async def _run(self) -> RunSummary:
         t_start, lingered = time.perf_counter(), 0.0
         await self._setup()
+        self.t_origin = t_start - self._spent_before()
         try:
-            if await self._within_the_wall(self._train(t_start), t_start):
+            if await self._within_the_wall(self._train(self.t_origin), self.t_origin):
                 lingered = await self.observability.linger(self.echo)
         finally:
             await self._teardown()
@@ -512,6 +517,29 @@ class TrainLoop:
 
         plot_run(self.out / "metrics.jsonl", self.out / "curves.png")
         return self.summary
+
+    def _recorded_evals(self, stage: str) -> dict[str, dict[str, EvalResult]]:
+        """The evaluations of `stage` that `metrics.jsonl` holds (a resumed run's start), by stage and mode."""
+        fields = {f.name for f in dataclasses.fields(EvalResult)}
+        rows = [r for r in read_metrics(self.out / "metrics.jsonl") if r.get("kind") == "eval"
+                and r.get("stage") == stage]
+        results = {r["mode"]: EvalResult(**{k: v for k, v in r.items() if k in fields}) for r in rows}
+        return {stage: results} if results else {}
+
+    def _spent_before(self) -> float:
+        """Seconds of `max_seconds` the run had spent when its newest checkpoint was written (0 for a fresh
+        run, or with `--extend`)."""
+        if not self.resume or self.extend:
+            return 0.0
+        from miles.trainers.checkpoint import latest_checkpoint
+
+        latest = latest_checkpoint(self.out / "checkpoints")
+        if latest is None:
+            return 0.0
+        try:
+            return float(json.loads((latest / "meta.json").read_text())["extra"].get("elapsed_s", 0.0))
+        except (OSError, ValueError, KeyError, TypeError):
+            return 0.0
 
     async def _within_the_wall(self, work: Any, t_start: float) -> bool:
         """Run `work` until it ends, until SIGINT or SIGTERM (a checkpoint, then the run reports it was
@@ -595,7 +623,11 @@ class TrainLoop:
                 self.scheduler.run_id = f"train-r{start_step}"  # session ids stay unique across resumes
             if self.lora is not None:
                 await self.lora.restore(ckpt, start_step)
-            self.echo(f"[resume] from {ckpt.path.name}: step {start_step}")
+            self.summary.evals.update(self._recorded_evals("start"))  # the gain is measured from the start
+            spent = time.perf_counter() - t_start
+            self.echo(f"[resume] from {ckpt.path.name}: step {start_step}"
+                      + (f"; {spent:.0f} s of max_seconds ({cfg.max_seconds:.0f} s) spent"
+                         if cfg.max_seconds is not None and not self.extend else ""))
         elif cfg.sft.enabled:
             await self._sft(t_start)
         elif cfg.model.init_from or cfg.engine.kind != "embedded":

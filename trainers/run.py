@@ -73,7 +73,7 @@ def run_loop(cfg: TrainConfig, args: argparse.Namespace, *, resume: bool) -> int
     status = dispatch_ranks(cfg, cli_argv(args))
     if status is not None:
         return status
-    loop = TrainLoop(cfg, resume=resume)
+    loop = TrainLoop(cfg, resume=resume, extend=bool(getattr(args, "extend", False)))
     try:
         summary = asyncio.run(loop.run())
     except (RolloutManagerError, TrainerProcessError, CheckpointError) as exc:  # one line, no traceback
@@ -105,7 +105,7 @@ def run_on_ray_cli(cfg: TrainConfig, args: argparse.Namespace, *, resume: bool) 
     from miles.trainers.cluster_ray import TrainerRankError, run_on_ray
 
     try:
-        summary = run_on_ray(cfg, resume=resume)
+        summary = run_on_ray(cfg, resume=resume, extend=bool(getattr(args, "extend", False)))
     except (RolloutManagerError, TrainerRankError) as exc:  # the run stopped; its checkpoints are intact
         print(f"miles {args.command}: {exc}", file=sys.stderr)
         return 1
