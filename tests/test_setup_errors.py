@@ -150,3 +150,33 @@ def test_a_binary_config_file_is_one_line(tmp_path, capsys):
     assert main(["train", "--config", str(binary)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "is not a text file" in err
+
+
+def test_conflicting_seeds_name_each_other(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    assert main(["train", "--config", MAIN_JOB, "--seed", "3", "--set", "rollout.scheduler.seed=7",
+                 "--output-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--seed: " in err and "--set rollout.scheduler.seed=7" in err
+
+
+def test_oversampling_trains_the_first_groups_and_records_the_dropped_ones(tmp_path, monkeypatch):
+    """`rollout.scheduler.oversample_groups` in the synchronous loop: each step starts that many extra groups,
+    trains the first `tasks_per_step` to finish and aborts (and records) the rest; where every group runs to the
+    end anyway (agents, adapters) the key is refused."""
+    import json
+
+    from miles.sessions.recorder import read_sessions
+
+    monkeypatch.chdir(REPO)
+    out = tmp_path / "run"
+    assert main(["train", "--config", MAIN_JOB, "--output-dir", str(out), "--set", "steps=2", "--set",
+                 "rollout.tasks_per_step=2", "--set", "rollout.scheduler.oversample_groups=2", "--set",
+                 "eval.num_tasks=2"]) == 0
+    records = read_sessions(out / "sessions.jsonl").records
+    groups = {r.group_id for r in records}
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["sessions"] for r in rows if r["kind"] == "train"] == [16, 16]  # 2 groups of 8 trained per step
+    assert len(groups) > 4  # extra groups started, and their sessions are in the file (done or aborted)
+    assert main(["train", "--config", MAIN_JOB, "--output-dir", str(tmp_path / "r2"), "--set",
+                 "rollout.scheduler.oversample_groups=1", "--set", "rollout.agent.command=true"]) == 2

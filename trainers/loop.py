@@ -379,8 +379,10 @@ class TrainLoop:
             for record in taken.records:
                 self.session_metrics.observe(record)
             return taken.records, taken.metrics
-        tasks = [{"task": self.train_tasks[i]} for i in self.cursor.next(self.cfg.rollout.tasks_per_step)]
-        groups = await self.scheduler.run(tasks, num_groups=self.cfg.rollout.tasks_per_step)
+        wanted = self.cfg.rollout.tasks_per_step  # plus the extra groups whose slowest are dropped, if asked
+        tasks = [{"task": self.train_tasks[i]}
+                 for i in self.cursor.next(wanted + self.scheduler_cfg.oversample_groups)]
+        groups = await self.scheduler.run(tasks, num_groups=wanted)
         return [r for g in groups for r in g.records], {}
 
     async def _update_engines(self) -> None:

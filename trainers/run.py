@@ -10,6 +10,7 @@ import signal
 import sys
 from pathlib import Path
 
+from miles.config import ConfigError
 from miles.trainers.errors import CheckpointError
 from miles.trainers.loop import RunSummary, TrainLoop
 from miles.trainers.rollout_process import RolloutManagerError
@@ -29,6 +30,10 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         args.imports = []
     overrides = list(args.overrides)
     if getattr(args, "seed", None) is not None:  # --seed varies the sampling seeds too, not only the task order
+        clash = [o for o in overrides if o.split("=", 1)[0].strip() in ("rollout.scheduler.seed", "seed")]
+        if clash:
+            raise ConfigError("--seed", f"sets seed and rollout.scheduler.seed, and --set {clash[0]} sets one of "
+                              "them too: give --seed alone, or both seeds with --set")
         overrides.append(f"rollout.scheduler.seed={args.seed * 100_003}")
     for flag, key in (("output_dir", "output_dir"), ("seed", "seed"), ("backend", "backend"),
                       ("tp", "parallel.tp"), ("pp", "parallel.pp"), ("dp", "parallel.dp")):

@@ -365,6 +365,10 @@ class TrainConfig:
         if self.asynchronous.enabled and self.rollout.agent.enabled:
             raise ConfigError("async.enabled", "the asynchronous loop runs the env's sessions itself; it does not "
                               "drive an external agent (rollout.agent) yet")
+        if self.rollout.scheduler.oversample_groups and (self.rollout.agent.enabled or self.adapters):
+            raise ConfigError("rollout.scheduler.oversample_groups", "over-sampling drops the slowest groups of "
+                              "the scheduler's steps; external agents and adapters run every group they start: "
+                              "set it to 0")
         if self.asynchronous.enabled and self.rollout.scheduler.oversample_groups:
             raise ConfigError("async.enabled", "the asynchronous loop keeps every group it starts; set "
                               "rollout.scheduler.oversample_groups: 0")
