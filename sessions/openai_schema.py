@@ -243,12 +243,16 @@ def parse_chat_request(body: Any) -> ChatRequest:
 
 
 # ---- comparing a client's history with the session's ------------------------------------------------------
+#: The arguments a reply shows for a call the model wrote none for (an empty `<tool_call></tool_call>`).
+EMPTY_ARGUMENTS = "{}"
+
+
 def _same_arguments(a: ToolCall, b: ToolCall) -> bool:
-    if a.raw_arguments == b.raw_arguments:
+    mine, theirs = a.raw_arguments or EMPTY_ARGUMENTS, b.raw_arguments or EMPTY_ARGUMENTS  # as `assistant_json`
+    if mine == theirs:
         return True
     try:
-        return json.dumps(loads_strict(a.raw_arguments), sort_keys=True) == json.dumps(
-            loads_strict(b.raw_arguments), sort_keys=True)
+        return json.dumps(loads_strict(mine), sort_keys=True) == json.dumps(loads_strict(theirs), sort_keys=True)
     except ValueError:
         return False
 
@@ -377,7 +381,7 @@ def assistant_json(message: Message) -> dict[str, Any]:
                            "refusal": None}
     if message.tool_calls:
         out["tool_calls"] = [{"id": c.id, "type": "function",
-                              "function": {"name": c.name, "arguments": c.raw_arguments or "{}"}}
+                              "function": {"name": c.name, "arguments": c.raw_arguments or EMPTY_ARGUMENTS}}
                              for c in message.tool_calls]
     if message.reasoning is not None:
         out["reasoning_content"] = message.reasoning

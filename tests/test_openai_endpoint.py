@@ -11,6 +11,8 @@ import json
 import httpx
 import openai
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from openai import AsyncOpenAI, OpenAI
 from openai.types import ErrorObject
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
@@ -386,3 +388,31 @@ def test_a_standalone_server_caps_its_open_sessions():
         endpoint.open("c")
     assert caught.value.status == 429
     assert endpoint.authorize("a") == "a" and endpoint.authorize(None, "b") == "b"  # the id is the credential
+
+
+_CALL_BODIES = ["", "\n", '{"name": "lookup", "arguments": {"key": "a"}}', '{"name": "lookup"}', '{"arguments": {}}',
+                '[1, 2]', '{"name": "lookup", "arguments": }', '{"name": "", "arguments": {}}', "not json at all",
+                '{"name": "calculate", "arguments": "{\\"expression\\": \\"1+1\\"}"}']
+
+
+@settings(max_examples=40, deadline=None)
+@given(content=st.sampled_from(["", "Let me look.", "ok\n"]),
+       bodies=st.lists(st.sampled_from(_CALL_BODIES), max_size=3))
+def test_the_endpoint_takes_back_every_reply_it_gives_as_history(content, bodies):
+    """Whatever the model writes (empty, malformed or unknown tool calls among them), a client that echoes the
+    reply (`message.model_dump(exclude_none=True)`, as the README's agent loop does) and answers its calls is
+    never refused as rewriting history."""
+    t = tito("tiny")
+    text = content + "".join(f"<tool_call>{body}</tool_call>" for body in bodies)
+    replies = {"first": t.encode(text) + [t.close_token_id], "next": t.encode("done") + [t.close_token_id]}
+    endpoint = OpenAIEndpoint(InstantEngine(respond=lambda ids, sid, k: replies["first" if k == 0 else "next"]),
+                              tokenizer=t)
+    with served(endpoint) as url:
+        client = OpenAI(base_url=f"{url}/v1", api_key="echo", max_retries=0)
+        messages = [{"role": "user", "content": "What is a?"}]
+        message = client.chat.completions.create(model="m", messages=messages, tools=TOOLS).choices[0].message
+        messages.append(message.model_dump(exclude_none=True))
+        messages += [{"role": "tool", "tool_call_id": c.id, "content": "x"} for c in message.tool_calls or []]
+        if not message.tool_calls:
+            messages.append({"role": "user", "content": "and then?"})
+        client.chat.completions.create(model="m", messages=messages, tools=TOOLS)  # a 409 raises here
