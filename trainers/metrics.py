@@ -64,19 +64,26 @@ def logprob_mismatch_sums(train_logprobs: torch.Tensor, rollout_logprobs: torch.
     - ``mismatch_kl``: KL(rollout || train) by the non-negative k3 estimator on rollout samples,
       ``e^d - d - 1`` with ``d = logp_train - logp_rollout``;
     - ``mismatch_k1``: the plain estimator ``logp_rollout - logp_train``;
-    - ``mismatch_kl_max``: the largest per-token k3 term (a ``(max, 1)`` pair, see `MetricAccumulator`).
+    - ``mismatch_kl_max``: the largest per-token k3 term (a ``(max, 1)`` pair, see `MetricAccumulator`);
+    - the tail of the importance ratio ``exp(logp_train - logp_rollout)``, which a mean hides:
+      ``ratio_outside_10pct`` and ``ratio_outside_2x``, the shares of tokens whose ratio lies outside
+      [0.9, 1.1] and [0.5, 2], and ``log_ratio_abs_max``, the largest ``|log ratio|``.
     """
     mask = loss_mask.to(torch.float64)
     d = (train_logprobs.detach().to(torch.float64) - rollout_logprobs.to(torch.float64)) * mask
     n = float(mask.sum())
     k3 = (torch.exp(d) - d - 1) * mask
+    ratio = torch.exp(d)
     out = {
         "mismatch_abs": (float(d.abs().sum()), n),
         "mismatch_kl": (float(k3.sum()), n),
         "mismatch_k1": (float((-d).sum()), n),
+        "ratio_outside_10pct": (float((((ratio < 0.9) | (ratio > 1.1)).to(torch.float64) * mask).sum()), n),
+        "ratio_outside_2x": (float((((ratio < 0.5) | (ratio > 2.0)).to(torch.float64) * mask).sum()), n),
     }
     if n:
         out["mismatch_kl_max"] = (float(k3.max()), 1.0)
+        out["log_ratio_abs_max"] = (float(d.abs().max()), 1.0)
     return out
 
 

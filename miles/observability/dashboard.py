@@ -120,6 +120,10 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                   (Query(_gauge("miles_train_rollout_kl", RUN), "rollout/trainer {{stat}}"),
                    Query(_gauge("miles_policy_approx_kl", RUN), "PPO approx KL"),
                    Query(_gauge("miles_reference_kl", RUN), "reference KL")), "short"),
+        PanelSpec("Importance-ratio tail", "Shares of trained tokens whose rollout/trainer ratio lies outside "
+                  "[0.9, 1.1] and [0.5, 2]: a mean mismatch hides them (off-policy drift, truncated sampling).",
+                  (Query(_gauge("miles_train_importance_ratio_tail", RUN, ',stat=~"outside.*"'), "{{stat}}"),),
+                  "percentunit"),
         PanelSpec("Entropy, clipping, gradient", "Mean token entropy, share of clipped tokens, gradient norm.",
                   (Query(_gauge("miles_policy_entropy", RUN), "entropy"),
                    Query(_gauge("miles_policy_clip_ratio", RUN), "clip ratio"),

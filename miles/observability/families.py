@@ -151,6 +151,9 @@ FAMILIES: tuple[Family, ...] = (
            (*S, "stat"), "train"),
     Family("miles_train_rollout_logprob_abs_diff", "gauge",
            "Mean |logp_trainer - logp_rollout| on the trained tokens.", S, "train"),
+    Family("miles_train_importance_ratio_tail", "gauge",
+           "The tail of the rollout/trainer importance ratio on the trained tokens: the shares outside [0.9, 1.1] "
+           "and [0.5, 2], and the largest |log ratio|.", (*S, "stat"), "train"),
     Family("miles_policy_approx_kl", "gauge", "Approximate KL between the updated and the old policy.", S,
            "train"),
     Family("miles_policy_entropy", "gauge", "Mean token entropy of the policy on the trained tokens.", S, "train"),
