@@ -393,7 +393,7 @@ def test_the_rollout_process_leaves_with_a_trainer_killed_mid_run_while_the_pipe
         pid = spawned_child(proc.pid)
         assert pid is not None
         proc.send_signal(signal.SIGSTOP)
-        time.sleep(8)  # the rollout keeps finishing groups nobody reads: its pipe fills
+        time.sleep(5)  # the rollout keeps finishing groups nobody reads: its pipe fills
         proc.kill()  # SIGKILL: no cleanup runs in the trainer
         proc.wait()
         assert exits_within(pid, ORPHAN_EXIT_S + 30), "the rollout process outlived its trainer"

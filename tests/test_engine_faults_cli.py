@@ -1,7 +1,7 @@
 """`miles train` against an HTTP engine that stops answering (SIGSTOP) or dies (SIGKILL) mid-run: the run
 ends on its own, with exit status 3 and one line that says what happened, never with a score. A stalled
 engine cannot hold the run past `max_seconds + health.grace_s` (plus a few seconds to abandon what it holds);
-a dead one stops it after `health.engine_failure_steps` steps."""
+a dead one stops it after `health.engine_failure_steps` steps (3 here)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def server(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("fault", "max_seconds"), [("SIGSTOP", 14.0), ("SIGKILL", 120.0)])
+@pytest.mark.parametrize(("fault", "max_seconds"), [("SIGSTOP", 10.0), ("SIGKILL", 120.0)])
 def test_a_stalled_or_dead_engine_ends_the_run_broken_and_on_time(fault, max_seconds, server, tmp_path):
     run = tmp_path / "run"
     config = tmp_path / "c.yaml"
@@ -43,14 +43,14 @@ def test_a_stalled_or_dead_engine_ends_the_run_broken_and_on_time(fault, max_sec
         "engine": {"kind": "sglang", "urls": [server.url]}, "checkpoint": {"every": 1},
         "rollout": {"tasks_per_step": 2, "scheduler": {"group_size": 2, "progress": False,
                                                        "session": {"sampling": {"max_new_tokens": 16}}}},
-        "eval": {"num_tasks": 2}, "health": {"no_signal_steps": 0, "grace_s": GRACE_S}}))
+        "eval": {"num_tasks": 2}, "health": {"no_signal_steps": 0, "grace_s": GRACE_S, "engine_failure_steps": 3}}))
     t0 = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-m", "miles.cli", "train", "--config", str(config)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.stdout is not None
     for line in proc.stdout:  # the run is training: hit the engine between steps
-        if line.startswith("[step 3/"):
+        if line.startswith("[step 2/"):
             break
     server.process.send_signal(getattr(signal, fault))
     try:
@@ -64,7 +64,7 @@ def test_a_stalled_or_dead_engine_ends_the_run_broken_and_on_time(fault, max_sec
     if fault == "SIGSTOP":
         assert f"still working {GRACE_S:.0f} s after its max_seconds ({max_seconds:.0f} s)" in last
     else:  # found dead long before the budget
-        assert "the engines failed 5 steps in a row" in last
+        assert "the engines failed 3 steps in a row" in last
     assert "held-out success" not in out  # no score
     summary = json.loads((run / "summary.json").read_text())
     assert summary["broken"] and "final" not in summary["evals"]

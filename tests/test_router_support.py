@@ -19,8 +19,8 @@ from miles.tiny import make_tiny_model
 class StubServer:
     """A real HTTP server on loopback that answers `GET` paths from `answers` (JSON bodies; None for an
     empty 200) and `POST /abort_request` at once, and accepts `POST /generate` but never answers it.
-    With `upstream`, every other request is passed to that server instead (a wedged engine whose control
-    plane still works).
+    With `upstream`, every other request is passed to that server instead, with its admin token (a wedged
+    engine whose control plane still works).
 
     With `answers={"/health": None, "/health_generate": None}` it is a black hole that health probes cannot
     tell from a healthy engine: only turn timeouts reveal it. `generate_calls` counts the requests it swallowed.
@@ -43,8 +43,10 @@ class StubServer:
                 self.wfile.write(data)
 
             def _forward(self, method: str, body: bytes) -> None:
+                headers = {k: v for k, v in (("Content-Type", "application/json" if body else None),
+                                             ("Authorization", self.headers.get("Authorization"))) if v}
                 resp = httpx.request(method, f"{upstream}{self.path}", content=body or None, timeout=120,
-                                     headers={"Content-Type": "application/json"} if body else None)
+                                     headers=headers or None)
                 self._answer(resp.status_code, raw=resp.content)
 
             def do_GET(self) -> None:  # noqa: N802 (http.server's naming)

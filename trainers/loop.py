@@ -563,7 +563,7 @@ class TrainLoop:
                 return True
             for _ in range(ABORT_ROUNDS):  # each cancel unwinds one `finally: await ...` that waits on a stuck peer
                 task.cancel()
-                done, _ = await asyncio.wait({task}, timeout=2.0)
+                done, _ = await asyncio.wait({task}, timeout=1.0)
                 if done:
                     break
         finally:
