@@ -107,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for /health")
     p.add_argument("--log-dir", default=None, help="where the servers' logs go (default: a new temp folder)")
     p.add_argument("--dry-run", action="store_true", help="print the command lines and exit")
+    p.add_argument("--api-key", default=None,
+                   help="close generation and the info routes to holders of this key (clients read it from "
+                        "MILES_API_KEY); the control routes always take the admin token")
     p.add_argument("--openai", nargs="?", const="", action="append", metavar="KEY=VALUE",
                    help="also serve the OpenAI-compatible session endpoint on every embedded server (repeatable "
                         "settings, e.g. --openai history_mismatch=fork)")

@@ -226,13 +226,13 @@ def run_engine_server_with_openai(model: str, host: str, port: int, *, overrides
     model loads."""
     import asyncio
 
-    from miles.engines.auth import admin_token
+    from miles.engines.auth import admin_token, api_key
     from miles.engines.server import create_app, load_engine
 
     config = openai_config(overrides)
     tito = endpoint_tokenizer(model, config)
     engine = load_engine(model, **engine_kwargs)
-    app = create_app(engine, admin_key=admin_token(create=True))
+    app = create_app(engine, admin_key=admin_token(create=True), api_key=api_key())
     endpoint = OpenAIEndpoint(engine, tokenizer=tito, config=config.session, recorder=config.record,
                               model_name=config.model_name or engine.model_path or "miles-embedded")
     mount_openai(app, endpoint, max_request_bytes=config.max_request_bytes)

@@ -13,9 +13,8 @@ import sys
 import pytest
 from test_router_support import StubServer
 
-from miles.engines.testing import ServerProcess, small_qwen2
+from miles.engines.testing import ServerProcess, save_tiny_checkpoint
 from miles.sessions.recorder import read_sessions
-from miles.tiny import load_tiny_tokenizer
 from miles.trainers.metrics_log import read_metrics
 
 STEPS, TASKS, GROUP = 2, 2, 2
@@ -23,11 +22,7 @@ STEPS, TASKS, GROUP = 2, 2, 2
 
 @pytest.fixture()
 def healthy_and_wedged(tmp_path):
-    folder = tmp_path / "model"
-    tok = load_tiny_tokenizer()
-    small_qwen2(0, vocab_size=len(tok), eos_token_id=tok.eos_token_id).save_pretrained(folder)
-    tok.save_pretrained(folder)
-    server = ServerProcess(folder)
+    server = ServerProcess(save_tiny_checkpoint(tmp_path / "model"))
     wedged = StubServer({}, upstream=server.url)
     yield server.url, wedged
     wedged.stop()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -150,17 +151,23 @@ def test_a_damaged_newest_checkpoint_is_passed_over_for_the_one_before(damage, t
         load_checkpoint(tmp_path)
 
 
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _calculator_run(out: Path, *sets: str) -> list[str]:
+    """`miles train` on the calculator example, a checkpoint per step, small steps and evaluations."""
+    return ["train", "--config", str(REPO / "configs" / "calculator.yaml"), "--output-dir", str(out), "--set",
+            "rollout.tasks_per_step=2", "--set", "checkpoint.every=1", "--set", "checkpoint.keep=5",
+            *(x for s in sets for x in ("--set", s))]
+
+
 def test_resume_passes_over_a_damaged_checkpoint_and_a_damaged_warm_start_is_one_line(tmp_path, capsys,
                                                                                      monkeypatch):
-    from pathlib import Path
-
     from miles.cli import main
 
-    repo = Path(__file__).resolve().parents[1]
+    repo = REPO
     monkeypatch.chdir(repo)
-    args = ["train", "--config", str(repo / "configs" / "calculator.yaml"), "--output-dir", str(tmp_path / "r"),
-            "--set", "eval.num_tasks=2", "--set", "rollout.tasks_per_step=1", "--set", "checkpoint.every=1",
-            "--set", "checkpoint.keep=3"]
+    args = _calculator_run(tmp_path / "r", "eval.num_tasks=2")
     assert main([*args, "--set", "steps=2"]) == 0
     weights = tmp_path / "r" / "checkpoints" / "step_00000002" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-100])
@@ -182,15 +189,10 @@ def test_resume_passes_over_a_damaged_checkpoint_and_a_damaged_warm_start_is_one
 def test_a_resumed_run_keeps_its_budget_and_its_start_evaluation(tmp_path, capsys, monkeypatch):
     """`max_seconds` counts the time a resumed run had spent before (`--extend` starts a new budget), and its
     table still compares held-out success with the start of the run."""
-    from pathlib import Path
-
     from miles.cli import main
 
-    repo = Path(__file__).resolve().parents[1]
-    monkeypatch.chdir(repo)
-    args = ["train", "--config", str(repo / "configs" / "calculator.yaml"), "--output-dir", str(tmp_path / "r"),
-            "--set", "eval.num_tasks=4", "--set", "rollout.tasks_per_step=2", "--set", "checkpoint.every=1",
-            "--set", "max_seconds=600"]
+    monkeypatch.chdir(REPO)
+    args = _calculator_run(tmp_path / "r", "eval.num_tasks=4", "max_seconds=600")
     assert main([*args, "--set", "steps=2"]) == 0
     meta = json.loads((tmp_path / "r" / "checkpoints" / "step_00000002" / "meta.json").read_text())
     assert meta["extra"]["elapsed_s"] > 0

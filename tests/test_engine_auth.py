@@ -16,8 +16,7 @@ from miles.config import ConfigError
 from miles.engines import SGLangClient
 from miles.engines.auth import ADMIN_PATHS, TOKEN_ENV, TOKEN_FILE_ENV, admin_token, refusal
 from miles.engines.launcher import LaunchSpec, plan_launch
-from miles.engines.testing import ServerProcess, small_qwen2
-from miles.tiny import load_tiny_tokenizer
+from miles.engines.testing import ServerProcess, save_tiny_checkpoint
 
 CONTROL = {
     "/update_weights_from_disk": {"model_path": "/tmp"},
@@ -40,11 +39,7 @@ def token_file(tmp_path, monkeypatch):
 
 @pytest.fixture()
 def server(tmp_path, token_file):
-    folder = tmp_path / "model"
-    tok = load_tiny_tokenizer()
-    small_qwen2(0, vocab_size=len(tok), eos_token_id=tok.eos_token_id).save_pretrained(folder)
-    tok.save_pretrained(folder)
-    engine = ServerProcess(folder)  # `python -m miles.engines`, as `miles rollout` starts it
+    engine = ServerProcess(save_tiny_checkpoint(tmp_path / "model"))  # `python -m miles.engines`, as `miles rollout` does
     yield engine
     engine.kill()
 
@@ -117,3 +112,36 @@ def test_sglang_servers_are_launched_with_the_admin_token():
     for server in plan_launch(spec).servers:
         flags = list(server.command)
         assert flags[flags.index("--admin-api-key") + 1] == "t0k3n"
+
+
+async def test_an_api_key_closes_generation_too(tmp_path, token_file, monkeypatch):
+    """`miles rollout --api-key KEY` (servers read `MILES_API_KEY`): generation and the info routes answer only
+    to the key, health stays open; clients send it from the same variable."""
+    from miles.engine import SamplingParams
+    from miles.engines.auth import API_KEY_ENV
+
+    monkeypatch.setenv(API_KEY_ENV, "generation-key")
+    server = ServerProcess(save_tiny_checkpoint(tmp_path / "model"))
+    try:
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as raw:
+            body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}
+            assert (await raw.post("/generate", json=body)).status_code == 401
+            assert (await raw.get("/model_info")).status_code == 401
+            assert (await raw.get("/health")).status_code == 200
+            ok = await raw.post("/generate", json=body, headers={"authorization": "Bearer generation-key"})
+            assert ok.status_code == 200
+        client = SGLangClient(server.url)
+        try:
+            assert (await client.generate([1, 2], SamplingParams(max_new_tokens=2))).output_ids
+            await client.flush_cache()  # the admin token still opens the control routes
+        finally:
+            await client.close()
+        monkeypatch.delenv(API_KEY_ENV)
+        stranger = SGLangClient(server.url)
+        try:
+            with pytest.raises(ConfigError, match="refused a call without an API key: the servers were started with"):
+                await stranger.get_model_info()
+        finally:
+            await stranger.close()
+    finally:
+        server.kill()

@@ -14,19 +14,14 @@ import time
 
 import pytest
 
-from miles.engines.testing import ServerProcess, small_qwen2
-from miles.tiny import load_tiny_tokenizer
+from miles.engines.testing import ServerProcess, save_tiny_checkpoint
 
 GRACE_S = 3.0
 
 
 @pytest.fixture()
 def server(tmp_path):
-    folder = tmp_path / "model"
-    tok = load_tiny_tokenizer()
-    small_qwen2(0, vocab_size=len(tok), eos_token_id=tok.eos_token_id).save_pretrained(folder)
-    tok.save_pretrained(folder)
-    engine = ServerProcess(folder)
+    engine = ServerProcess(save_tiny_checkpoint(tmp_path / "model"))
     yield engine
     engine.process.send_signal(signal.SIGCONT)
     engine.kill()

@@ -302,3 +302,52 @@ def test_malformed_payloads_are_400s_and_nothing_in_them_runs(tmp_path):
     assert "lone surrogate" in answers["surrogate"].text and "not JSON" in answers["deep"].text
     assert "cannot read" in answers["corrupt"].text and "cannot read" in answers["lora"].text
     assert not (tmp_path / "pwned").exists() and engine.weight_version == 0
+
+
+async def test_a_client_that_hangs_up_gets_its_request_aborted(served):
+    """A `/generate` whose client disconnects is aborted (its rid), not decoded to its budget."""
+    engine, handle = served
+    aborted: list[str] = []
+    real_abort = engine.abort
+
+    async def recording_abort(rid: str) -> None:
+        aborted.append(rid)
+        await real_abort(rid)
+
+    engine.abort = recording_abort  # type: ignore[method-assign]
+    try:
+        async with httpx.AsyncClient(base_url=handle.url, timeout=httpx.Timeout(0.5)) as raw:
+            with pytest.raises(httpx.ReadTimeout):
+                await raw.post("/generate", json={"rid": "hung-up", "input_ids": [1, 2, 3], "sampling_params": {
+                    "max_new_tokens": 2000, "temperature": 1.0}})
+        async with asyncio.timeout(30):
+            while "hung-up" not in aborted:
+                await asyncio.sleep(0.05)
+    finally:
+        engine.abort = real_abort  # type: ignore[method-assign]
+
+
+async def test_joins_of_a_weight_group_that_hang_are_one_at_a_time_and_block_no_other_route(served):
+    """A join aimed at an address that never answers holds its own thread: a second join is refused at once,
+    and the other control routes answer meanwhile."""
+    import socket
+
+    engine, handle = served
+    black_hole = socket.socket()
+    black_hole.bind(("127.0.0.1", 0))
+    black_hole.listen(16)  # accepts connections in the kernel, never answers
+    body = {"master_address": "127.0.0.1", "master_port": black_hole.getsockname()[1], "rank_offset": 1,
+            "world_size": 2, "backend": "gloo"}
+    try:
+        async with httpx.AsyncClient(base_url=handle.url, timeout=30) as raw:
+            first = asyncio.create_task(raw.post("/init_weights_update_group", json={**body, "group_name": "g1"}))
+            await asyncio.sleep(0.5)
+            second = await raw.post("/init_weights_update_group", json={**body, "group_name": "g2"})
+            assert not second.json()["success"] and "another group is being joined" in second.json()["message"]
+            for _ in range(8):  # more than the default thread pool's workers on 2 cores
+                missing = await raw.post("/update_weights_from_disk", json={"model_path": "/no/such/folder"})
+                assert missing.status_code == 200 and "does not exist" in missing.json()["message"]
+                assert (await raw.post("/get_weights_by_name", json={"name": "model.norm.weight"})).status_code == 200
+            first.cancel()
+    finally:
+        black_hole.close()

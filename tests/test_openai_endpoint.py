@@ -338,6 +338,9 @@ def test_closed_sessions_are_recorded_and_replay_with_their_harness_calls(tmp_pa
     endpoint = OpenAIEndpoint(InstantEngine(outputs), tokenizer=t, recorder=str(path))
     with served(endpoint) as url:
         drive(OpenAI(base_url=f"{url}/v1", api_key="r1", max_retries=0), script)
+        for body in ({"reward": 1e300}, {"components": {"a": 6e5, "b": 6e5}}, {"reward": 2, "components": {"a": 1e7}}):
+            refused = httpx.post(f"{url}/sessions/r1/reward", json=body)  # it would overflow a float32 batch
+            assert refused.status_code == 400 and "within ±1e+06" in refused.text, refused.text
         assert httpx.post(f"{url}/sessions/r1/reward", json={"reward": 0.5}).status_code == 200
         httpx.post(f"{url}/sessions/r1/close")
         assert httpx.post(f"{url}/sessions/r1/reward", json={"reward": 1}).status_code == 409

@@ -227,10 +227,10 @@ class RayRun:
 
     def _run(self) -> Any:
         runtime_env, worker_imports = runtime_env_for(self.cfg.env.imports)
-        from miles.engines.auth import TOKEN_ENV, admin_token
+        from miles.engines.auth import API_KEY_ENV, TOKEN_ENV, admin_token, api_key
 
         # every actor (engines, trainer ranks, the rollout manager) guards or calls the engines with one token
-        runtime_env["env_vars"] = {TOKEN_ENV: admin_token(create=True)}
+        runtime_env["env_vars"] = {TOKEN_ENV: admin_token(create=True), **({API_KEY_ENV: api_key()} if api_key() else {})}
         demand = sum(b.get("CPU", 0) for bundles in self.placement.groups.values() for b in bundles)
         connect(self.cfg.cluster, runtime_env, num_cpus=demand + self.cfg.cluster.manager.cpus)
         try:

@@ -8,7 +8,9 @@ process can load weights, read them, abort requests or join a weight-update grou
 - the token is `MILES_ADMIN_TOKEN` when set, else the file `MILES_ADMIN_TOKEN_FILE` names (default
   `~/.config/miles/admin_token`), created with mode 0600 the first time a server needs one;
 - `SGLangClient` sends it on control calls, so `miles train` on the same machine (or with the same variable)
-  needs no setting; a server that refuses it is a one-line error naming the fix.
+  needs no setting; a server that refuses it is a one-line error naming the fix;
+- `miles rollout --api-key KEY` also closes generation and the info routes to holders of `KEY`, which clients
+  read from `MILES_API_KEY`.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ from miles.config import ConfigError
 
 TOKEN_ENV = "MILES_ADMIN_TOKEN"
 TOKEN_FILE_ENV = "MILES_ADMIN_TOKEN_FILE"
+#: An API key for every other route but health and metrics (`miles rollout --api-key`; off by default, as in
+#: SGLang, whose `/generate` is open on loopback).
+API_KEY_ENV = "MILES_API_KEY"
 
 #: The routes only the admin token opens (as SGLang marks them): weights, aborts, LoRA, the cache, pausing.
 ADMIN_PATHS = frozenset({
@@ -37,6 +42,11 @@ OPEN_PREFIXES = ("/health", "/ready", "/metrics")
 def token_file() -> Path:
     """Where the admin token lives when `MILES_ADMIN_TOKEN` is unset."""
     return Path(os.environ.get(TOKEN_FILE_ENV) or Path.home() / ".config" / "miles" / "admin_token")
+
+
+def api_key() -> str | None:
+    """The API key servers require and clients send on the other routes: `MILES_API_KEY`, or None."""
+    return os.environ.get(API_KEY_ENV) or None
 
 
 def admin_token(*, create: bool = False) -> str | None:

@@ -11,7 +11,8 @@ from typing import Any
 import httpx
 
 from miles.engine import EngineError, GenerateResult, RolloutEngine, SamplingParams
-from miles.engines.auth import ADMIN_PATHS, TOKEN_ENV, admin_token, token_file
+from miles.engines.auth import ADMIN_PATHS, API_KEY_ENV, TOKEN_ENV, admin_token, token_file
+from miles.engines.auth import api_key as auth_api_key
 from miles.engines.errors import EngineAuthError, InvalidRequestError
 from miles.engines.load import LOADS_PATH, EngineLoad, parse_loads
 from miles.engines.lora import AdapterWeights, served_name
@@ -46,10 +47,13 @@ class SGLangClient(RolloutEngine):
 
     def __init__(self, base_url: str, *, timeout_s: float = 600.0, engine_id: str | None = None,
                  lora_path: str | None = None, max_connections: int = 256,
-                 headers: dict[str, str] | None = None, admin_key: str | None = None) -> None:
+                 headers: dict[str, str] | None = None, admin_key: str | None = None,
+                 api_key: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         #: sent as the bearer of control calls (`miles.engines.auth`); by default the local admin token
         self.admin_key = admin_key if admin_key is not None else admin_token()
+        #: sent as the bearer of every other call when the servers want one (default: `MILES_API_KEY`)
+        self.api_key = api_key if api_key is not None else auth_api_key()
         self.engine_id = engine_id or self.base_url
         self.lora_path = lora_path
         self._version = 0
@@ -84,15 +88,18 @@ class SGLangClient(RolloutEngine):
         return resp
 
     def _headers(self, path: str, headers: dict[str, str] | None) -> dict[str, str] | None:
-        if path in ADMIN_PATHS and self.admin_key:
-            return {**(headers or {}), "authorization": f"Bearer {self.admin_key}"}
-        return headers
+        key = (self.admin_key or self.api_key) if path in ADMIN_PATHS else self.api_key
+        return {**(headers or {}), "authorization": f"Bearer {key}"} if key else headers
 
     def _check_auth(self, resp: httpx.Response, path: str) -> None:
-        if resp.status_code in (401, 403) and path in ADMIN_PATHS:
+        if resp.status_code not in (401, 403):
+            return
+        if path in ADMIN_PATHS:
             raise EngineAuthError(f"{self.base_url}{path} refused {'the' if self.admin_key else 'a call without an'} "
                                   f"admin token: give miles the servers' token in {TOKEN_ENV} (miles rollout keeps "
                                   f"it in {token_file()})")
+        raise EngineAuthError(f"{self.base_url}{path} refused {'the' if self.api_key else 'a call without an'} API "
+                              f"key: the servers were started with --api-key; give miles the key in {API_KEY_ENV}")
 
     async def _json(self, method: str, path: str, **kwargs: Any) -> Any:
         resp = await self._request(method, path, **kwargs)

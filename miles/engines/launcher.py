@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import contextlib
 import importlib.util
+import os
 import shlex
 import signal
 import socket
@@ -29,7 +30,7 @@ import httpx
 
 from miles.config import ConfigError
 from miles.engine import EngineError
-from miles.engines.auth import TOKEN_ENV, admin_token, token_file
+from miles.engines.auth import API_KEY_ENV, TOKEN_ENV, admin_token, token_file
 from miles.engines.errors import InvalidRequestError
 from miles.engines.server import DTYPES, SMOLLM2, parse_model_spec
 from miles.engines.sglang_router import SGLangRouter, router_command
@@ -115,6 +116,7 @@ class LaunchSpec:
     sglang_args: tuple[str, ...] = ()
     openai: tuple[str, ...] | None = None  # serve the OpenAI-compatible session endpoint (KEY=VALUE settings)
     admin_key: str | None = None  # SGLang servers get it as --admin-api-key (embedded ones read it themselves)
+    api_key: str | None = None  # --api-key: SGLang servers get the flag, embedded ones MILES_API_KEY
 
     def __post_init__(self) -> None:
         if self.engine not in ("embedded", "sglang"):
@@ -247,6 +249,8 @@ def _sglang_command(spec: LaunchSpec, index: int, port: int) -> tuple[str, ...]:
             cmd += [flag, str(value)]
     if spec.admin_key:
         cmd += ["--admin-api-key", spec.admin_key]
+    if spec.api_key:
+        cmd += ["--api-key", spec.api_key]
     return (*cmd, *spec.sglang_args)
 
 
@@ -417,7 +421,10 @@ def rollout_from_cli(args: argparse.Namespace) -> int:
                       router=args.router, router_port=args.router_port, router_policy=args.router_policy,
                       sglang_args=tuple(args.sglang_args),
                       openai=tuple(args.openai) if args.openai is not None else None,
-                      admin_key=None if args.dry_run else admin_token(create=True))
+                      admin_key=None if args.dry_run else admin_token(create=True),
+                      api_key=None if args.dry_run else args.api_key)
+    if args.api_key:  # embedded servers read it from the environment they inherit
+        os.environ[API_KEY_ENV] = args.api_key
     plan = plan_launch(spec)
     if args.dry_run:
         for server in plan.servers:

@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from miles.engine import EngineError
-from miles.engines.auth import ADMIN_PATHS, admin_token, refusal
+from miles.engines.auth import ADMIN_PATHS, admin_token, api_key, refusal
 from miles.engines.embedded import EmbeddedEngine
 from miles.engines.errors import InvalidRequestError
 from miles.engines.load import LOADS_PATH, loads_body
@@ -55,6 +55,8 @@ def _error(status: int, message: str, kind: str) -> JSONResponse:
 
 #: The largest request body the server reads (a 1M-token prompt is about 8 MB of JSON).
 MAX_BODY_BYTES = 32 << 20
+#: How often a running `/generate` checks whether its client is still there.
+DISCONNECT_POLL_S = 0.5
 #: Bodies above this are parsed on a worker thread, so a big one never stalls `/health` or the other requests.
 _PARSE_INLINE_BYTES = 64 << 10
 
@@ -124,8 +126,16 @@ def create_app(engine: EmbeddedEngine, *, api_key: str | None = None, admin_key:
         req = parse_generate_request(await _json_body(request), engine.tokenizer)
         rid = req["rid"] or uuid.uuid4().hex
         session_id = request.headers.get(SESSION_HEADER) or request.headers.get(ROUTING_KEY_HEADER)
-        result = await engine.generate(req["input_ids"], req["params"], rid=rid, ignore_eos=req["ignore_eos"],
-                                       session_id=session_id, adapter=req["lora_path"])
+        work = asyncio.ensure_future(engine.generate(req["input_ids"], req["params"], rid=rid,
+                                                     ignore_eos=req["ignore_eos"], session_id=session_id,
+                                                     adapter=req["lora_path"]))
+        aborted = False
+        while not work.done():  # a client that hung up gets its request aborted, not decoded to the end
+            await asyncio.wait({work}, timeout=DISCONNECT_POLL_S)
+            if not work.done() and not aborted and await request.is_disconnected():
+                aborted = True
+                await engine.abort(rid)
+        result = work.result()
         return JSONResponse(generate_response(result, rid=rid, text=_decode(result.output_ids),
                                               return_logprob=req["return_logprob"]))
 
@@ -307,8 +317,8 @@ class ServerHandle:
 
 
 def _config(engine: EmbeddedEngine, host: str, port: int, admin_key: str | None) -> uvicorn.Config:
-    return uvicorn.Config(create_app(engine, admin_key=admin_key), host=host, port=port, log_level="warning",
-                          access_log=False, timeout_keep_alive=30)
+    return uvicorn.Config(create_app(engine, admin_key=admin_key, api_key=api_key()), host=host, port=port,
+                          log_level="warning", access_log=False, timeout_keep_alive=30)
 
 
 async def serve(engine: EmbeddedEngine, host: str = "127.0.0.1", port: int = 30001, *,

@@ -28,6 +28,17 @@ def small_qwen2(seed: int = 0, *, vocab_size: int = 512, size: str = "0.1m", eos
     return model.eval()
 
 
+def save_tiny_checkpoint(folder: str | Path, seed: int = 0) -> Path:
+    """An HF folder that `python -m miles.engines --model FOLDER` serves: `small_qwen2` over the tiny tokenizer's
+    vocabulary (with its EOS), and the tokenizer."""
+    from miles.tiny import load_tiny_tokenizer
+
+    tok = load_tiny_tokenizer()
+    small_qwen2(seed, vocab_size=len(tok), eos_token_id=tok.eos_token_id).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return Path(folder)
+
+
 class ServerProcess:
     """`python -m miles.engines --model PATH` in a subprocess on a free loopback port (killable)."""
 

@@ -18,6 +18,9 @@ Answers are SGLang's: `{"success", "message"}`, status 200, or 400 when `success
 from __future__ import annotations
 
 import asyncio
+import functools
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import fastapi
@@ -52,11 +55,41 @@ def _target_version(engine: EmbeddedEngine, body: dict[str, Any]) -> int:
     return version
 
 
+#: How long joining a weight-update group waits for the trainer's rendezvous.
+JOIN_TIMEOUT_S = 120.0
+
+
+def _in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future[Any]:
+    """`fn()` on a daemon thread of its own (a join that hangs neither holds a shared pool nor the exit)."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+
+    def deliver(setter: Callable[[Any], None], value: Any) -> None:
+        if not future.done():
+            setter(value)
+
+    def run() -> None:
+        try:
+            outcome: tuple[Callable[[Any], None], Any] = (future.set_result, fn())
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+            outcome = (future.set_exception, exc)
+        try:
+            loop.call_soon_threadsafe(deliver, *outcome)
+        except RuntimeError:  # the server stopped meanwhile: nobody waits for it
+            pass
+
+    threading.Thread(target=run, name="weight-group-join", daemon=True).start()
+    return future
+
+
 def add_weight_routes(app: fastapi.FastAPI, engine: EmbeddedEngine, json_body: JsonBody) -> None:
     """Register the weight-update endpoints of `engine` on `app`."""
     receivers: dict[str, WeightReceiver] = {}
     session = {"open": False}
     lock = asyncio.Lock()  # one update at a time, like SGLang's model_update_lock
+    # Joining a group blocks a thread until the trainer's rendezvous answers (or times out): one join at a time,
+    # on a thread of its own, so joins aimed at a dead address can neither pile up nor starve the other routes.
+    joining = asyncio.Lock()
 
     async def _load(tensors: dict[str, Any], body: dict[str, Any]) -> int:
         version = _target_version(engine, body)
@@ -89,11 +122,15 @@ def add_weight_routes(app: fastapi.FastAPI, engine: EmbeddedEngine, json_body: J
         name = str(body.get("group_name") or DEFAULT_GROUP)
         if name in receivers:
             return _answer(False, f"Failed to initialize custom process group: group {name!r} already exists.")
+        if joining.locked():
+            return _answer(False, "Failed to initialize custom process group: another group is being joined; "
+                           "retry when it is done.")
         try:
-            receiver = await asyncio.to_thread(
-                WeightReceiver, str(body["master_address"]), int(body["master_port"]), int(body["rank_offset"]),
-                int(body["world_size"]), group_name=name, backend=str(body.get("backend") or "nccl"),
-                device=engine.device if str(engine.device).startswith("cuda") else None)
+            async with joining:
+                receiver = await _in_daemon_thread(functools.partial(
+                    WeightReceiver, str(body["master_address"]), int(body["master_port"]), int(body["rank_offset"]),
+                    int(body["world_size"]), group_name=name, backend=str(body.get("backend") or "nccl"),
+                    timeout_s=JOIN_TIMEOUT_S, device=engine.device if str(engine.device).startswith("cuda") else None))
         except (InvalidRequestError, RuntimeError, ValueError) as exc:
             return _answer(False, f"Failed to initialize custom process group: {exc}.")
         receivers[name] = receiver
