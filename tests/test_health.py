@@ -47,6 +47,18 @@ def test_the_watch_fires_exactly_when_n_steps_in_a_row_had_no_signal(informative
         assert verdict is None or verdict.stop
 
 
+def test_steps_the_policy_solves_are_no_sign_of_a_broken_run():
+    """Late in a good run every group may score 1 (all sessions succeed): that is a solved task, not a stuck one,
+    and it never stops the run; steps that all fail still do."""
+    health = RunHealth(HealthConfig(no_signal_steps=3), warn=lambda line: None)
+    solved = StepActivity(sessions=8, groups=2, informative_groups=0, tool_calls=8, parse_failures=0,
+                          rewards=frozenset({1.0}), has_tools=True, successes=8)
+    assert [health.observe(solved) for _ in range(10)] == [None] * 10
+    failed = _activity(informative=0)
+    verdicts = [health.observe(failed) for _ in range(3)]
+    assert verdicts[:2] == [None, None] and verdicts[2].stop
+
+
 def test_the_first_env_error_of_each_kind_is_one_warning():
     lines: list[str] = []
     health = RunHealth(HealthConfig(), warn=lines.append)

@@ -28,7 +28,8 @@ class HealthConfig:
     """The `health:` section: when a run that is broken or not learning stops (exit status 3, one line, no score).
 
     - `no_signal_steps`: after this many steps in a row without one group of differing rewards (nothing to
-      learn from), the run prints a diagnosis and stops; 0 never stops.
+      learn from), the run prints a diagnosis and stops; 0 never stops. A step in which every session
+      succeeded does not count: the policy has solved the task.
     - `on_no_signal`: `stop` (the default), or `continue`: print the diagnosis once and go on.
     - `engine_failure_steps`: after this many steps in a row in which most sessions failed in the engines
       (`engine_error`, `aborted`), none ran, or the weight update did not reach the engines, the run stops:
@@ -86,6 +87,12 @@ class StepActivity:
     rewards: frozenset[float] = frozenset()
     has_tools: bool = False
     env_errors: tuple[tuple[str, ErrorInfo], ...] = ()  # (session id, error) of each env_error session
+    successes: int = 0  # sessions the env judged a success
+
+    @property
+    def solved(self) -> bool:
+        """Every session succeeded: the groups agree because the policy has the task, not because it is stuck."""
+        return bool(self.sessions) and self.successes == self.sessions
 
     def metrics(self) -> dict[str, float]:
         """The step's row entries: `<termination>_sessions` for every termination, tool calls per session,
@@ -115,7 +122,8 @@ def step_activity(records: Iterable[SessionRecord]) -> StepActivity:
         terminations=dict(Counter(r.termination.value for r in records)),
         rewards=frozenset(float(r.reward) for r in records), has_tools=any(r.tools for r in records),
         env_errors=tuple((r.session_id, r.error) for r in records
-                         if r.termination == TerminationReason.ENV_ERROR and r.error is not None))
+                         if r.termination == TerminationReason.ENV_ERROR and r.error is not None),
+        successes=sum(bool(r.final_info.get("success")) for r in records))
 
 
 def diagnose(window: list[StepActivity]) -> str:
@@ -194,7 +202,7 @@ class RunHealth:
         return self._signal(activity)
 
     def _signal(self, activity: StepActivity) -> Verdict | None:
-        if activity.informative_groups:
+        if activity.informative_groups or activity.solved:  # a solved step is no sign of a broken run
             self.window.clear()
             self.reported = False
             return None
