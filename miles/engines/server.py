@@ -88,6 +88,26 @@ def _require(body: dict[str, Any], *names: str) -> None:
         raise InvalidRequestError(f"missing fields: {missing}")
 
 
+class KeyCheck:
+    """ASGI middleware that refuses requests without the key their route needs (`miles.engines.auth`). Plain
+    ASGI, not Starlette's `BaseHTTPMiddleware`, so a route still sees its client hang up."""
+
+    def __init__(self, app: Any, *, api_key: str | None, admin_key: str | None) -> None:
+        self.app, self.api_key, self.admin_key = app, api_key, admin_key
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            path = scope["path"]
+            auth = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
+            status = refusal(path, auth, api_key=self.api_key, admin_key=self.admin_key)
+            if status is not None:
+                what = "admin token" if path in ADMIN_PATHS else "API key"
+                await _error(status, f"{path} needs the server's {what} as the bearer (see miles.engines.auth)",
+                             "authentication_error")(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 class BodyTooLargeError(InvalidRequestError):
     """A request body over `MAX_BODY_BYTES` (413)."""
 
@@ -98,15 +118,7 @@ def create_app(engine: EmbeddedEngine, *, api_key: str | None = None, admin_key:
     app = fastapi.FastAPI(title="miles embedded engine")
     started = time.time()
 
-    @app.middleware("http")
-    async def _authorize(request: fastapi.Request, call_next: Any) -> Response:
-        status = refusal(request.url.path, request.headers.get("authorization"), api_key=api_key,
-                         admin_key=admin_key)
-        if status is not None:
-            return _error(status, f"{request.url.path} needs the server's "
-                          f"{'admin token' if request.url.path in ADMIN_PATHS else 'API key'} as the bearer "
-                          "(see miles.engines.auth)", "authentication_error")
-        return await call_next(request)
+    app.add_middleware(KeyCheck, api_key=api_key, admin_key=admin_key)
 
     @app.exception_handler(InvalidRequestError)
     async def _bad_request(_: fastapi.Request, exc: InvalidRequestError) -> JSONResponse:
