@@ -57,6 +57,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be an integer, got {value!r}")
         if not 0 <= self.max_new_tokens <= MAX_NEW_TOKENS:
             raise ValueError(f"max_new_tokens must be in [0, {MAX_NEW_TOKENS}], got {self.max_new_tokens}")
+        if not -1 <= self.top_k < 1 << 31:  # a device tensor holds it; any k above the vocabulary keeps all
+            raise ValueError(f"top_k must be -1 (all), 0 (all) or a positive count below 2**31, got {self.top_k}")
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -234,7 +234,8 @@ async def test_two_live_engines_with_one_id_export_one_series_the_newest():
 
 
 @pytest.mark.parametrize("bad", [{"temperature": float("nan")}, {"temperature": -1.0}, {"temperature": "hot"},
-                                 {"top_p": 0.0}, {"top_p": float("inf")}, {"max_new_tokens": 10**12}])
+                                 {"top_p": 0.0}, {"top_p": float("inf")}, {"max_new_tokens": 10**12},
+                                 {"top_k": 2**40}])
 async def test_a_request_with_bad_sampling_fails_alone_and_the_batch_decodes_on(bad, served):
     """Sampling settings that would break a decode step (a NaN or denormal temperature, an empty top-p set, an
     absurd token budget) are refused with 400 for that request; requests decoding beside it finish."""

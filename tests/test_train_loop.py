@@ -250,3 +250,41 @@ def test_a_file_system_without_locks_runs_unguarded_with_a_warning(tmp_path, mon
     lock = output_dir.OutputDirLock(tmp_path / "nfs")
     assert "a second run into this folder would not be detected" in caplog.text
     lock.release()
+
+
+# What each way of ending trains, as the docs say: a session that ended on its own terms (done, max_turns, or
+# context_full: the policy ran out of room) trains; one the infrastructure ended (engine_error, aborted,
+# env_error) never does; a timed-out one trains with reward 0 under `rollout.on_timeout: zero`, else never.
+TRAINED_BY_TERMINATION = {
+    "done": (True, True), "max_turns": (True, True), "context_full": (True, True),
+    "timeout": (False, True), "env_error": (False, False), "engine_error": (False, False), "aborted": (False, False),
+}
+
+
+@pytest.mark.parametrize("termination", sorted(TRAINED_BY_TERMINATION))
+def test_which_sessions_train_follows_how_they_ended(termination):
+    from miles.sessions.records import SessionRecord
+    from miles.trainers.loop import trainable
+    from miles.trajectory import Trajectory
+    from miles.types import TerminationReason
+
+    def record(generated: bool) -> SessionRecord:
+        traj = Trajectory()
+        traj.append([1, 2, 3], role="user", generated=False)
+        if generated:
+            traj.append([4, 5], role="assistant", generated=True, logprobs=[-0.1, -0.2], weight_version=0)
+        return SessionRecord(session_id="s", termination=TerminationReason(termination), reward=0.5,
+                             trajectory=traj)
+
+    drop_timeouts, zero_timeouts = TRAINED_BY_TERMINATION[termination]
+    assert bool(trainable([record(True)], on_timeout="drop")) is drop_timeouts
+    trained = trainable([record(True)], on_timeout="zero")
+    assert bool(trained) is zero_timeouts
+    assert [t.reward for t in trained] == ([0.0] if termination == "timeout" else [0.5] if trained else [])
+    assert trainable([record(False)], on_timeout="zero") == []  # nothing generated: nothing to train
+
+
+def test_every_termination_has_a_documented_training_rule():
+    from miles.types import TerminationReason
+
+    assert set(TRAINED_BY_TERMINATION) == {t.value for t in TerminationReason}

@@ -85,7 +85,7 @@ def trainable(records: list[SessionRecord], *, on_timeout: str = "drop") -> list
         if r.termination in skip or r.trajectory.num_generated == 0:
             continue
         traj = r.trajectory
-        traj.reward = r.reward
+        traj.reward = 0.0 if r.termination == TerminationReason.TIMEOUT else r.reward
         out.append(traj)
     return out
 
