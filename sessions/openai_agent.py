@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -43,7 +44,7 @@ from miles.sessions.records import ErrorInfo, SessionRecord, jsonable
 from miles.sessions.router import Router
 from miles.sessions.scheduler import Group
 from miles.sessions.spec import SessionSpec, TaskSpec
-from miles.types import Message, TerminationReason
+from miles.types import Message, TerminationReason, ToolCall
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,15 @@ def task_payload(spec: SessionSpec, messages: Sequence[Message], tools: Sequence
     return {"session_id": spec.session_id, "task_id": spec.task.task_id or "",
             "prompt": getattr(task, "prompt", None) or next((m.content for m in messages if m.role == "user"), ""),
             "messages": [m.to_dict() for m in messages], "tools": list(tools), "seed": spec.seed}
+
+
+async def run_env_tool(env: Any, name: str, arguments: dict[str, Any]) -> Message:
+    """One call of the env's tool `name` in `env`'s current episode, as the env runs a model's call: its tool
+    message (a bad call, an unknown tool: the env's error message). The episode's state moves as it would."""
+    call = ToolCall(name=name, arguments=dict(arguments), id="agent_call", raw_arguments=json.dumps(arguments))
+    observation = await env.react(Message("assistant", tool_calls=[call]))
+    return next((m for m in observation if m.role == "tool"),
+                Message("tool", f"Error: the env ran no tool {name!r}", tool_call_id=call.id, name=name))
 
 
 async def score_with_env(env: Any, spec: SessionSpec, session: OpenAISession) -> Score:
@@ -179,6 +189,7 @@ class AgentRunner:
             scorer = None if cfg.reward == "client" else (lambda s: score_with_env(env, spec, s))
             session = endpoint.open(sid, spec=spec, recipe=self.recipe, env_id=env.env_id, override=self.override,
                                     scorer=scorer, accept_client_reward=cfg.reward != "env")
+            session.tools = functools.partial(run_env_tool, env)
             try:
                 termination, error = await service.run_agent(spec, task_payload(spec, messages, tools),
                                                              token=session.token)

@@ -262,6 +262,21 @@ class OpenAIEndpoint:
             async with asyncio.timeout(self.config.timeouts.abort_s):
                 await engine.abort(rid)
 
+    async def run_tool(self, session_id: str, name: str, arguments: Any) -> dict[str, Any]:
+        """Run the env's tool `name` for the session's agent (the env of a runner's session, in the episode's own
+        state): `{"name", "content"}`, the tool message the env would have shown the model. 404 for a session
+        without env tools; a bad call is the env's error message, not an HTTP error."""
+        session = self.get(session_id)
+        if session.tools is None:
+            raise EndpointError(404, f"session {session_id!r} has no env tools (only the sessions an agent runner "
+                                "opens for an env do)", code="no_env_tools")
+        if session.closing:
+            raise EndpointError(409, f"session {session_id!r} is closed", code="session_closed")
+        if not isinstance(arguments, dict):
+            raise EndpointError(400, "the body must be the tool's arguments as a JSON object", param="arguments")
+        message = await session.tools(name, arguments)
+        return {"name": name, "content": message.content}
+
     def post_reward(self, session_id: str, reward: ClientReward) -> None:
         """Set the session's reward (a later post replaces it); 409 once the session is closed."""
         session = self.get(session_id)

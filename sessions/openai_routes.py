@@ -10,7 +10,10 @@ own token, which the runner gives the agent as `OPENAI_API_KEY`, on every route)
   `stream: true` as server-sent events;
 - `GET /v1/models`, `GET /sessions/{id}/v1/models`;
 - `POST /sessions/{id}/reward` (`{"reward": 1.0}` or `{"components": {...}}`), `POST /sessions/{id}/close`,
-  `GET /sessions/{id}/trajectory`.
+  `GET /sessions/{id}/trajectory`;
+- `POST /sessions/{id}/tools/{name}` (the arguments as a JSON object): one of the env's tools run in the
+  session's own episode (a runner's sessions of stateful envs), answered as the tool message the env would
+  show the model.
 
 Errors are OpenAI's `{"error": {...}}` with `x-should-retry: false` on the ones a retry cannot fix, so the
 `openai` client does not repeat them.
@@ -117,6 +120,13 @@ def openai_router(endpoint: OpenAIEndpoint, *, max_request_bytes: int = MAX_REQU
             endpoint.authorize(_bearer(request), session_id)
             endpoint.post_reward(session_id, parse_reward(await _body(request, max_request_bytes)))
             return JSONResponse({"session_id": session_id, "ok": True})
+        return await guarded(run)()
+
+    @router.post("/sessions/{session_id}/tools/{name}")
+    async def tool(session_id: str, name: str, request: fastapi.Request) -> Response:
+        async def run() -> Response:
+            endpoint.authorize(_bearer(request), session_id)
+            return JSONResponse(await endpoint.run_tool(session_id, name, await _body(request, max_request_bytes)))
         return await guarded(run)()
 
     @router.post("/sessions/{session_id}/close")

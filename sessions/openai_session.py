@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -129,6 +130,8 @@ class OpenAISession:
         self.recipe = recipe
         self.env_id = env_id
         self.override = override or SamplingOverride()
+        #: runs one of the env's tools for the agent (`POST /sessions/{id}/tools/{name}`); None: no env tools
+        self.tools: Callable[[str, dict[str, Any]], Awaitable[Message]] | None = None
         self.context_length = config.context_length or context_length
         self.branches: list[Branch] = []
         self.lock = asyncio.Lock()

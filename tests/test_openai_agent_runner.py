@@ -6,6 +6,7 @@ named reason and are recorded."""
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import sys
 import textwrap
@@ -278,3 +279,42 @@ async def test_an_agent_can_reach_only_its_own_session(tmp_path):
     victim = next(r for r in group.records if r.session_id == "run-s1")
     assert victim.termination is TerminationReason.DONE and len(victim.turns) == 1
     assert victim.final_info["reward_source"] == "env"
+
+
+async def test_an_agent_runs_the_envs_own_tools_through_its_session(tmp_path):
+    """A stateful env's tools are the env's, not the agent's: `POST /sessions/{id}/tools/{name}` runs them in the
+    session's own episode (Orders-v0's database of this task), answered as the env answers the model; a bad call
+    gets the env's error message; another session's token is refused."""
+    t = tito("tiny")
+    agent = agent_file(tmp_path, "orders", '''\
+        import re, urllib.error
+        root = BASE.removesuffix("/v1")
+        email, zip_code = re.search(r"\\(([^,]+), zip code (\\d+)\\)", TASK["prompt"]).groups()
+        order = re.search(r"order (W\\d+)", TASK["prompt"]).group(1)
+        for name, args in (("authenticate", {"email": email, "zip_code": zip_code}),
+                           ("get_order", {"order_id": order}), ("teleport", {}), ("get_order", {"order_id": 7})):
+            print(name, json.dumps(post(f"{root}/sessions/{SID}/tools/{name}", args)))
+        try:
+            post(f"{root}/sessions/{SID}/tools/get_order", {"order_id": order}, key="not-the-token")
+        except urllib.error.HTTPError as err:
+            print("stranger", err.code)
+        chat(TASK["messages"])
+        ''')
+    recipe = EnvRecipe("Orders-v0")
+    task = recipe.make().tasks.take(1)[0]
+    replies = InstantEngine([t.encode("I will look into it.") + [t.close_token_id]])
+    service = await AgentRollout.start(replies, tokenizer=t, config=config(agent, reward="env", keep_logs=True),
+                                       log_dir=tmp_path / "logs")
+    try:
+        [group] = await service.runner(recipe=recipe, run_id="o").run([{"task": task}])
+    finally:
+        await service.aclose()
+    lines = (tmp_path / "logs" / "o-s0.log").read_text().splitlines()
+    answers = {line.split(" ", 1)[0] + str(i): json.loads(line.split(" ", 1)[1]) for i, line in enumerate(lines[:4])}
+    assert "authenticated" in answers["authenticate0"]["content"].lower(), answers
+    order = re.search(r"order (W\d+)", task.prompt).group(1)
+    assert order in answers["get_order1"]["content"] and "status" in answers["get_order1"]["content"]
+    assert answers["teleport2"]["content"].startswith("Error: unknown tool 'teleport'")
+    assert answers["get_order3"]["content"].startswith("Error: invalid arguments for tool 'get_order'")
+    assert lines[4] == "stranger 401"
+    assert group.records[0].termination is TerminationReason.DONE
