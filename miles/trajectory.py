@@ -36,6 +36,14 @@ def message_from_record(data: dict[str, Any]) -> Message:
     return m
 
 
+def _turn_index(traj: Trajectory) -> torch.Tensor:
+    """Per token of `traj`: the index of the model turn (assistant span) it belongs to, -1 elsewhere."""
+    out = torch.full((len(traj),), -1, dtype=torch.int64)
+    for k, span in enumerate(s for s in traj.spans if s.role == "assistant"):
+        out[span.start:span.end] = k
+    return out
+
+
 class TrajectoryInvariantError(ValueError):
     """`token_ids`, `loss_mask` and `rollout_logprobs` disagree, or a span points outside them."""
 
@@ -182,6 +190,7 @@ class TrajectoryBatch:
     meta: list[dict[str, Any]] = field(default_factory=list)
     oldest_versions: torch.Tensor | None = None  # int64 [B]
     policy_ids: tuple[str, ...] = ()
+    turn_index: torch.Tensor | None = None  # int64 [T]: the model turn a token belongs to (0, 1, ...; -1: not the model's)
 
     def __post_init__(self) -> None:
         if not self.policy_ids and self.meta:
@@ -207,7 +216,8 @@ class TrajectoryBatch:
             rollout_logprobs=tokens(self.rollout_logprobs), cu_seqlens=cu, rewards=self.rewards[idx],
             group_ids=self.group_ids[idx], meta=[self.meta[i] for i in indices] if self.meta else [],
             oldest_versions=None if self.oldest_versions is None else self.oldest_versions[idx],
-            policy_ids=tuple(self.policy_of(i) for i in indices))
+            policy_ids=tuple(self.policy_of(i) for i in indices),
+            turn_index=None if self.turn_index is None else tokens(self.turn_index))
 
     def staleness(self, trainer_version: int) -> torch.Tensor:
         """Per sequence: `trainer_version` minus its oldest generating version (0 where unknown)."""
@@ -240,6 +250,8 @@ class TrajectoryBatch:
             oldest_versions=torch.tensor([-1 if t.oldest_weight_version is None else t.oldest_weight_version
                                           for t in trajectories], dtype=torch.int64),
             policy_ids=tuple(t.meta.policy_id for t in trajectories),
+            turn_index=torch.cat([_turn_index(t) for t in trajectories]) if trajectories
+            else torch.zeros(0, dtype=torch.int64),
         )
 
     def sequence(self, i: int) -> slice:
@@ -249,7 +261,7 @@ class TrajectoryBatch:
         """Write the tensors as safetensors, with the metadata as a JSON header entry."""
         tensors = {k: getattr(self, k).contiguous() for k in
                    ("token_ids", "loss_mask", "rollout_logprobs", "cu_seqlens", "rewards", "group_ids",
-                    "oldest_versions") if getattr(self, k) is not None}
+                    "oldest_versions", "turn_index") if getattr(self, k) is not None}
         save_file(tensors, str(path), metadata={"meta": json.dumps(self.meta)})
 
     @classmethod

@@ -258,3 +258,23 @@ def test_several_optimizer_steps_recompute_old_logprobs_only_for_a_proximal_rati
     assert step(num_mini_batches=2).needs_old_logprobs is forward_pass
     assert step(ppo_epochs=2).needs_old_logprobs is forward_pass
     assert step().needs_old_logprobs is False  # one optimizer step: the current logprobs are the old ones
+
+
+def test_the_mismatch_tail_and_its_split_by_model_turn():
+    """The shares of tokens whose importance ratio leaves [0.9, 1.1] and [0.5, 2], the largest |log ratio|, and
+    the mean and max |log ratio| of each of the first three model turns and of the later ones."""
+    from miles.trainers.metrics import MetricAccumulator, logprob_mismatch_sums
+
+    rollout = torch.zeros(8)
+    train = torch.tensor([0.0, 0.05, -0.2, 0.0, 1.0, 0.0, -0.9, 0.3])  # log ratios
+    mask = torch.tensor([0.0, 1, 1, 1, 1, 1, 1, 1])
+    turns = torch.tensor([-1, 0, 0, 1, 2, 3, 4, 4])
+    acc = MetricAccumulator()
+    acc.update(logprob_mismatch_sums(train, rollout, mask, turn_index=turns))
+    m = acc.result()
+    assert m["ratio_outside_10pct"] == pytest.approx(4 / 7)  # 0.05 and the two zeros stay inside
+    assert m["ratio_outside_2x"] == pytest.approx(2 / 7)  # |log| > log 2 = 0.693: 1.0 and -0.9
+    assert m["log_ratio_abs_max"] == pytest.approx(1.0)
+    assert m["mismatch_abs_turn0"] == pytest.approx(0.125) and m["log_ratio_abs_max_turn0"] == pytest.approx(0.2)
+    assert m["mismatch_abs_turn1"] == 0.0 and m["mismatch_abs_turn2"] == pytest.approx(1.0)
+    assert m["mismatch_abs_turn3plus"] == pytest.approx((0.0 + 0.9 + 0.3) / 3)

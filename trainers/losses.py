@@ -111,6 +111,7 @@ class LossInputs:
     rollout_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
+    turn_index: torch.Tensor | None = None  # the model turn of each token (-1: not the model's)
 
 
 @dataclass
@@ -238,7 +239,7 @@ def policy_loss(inputs: LossInputs, config: LossConfig, *, num_tokens: float | N
             pg = pg * weight
     if inputs.rollout_logprobs is not None:
         for name, value in logprob_mismatch_sums(inputs.old_logprobs.detach(), inputs.rollout_logprobs,
-                                                 inputs.loss_mask).items():
+                                                 inputs.loss_mask, turn_index=inputs.turn_index).items():
             sums[name] = value
 
     agg = {"num_tokens": num_tokens, "num_seqs": num_seqs, "norm_length": config.norm_length}

@@ -56,8 +56,13 @@ def reduce_metrics(acc: MetricAccumulator) -> dict[str, float]:
     return merged.result()
 
 
+#: Model turns whose mismatch is reported on its own (`mismatch_abs_turnK`); later turns share `..._turn3plus`.
+SPLIT_TURNS = 3
+
+
 def logprob_mismatch_sums(train_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
-                          loss_mask: torch.Tensor) -> dict[str, tuple[float, float]]:
+                          loss_mask: torch.Tensor, *,
+                          turn_index: torch.Tensor | None = None) -> dict[str, tuple[float, float]]:
     """Train-vs-rollout logprob mismatch on the same (masked) tokens, as ``(sum, count)`` pairs.
 
     - ``mismatch_abs``: mean ``|logp_train - logp_rollout|``;
@@ -67,7 +72,9 @@ def logprob_mismatch_sums(train_logprobs: torch.Tensor, rollout_logprobs: torch.
     - ``mismatch_kl_max``: the largest per-token k3 term (a ``(max, 1)`` pair, see `MetricAccumulator`);
     - the tail of the importance ratio ``exp(logp_train - logp_rollout)``, which a mean hides:
       ``ratio_outside_10pct`` and ``ratio_outside_2x``, the shares of tokens whose ratio lies outside
-      [0.9, 1.1] and [0.5, 2], and ``log_ratio_abs_max``, the largest ``|log ratio|``.
+      [0.9, 1.1] and [0.5, 2], and ``log_ratio_abs_max``, the largest ``|log ratio|``;
+    - with ``turn_index`` (each token's model turn), ``mismatch_abs_turnK`` and ``log_ratio_abs_max_turnK``
+      for the first `SPLIT_TURNS` turns and ``..._turn3plus`` for the rest: drift shows in later turns first.
     """
     mask = loss_mask.to(torch.float64)
     d = (train_logprobs.detach().to(torch.float64) - rollout_logprobs.to(torch.float64)) * mask
@@ -84,6 +91,15 @@ def logprob_mismatch_sums(train_logprobs: torch.Tensor, rollout_logprobs: torch.
     if n:
         out["mismatch_kl_max"] = (float(k3.max()), 1.0)
         out["log_ratio_abs_max"] = (float(d.abs().max()), 1.0)
+    if turn_index is not None:
+        for k in range(SPLIT_TURNS + 1):
+            label = f"turn{k}" if k < SPLIT_TURNS else f"turn{SPLIT_TURNS}plus"
+            sel = (turn_index == k) if k < SPLIT_TURNS else (turn_index >= SPLIT_TURNS)
+            weight = mask * sel.to(torch.float64)
+            count = float(weight.sum())
+            if count:
+                out[f"mismatch_abs_{label}"] = (float((d.abs() * weight).sum()), count)
+                out[f"log_ratio_abs_max_{label}"] = (float((d.abs() * weight).max()), 1.0)
     return out
 
 

@@ -343,7 +343,8 @@ class TorchTrainer:
         return LossInputs(
             logprobs=lp, old_logprobs=sl(old_lp) if old_lp is not None else lp.detach(),
             advantages=sl(rl.adv_tok), loss_mask=sl(batch.loss_mask), seq_index=seq_index,
-            rollout_logprobs=sl(batch.rollout_logprobs), ref_logprobs=sl(ref_lp), entropy=ent)
+            rollout_logprobs=sl(batch.rollout_logprobs), ref_logprobs=sl(ref_lp), entropy=ent,
+            turn_index=sl(batch.turn_index))
 
     def _forward_logprobs(self, model: nn.Module, batch: TrajectoryBatch, start: int, end: int,
                           temperature: float, *, entropy: bool = False, entropy_grad: bool = False

@@ -518,7 +518,8 @@ class MegatronTrainer:
         inputs = LossInputs(
             logprobs=lp, old_logprobs=sl(old_lp) if old_lp is not None else lp.detach(),
             advantages=sl(rl.adv_tok), loss_mask=sl(rl.batch.loss_mask), seq_index=mb.seq_index,
-            rollout_logprobs=sl(rl.batch.rollout_logprobs), ref_logprobs=sl(ref_lp), entropy=ent)
+            rollout_logprobs=sl(rl.batch.rollout_logprobs), ref_logprobs=sl(ref_lp), entropy=ent,
+            turn_index=sl(rl.batch.turn_index))
         return policy_loss(inputs, lc, num_tokens=num_tokens, num_seqs=num_seqs)
 
     def _sft_loss(self, mb: _MicroBatch, model: nn.Module, hidden: torch.Tensor, *, batch: TrajectoryBatch,
