@@ -17,7 +17,7 @@ from rich.text import Text
 
 from miles.config import ConfigError
 from miles.engine import FinishReason
-from miles.envs.recipe import error_line
+from miles.envs.recipe import error_line, import_user_modules
 from miles.sessions.records import ErrorInfo, SessionRecord, TurnRecord, jsonable
 from miles.sessions.session import tool_results_of
 from miles.tito.spec import TokenizerSpec
@@ -178,12 +178,19 @@ def _import_path(path: str) -> Any:
 
 def env_for(record: SessionRecord) -> Any:
     """A fresh env for `record`, built as the session's was: from its recorded `recipe` (the user modules
-    imported, the registered id made with the recorded constructor kwargs). Records without a recipe (older
-    ones) fall back to `miles.envs.make(env_id)` when registered, else their recorded class
-    (`module:qualname`) built without arguments. Raises `ReplayError` when the env cannot be rebuilt."""
+    imported, the registered id made with the recorded constructor kwargs). Records without a recipe (a
+    scheduler built from an env factory, older records) import the module of their recorded class (from the
+    working folder, which registers a user's env), then `miles.envs.make(env_id)` when the id is registered,
+    else the class built without arguments. Raises `ReplayError` when the env cannot be rebuilt."""
     if record.recipe is not None:
         return _env_from_recipe(record)
     errors = []
+    module = record.env_class.partition(":")[0]
+    if module and not module.startswith("miles."):  # a user's env (a scheduler built from a factory): its
+        try:  # module, imported from the working folder as `env.import` does, registers its id and tasks
+            import_user_modules([module])
+        except ConfigError as exc:
+            errors.append(exc.message)
     try:
         from miles.envs import make, registry
 

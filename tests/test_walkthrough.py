@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import subprocess
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -49,3 +50,44 @@ def test_the_walkthrough_commands_train_then_replay_with_every_session_checked(t
     assert records and {r.env_id for r in records} == {"Bank-v0"}
     checked = re.findall(r"^(\S+): check ok", outputs[1], re.M)
     assert sorted(checked) == sorted(r.session_id for r in records)
+
+
+def test_sessions_of_the_python_api_replay_from_the_users_folder(tmp_path):
+    """The README's `SessionScheduler` driven from a user's script with an env factory (no recipe): the records
+    name the env's class, and `miles replay --check`, run from the same folder, imports the user's module, finds
+    the registered env with its tasks, and re-checks every session."""
+    import shutil
+    import subprocess
+    import sys
+
+    shutil.copy(REPO / "docs" / "walkthrough" / "bank_env.py", tmp_path / "bank_env.py")
+    (tmp_path / "drive.py").write_text(textwrap.dedent("""\
+        import asyncio
+
+        import bank_env  # noqa: F401  registers Bank-v0
+        from miles.envs import make
+        from miles.sessions import SchedulerConfig, SessionScheduler
+        from miles.engines import EmbeddedEngine
+        from miles.tiny import load_tiny_tokenizer, make_tiny_model
+        from miles.tito import TITOTokenizer
+
+
+        async def main():
+            tok = load_tiny_tokenizer()
+            engine = EmbeddedEngine(make_tiny_model("0.1m", vocab_size=len(tok)), tokenizer=tok)
+            scheduler = SessionScheduler([engine], tokenizer=TITOTokenizer(tok), env_factory=lambda: make("Bank-v0"),
+                                         config=SchedulerConfig(group_size=2, progress=False),
+                                         recorder="sessions.jsonl")
+            await scheduler.run([{"seed": i} for i in range(2)])
+            await scheduler.aclose()
+            await engine.close()
+
+
+        asyncio.run(main())
+        """))
+    drive = subprocess.run([sys.executable, "drive.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert drive.returncode == 0, drive.stderr[-2000:]
+    check = subprocess.run([sys.executable, "-m", "miles.cli", "replay", "sessions.jsonl", "--check"], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=300)
+    assert check.returncode == 0, check.stdout[-2000:] + check.stderr[-2000:]
+    assert check.stdout.count("check ok") == 4
