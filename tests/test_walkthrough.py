@@ -53,18 +53,34 @@ def test_the_walkthrough_commands_train_then_replay_with_every_session_checked(t
 
 
 def test_sessions_of_the_python_api_replay_from_the_users_folder(tmp_path):
-    """The README's `SessionScheduler` driven from a user's script with an env factory (no recipe): the records
-    name the env's class, and `miles replay --check`, run from the same folder, imports the user's module, finds
-    the registered env with its tasks, and re-checks every session."""
-    import shutil
-    import subprocess
+    """The README's `SessionScheduler` driven from a user's script with an env factory (no recipe), for an env
+    whose tasks come with its registration: the records name the env's class, and the `miles replay --check`
+    console script, run from the same folder, imports the user's module, finds the registered env with its
+    tasks, and re-checks every session."""
     import sys
 
-    shutil.copy(REPO / "docs" / "walkthrough" / "bank_env.py", tmp_path / "bank_env.py")
+    (tmp_path / "weather_env.py").write_text(textwrap.dedent("""\
+        from miles.envs import ToolEnv, register, reward
+        from miles.tools import tool
+
+
+        class WeatherEnv(ToolEnv):
+            @tool
+            def get_temperature(self, city: str) -> int:
+                \"\"\"Current temperature in degrees Celsius in `city`.\"\"\"
+                return {"Paris": 18, "Oslo": 4}[city]
+
+            @reward
+            def correct(self, final: str, answer: int) -> float:
+                return float(final == f"It is {answer} degrees.")
+
+
+        register("Weather-v0", WeatherEnv, tasks=[{"prompt": "How warm is it in Oslo?", "answer": 4}])
+        """))
     (tmp_path / "drive.py").write_text(textwrap.dedent("""\
         import asyncio
 
-        import bank_env  # noqa: F401  registers Bank-v0
+        import weather_env  # noqa: F401  registers Weather-v0 and its tasks
         from miles.envs import make
         from miles.sessions import SchedulerConfig, SessionScheduler
         from miles.engines import EmbeddedEngine
@@ -75,7 +91,8 @@ def test_sessions_of_the_python_api_replay_from_the_users_folder(tmp_path):
         async def main():
             tok = load_tiny_tokenizer()
             engine = EmbeddedEngine(make_tiny_model("0.1m", vocab_size=len(tok)), tokenizer=tok)
-            scheduler = SessionScheduler([engine], tokenizer=TITOTokenizer(tok), env_factory=lambda: make("Bank-v0"),
+            scheduler = SessionScheduler([engine], tokenizer=TITOTokenizer(tok),
+                                         env_factory=lambda: make("Weather-v0"),
                                          config=SchedulerConfig(group_size=2, progress=False),
                                          recorder="sessions.jsonl")
             await scheduler.run([{"seed": i} for i in range(2)])
@@ -87,7 +104,8 @@ def test_sessions_of_the_python_api_replay_from_the_users_folder(tmp_path):
         """))
     drive = subprocess.run([sys.executable, "drive.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert drive.returncode == 0, drive.stderr[-2000:]
-    check = subprocess.run([sys.executable, "-m", "miles.cli", "replay", "sessions.jsonl", "--check"], cwd=tmp_path,
-                           capture_output=True, text=True, timeout=300)
+    miles = shutil.which("miles") or pytest.fail("the miles console script is not installed")
+    check = subprocess.run([miles, "replay", "sessions.jsonl", "--check"], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=300, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
     assert check.returncode == 0, check.stdout[-2000:] + check.stderr[-2000:]
     assert check.stdout.count("check ok") == 4
