@@ -122,7 +122,7 @@ def test_resume_continues_at_the_next_step_with_the_same_data(uninterrupted, tmp
     assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == ["step_00000001", "step_00000002"]
     second = run(tiny_config(out, steps=4, checkpoint={"every": 1}), resume=True)
     assert second.steps_done == 4
-    assert "start" not in second.evals  # a resumed run does not redo the start-of-run stages
+    assert second.evals["start"] == first.evals["start"]  # kept from the first run's metrics, not redone
     assert [r["step"] for r in train_rows(out)] == [0, 1, 2, 3]  # none repeated, none lost
     assert read_sessions(out / "sessions.jsonl").bad_lines == []
     assert task_ids_by_step(out) == task_ids_by_step(full)  # the data cursor continued
