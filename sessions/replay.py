@@ -271,6 +271,11 @@ def recorded_action(record: SessionRecord, turn: TurnRecord) -> Message:
     return again if again.to_dict() == recorded.to_dict() else recorded
 
 
+#: Sessions the run ended from outside (an abort, a deadline, a failed engine), possibly in the middle of an
+#: env step whose outcome was therefore never recorded.
+_CUT_SHORT = (TerminationReason.ABORTED, TerminationReason.TIMEOUT, TerminationReason.ENGINE_ERROR)
+
+
 async def redrive(record: SessionRecord, env: Any, *, parser: Any = None) -> RedriveResult:
     """Reset `env` as the session did and feed it the recorded assistant messages, comparing the
     observations, tool results, rewards and end flags turn by turn. With `parser`, the recorded text is
@@ -314,6 +319,8 @@ async def redrive(record: SessionRecord, env: Any, *, parser: Any = None) -> Red
             out.divergence = Divergence(turn.index, "step", "returned", f"raised {type(exc).__name__}: {exc}")
             return out
         out.steps += 1
+        if not stepped and record.termination in _CUT_SHORT:
+            return out  # the run ended the session during this env step: there is nothing recorded to compare
         if not stepped:
             recorded = f"raised {record.error.type}" if record.error else "not stepped"
             out.divergence = Divergence(turn.index, "step", recorded, "returned")

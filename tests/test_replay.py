@@ -149,3 +149,31 @@ def test_check_on_a_file_with_no_session_record_fails(tmp_path, capsys):
     for path in (noise, empty):
         assert replay([str(path), "--check"]) == 2
         assert f"miles replay: {path} holds no session record" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("field", "tamper"), [
+    ("tool results", lambda r: r.turns[0].tool_results[0].update(content="6")),
+    ("observation", lambda r: r.turns[0].observation.append({"role": "user", "content": "extra"})),
+    ("reward", lambda r: setattr(r.turns[1], "reward", 0.25)),
+    ("terminated", lambda r: setattr(r.turns[1], "terminated", False)),
+    ("truncated", lambda r: setattr(r.turns[1], "truncated", True)),
+    ("final reward", lambda r: setattr(r, "reward", 0.5)),
+])
+def test_check_compares_every_recorded_field(recording: Path, field, tamper) -> None:
+    """Change one recorded value of a session that re-drives cleanly: the check names exactly that field (so a
+    comparison dropped from the replay fails here)."""
+    [record] = [r for r in read_sessions(recording).records if r.session_id == "rp-s0"]
+    assert asyncio.run(check(record, lambda _: AddEnv())).divergence is None
+    tamper(record)
+    divergence = asyncio.run(check(record, lambda _: AddEnv())).divergence
+    assert divergence is not None and divergence.field == field, divergence
+
+
+def test_a_session_the_run_aborted_during_an_env_step_is_no_divergence(recording: Path) -> None:
+    [record] = [r for r in read_sessions(recording).records if r.session_id == "rp-s0"]
+    last = record.turns[-1]
+    last.reward, last.terminated, last.observation, last.tool_results = None, False, [], []
+    record.termination = TerminationReason.ABORTED
+    assert asyncio.run(check(record, lambda _: AddEnv())).divergence is None
+    record.termination = TerminationReason.DONE  # a session that ended on its own must have its step
+    assert asyncio.run(check(record, lambda _: AddEnv())).divergence.field == "step"
