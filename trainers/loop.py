@@ -49,7 +49,6 @@ from miles.weight_sync import build_weight_sync
 log = logging.getLogger(__name__)
 
 
-
 @dataclass
 class RunSummary:
     """The outcome of one run: held-out results at each stage, and where the time went."""
