@@ -129,6 +129,18 @@ def test_a_folder_that_holds_a_run_is_one_line_before_any_rank_starts(ranks, tmp
     assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl"]  # no lock, no config written: no rank ran
 
 
+def test_a_folder_left_by_a_run_that_stopped_at_setup_is_reused_with_a_word(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.yaml").write_text("seed: 0\n")
+    (out / "metrics.jsonl").write_text("")
+    proc = subprocess.run([sys.executable, "-m", "miles.cli", "train", "--config", MAIN_JOB, "--output-dir", str(out),
+                           "--set", f"model.init_from={tmp_path / 'no-such-checkpoint'}"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.stdout.splitlines()[0] == (f"[train] {out} holds no recorded run, only config.yaml, metrics.jsonl; "
+                                           "the new run starts there and replaces them"), proc.stdout
+    assert proc.returncode == 2 and "model.init_from" in proc.stderr  # a later setup error ends it: no training
+
+
 def test_torchrun_s_agent_is_silent_also_through_loggers_it_creates_later():
     """The launcher mutes torchrun's agent (a failed rank is one line of miles'), including loggers created
     after the muting with levels of their own (the rendezvous backends are imported during the run)."""

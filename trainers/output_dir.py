@@ -31,6 +31,15 @@ def check_fresh_output_dir(out: Path) -> None:
                                         "--resume, or give another --output-dir (or remove the folder)")
 
 
+def leftovers(out: Path) -> list[str]:
+    """What a folder that holds no run still holds (say, the config.yaml and empty metrics.jsonl of a run that
+    stopped at setup): the names a new run replaces, lock files aside."""
+    if not out.is_dir():
+        return []
+    return sorted(p.name + ("/" if p.is_dir() else "") for p in out.iterdir()
+                  if p.name not in (LOCK_NAME, DRIVER_LOCK_NAME))
+
+
 class OutputDirLock:
     """The exclusive right to write `out` (created if missing); `ConfigError` on `output_dir` while another
     process holds it. `name` is the lock file (the Ray driver holds its own). `release()` gives it up."""

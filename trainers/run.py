@@ -69,10 +69,13 @@ def run_loop(cfg: TrainConfig, args: argparse.Namespace, *, resume: bool) -> int
     from miles.trainers.distributed import leave_process_group, stop_workers
     from miles.trainers.factory import cli_argv, dispatch_ranks
     from miles.trainers.launch import in_torchrun_worker
-    from miles.trainers.output_dir import check_fresh_output_dir
+    from miles.trainers.output_dir import check_fresh_output_dir, leftovers
 
     if not resume and not in_torchrun_worker():  # before any rank, engine or Ray actor starts
         check_fresh_output_dir(Path(cfg.output_dir))
+        if left := leftovers(Path(cfg.output_dir)):
+            print(f"[train] {cfg.output_dir} holds no recorded run, only {', '.join(left)}; the new run starts "
+                  "there and replaces them")
     if cfg.cluster.kind == "ray":  # the roles run as Ray actors; this process places and watches them
         return run_on_ray_cli(cfg, args, resume=resume)
     status = dispatch_ranks(cfg, cli_argv(args))
