@@ -32,9 +32,14 @@ def _cmd_replay(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _cmd_tito(args: argparse.Namespace) -> int:
+    from miles.config import ConfigError
+    from miles.tito import ChatTemplateError, TemplateTokenizerMismatchError
     from miles.tito.check import format_report, run_check
 
-    report = run_check(args.tokenizer, chat_template=args.chat_template)
+    try:
+        report = run_check(args.tokenizer, chat_template=args.chat_template)
+    except (ChatTemplateError, TemplateTokenizerMismatchError) as exc:
+        raise ConfigError("--chat-template", str(exc)) from None
     print(format_report(report))
     return 0 if report.ok else 1
 

@@ -21,6 +21,8 @@ MAIN_JOB = str(REPO / "configs" / "calculator.yaml")
     (["--config", MAIN_JOB, "--set", "model.tokenizer=nosuch"], "model.tokenizer: 'nosuch'"),
     (["--config", MAIN_JOB, "--set", "model.init_from=/no/such/folder"], "model.init_from: '/no/such/folder'"),
     (["--config", MAIN_JOB, "--set", "model.chat_template=/no/such.jinja"], "model.chat_template"),
+    (["--config", MAIN_JOB, "--set", "model.chat_template=llama3-tools"],
+     "model.chat_template: the chat template is a llama3 template, but the tokenizer lacks its turn-closing token"),
     (["--config", MAIN_JOB, "--set", "env.id=Calculatr-v0"], "env.id"),
     (["--config", MAIN_JOB, "--set", "engine.kv_cache_fraction=1.5"], "engine.kv_cache_fraction: must be in (0, 1]"),
     (["--config", MAIN_JOB, "--set", "engine.device=cuda:99"], "engine.device: 'cuda:99'"),
@@ -37,6 +39,13 @@ def test_setup_mistakes_are_one_line(args, expected, tmp_path, capsys, monkeypat
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and expected in err and "Traceback" not in err, err
     assert not (tmp_path / "run" / "sessions.jsonl").exists()
+
+
+@pytest.mark.parametrize("template", ["llama3-tools", "nosuch"])
+def test_tito_check_of_a_template_that_does_not_fit_is_one_line(template, capsys):
+    assert main(["tito", "check", "--tokenizer", "tiny", "--chat-template", template]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("miles tito: config error: --chat-template: "), err
 
 
 @pytest.mark.parametrize(("output_dir", "expected"), [

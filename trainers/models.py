@@ -13,6 +13,7 @@ from miles.envs.recipe import error_line
 from miles.tito import (
     ChatTemplateError,
     TemplateDropsToolsError,
+    TemplateTokenizerMismatchError,
     TITOTokenizer,
     TokenizerSpec,
     TokenizerSpecError,
@@ -29,7 +30,7 @@ def build_tito(cfg: ModelConfig) -> TITOTokenizer:
     with every session)."""
     try:
         return TokenizerSpec(cfg.tokenizer, cfg.chat_template).build()
-    except ChatTemplateError as exc:
+    except (ChatTemplateError, TemplateTokenizerMismatchError) as exc:
         raise ModelSpecError("model.chat_template", str(exc)) from exc
     except TokenizerSpecError as exc:
         raise ModelSpecError("model.tokenizer", str(exc)) from exc

@@ -20,6 +20,11 @@ class TokenizerSpecError(TITOError):
     """`load_tokenizer` got a spec that is neither a known name nor a tokenizer folder."""
 
 
+class TemplateTokenizerMismatchError(TITOError):
+    """The chat template belongs to a family whose turn-closing token the tokenizer does not have (say, a
+    Llama 3 template over a ChatML tokenizer)."""
+
+
 class TemplateDropsToolsError(TITOError):
     """The chat template does not show the tool schemas to the model: a prompt renders the same with and
     without them (or leaves a tool's name out)."""

@@ -6,7 +6,11 @@ import json
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from miles.tito.errors import DeltaPrefixError, TemplateDropsToolsError, TITOError
+from miles.tito.errors import (
+    DeltaPrefixError,
+    TemplateDropsToolsError,
+    TemplateTokenizerMismatchError,
+)
 from miles.tito.families import FamilyHandler, detect_family, get_handler, template_source
 from miles.types import Message
 
@@ -45,7 +49,9 @@ class TITOTokenizer:
         self.vocab_size = len(tokenizer)
         self.stop_token_ids: tuple[int, ...] = tuple(vocab[t] for t in self.handler.stop_tokens if t in vocab)
         if self.handler.close_token not in vocab:
-            raise TITOError(f"tokenizer lacks the {self.family} turn-closing token {self.handler.close_token!r}")
+            raise TemplateTokenizerMismatchError(
+                f"the chat template is a {self.family} template, but the tokenizer lacks its turn-closing token "
+                f"{self.handler.close_token!r}: use a template of this tokenizer's family")
         self.close_token_id: int = vocab[self.handler.close_token]
         self._stop_set = frozenset(self.stop_token_ids)
         self.special_ids: set[int] = set(tokenizer.all_special_ids)
