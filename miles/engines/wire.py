@@ -206,7 +206,7 @@ def parse_sampling_params(raw: Any) -> tuple[SamplingParams, bool]:
         params = SamplingParams(
             temperature=float(raw.get("temperature") if raw.get("temperature") is not None else 1.0),
             top_p=float(raw.get("top_p") if raw.get("top_p") is not None else 1.0),
-            top_k=-1 if top_k >= TOP_K_ALL else top_k,
+            top_k=-1 if TOP_K_ALL <= top_k < 1 << 31 else top_k,  # past int32: SamplingParams refuses it
             max_new_tokens=int(raw.get("max_new_tokens") if raw.get("max_new_tokens") is not None else 128),
             stop_token_ids=tuple(int(t) for t in (raw.get("stop_token_ids") or ())),
             seed=None if raw.get("sampling_seed") is None else int(raw["sampling_seed"]),
