@@ -201,3 +201,24 @@ def test_oversampling_trains_the_first_groups_and_records_the_dropped_ones(tmp_p
     assert len(groups) > 4  # extra groups started, and their sessions are in the file (done or aborted)
     assert main(["train", "--config", MAIN_JOB, "--output-dir", str(tmp_path / "r2"), "--set",
                  "rollout.scheduler.oversample_groups=1", "--set", "rollout.agent.command=true"]) == 2
+
+
+def test_a_step_that_runs_out_of_memory_is_one_line_naming_the_keys(tmp_path, capsys, monkeypatch):
+    """A CUDA out-of-memory in the update (as a too-large micro-batch on a shared GPU gives) ends the run with one
+    line naming the keys that make a step smaller, exit 1, not a traceback."""
+    import torch
+
+    from miles.trainers.torch_backend import TorchTrainer
+
+    def full(self, batch):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 45.00 GiB. GPU 0 has a total capacity")
+
+    monkeypatch.setattr(TorchTrainer, "train_step", full)
+    monkeypatch.chdir(REPO)
+    out = tmp_path / "run"
+    assert main(["train", "--config", MAIN_JOB, "--output-dir", str(out), "--set", "steps=2", "--set",
+                 "rollout.tasks_per_step=2", "--set", "eval.num_tasks=2"]) == 1
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert "Traceback" not in err and last.startswith("miles train: out of memory (CUDA out of memory); "), err
+    assert "trainer.micro_batch_tokens (65536)" in last and "engine.kv_cache_fraction" in last, err

@@ -10,6 +10,8 @@ import signal
 import sys
 from pathlib import Path
 
+import torch
+
 from miles.config import ConfigError
 from miles.trainers.errors import CheckpointError
 from miles.trainers.loop import RunSummary, TrainLoop
@@ -87,10 +89,21 @@ def run_loop(cfg: TrainConfig, args: argparse.Namespace, *, resume: bool) -> int
     except (RolloutManagerError, TrainerProcessError, CheckpointError) as exc:  # one line, no traceback
         print(f"miles {args.command}: {exc}", file=sys.stderr)
         return 1
+    except (MemoryError, torch.OutOfMemoryError) as exc:  # the accelerator or the host is full
+        print(f"miles {args.command}: {out_of_memory_line(exc, cfg)}", file=sys.stderr)
+        return 1
     finally:
         stop_workers(getattr(loop, "trainer", None))
     leave_process_group()
     return report(summary, cfg, args)
+
+
+def out_of_memory_line(exc: BaseException, cfg: TrainConfig) -> str:
+    """One line for a run that ran out of memory: what ran out, and the keys that make a step smaller."""
+    first = str(exc).strip().split(". ")[0] or type(exc).__name__
+    return (f"out of memory ({first}); lower trainer.micro_batch_tokens ({cfg.trainer.micro_batch_tokens}) or "
+            f"engine.max_batch_size ({cfg.engine.max_batch_size}), or size the KV cache once with "
+            f"engine.kv_cache_fraction (run dir: {cfg.output_dir})")
 
 
 def report(summary: RunSummary, cfg: TrainConfig, args: argparse.Namespace) -> int:
