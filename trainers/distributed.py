@@ -15,11 +15,13 @@ ranks) and then takes its own token-balanced share of the sequences. That is a f
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -229,6 +231,16 @@ def leave_process_group() -> None:
     exception"). A world of one stays: in-process callers may still use it."""
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.destroy_process_group()
+
+
+def end_rank(status: int) -> NoReturn:
+    """End a torchrun rank whose work is done and whose process group is gone, with `status`, skipping the
+    interpreter's teardown: there, C++ destructors of c10d/gloo threads now and then abort a finished rank
+    ("terminate called without an active exception", SIGABRT) after it printed its results."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def stop_workers(trainer: Any) -> None:

@@ -67,7 +67,17 @@ def format_summary(summary: RunSummary, cfg: TrainConfig | None = None) -> str:
 def run_loop(cfg: TrainConfig, args: argparse.Namespace, *, resume: bool) -> int:
     """Run one `TrainLoop` and print its table. With several ranks (``parallel.tp * pp * dp > 1``, either
     backend) the launcher spawns them with torchrun, worker ranks serve trainer commands, and rank 0 runs the
-    loop, releasing the workers when it ends (also on an error)."""
+    loop, releasing the workers when it ends (also on an error). A torchrun rank ends here (`end_rank`)."""
+    from miles.trainers.distributed import end_rank
+    from miles.trainers.launch import in_torchrun_worker
+
+    status = _run_loop(cfg, args, resume=resume)
+    if in_torchrun_worker():
+        end_rank(status)
+    return status
+
+
+def _run_loop(cfg: TrainConfig, args: argparse.Namespace, *, resume: bool) -> int:
     from miles.trainers.distributed import leave_process_group, stop_workers
     from miles.trainers.factory import cli_argv, dispatch_ranks
     from miles.trainers.launch import in_torchrun_worker
