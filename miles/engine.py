@@ -168,6 +168,16 @@ class RolloutEngine(abc.ABC):
         raise EngineError(f"{type(self).__name__} serves no LoRA adapters", engine_id=self.engine_id,
                           retryable=False)
 
+    async def pause_generation(self) -> None:
+        """Stop decoding until `continue_generation`: requests in flight keep their state (SGLang's
+        `in_place` pause), new ones wait, and weights load meanwhile without waiting for them. The default does
+        nothing, for engines that swap weights between decode steps on their own."""
+        return None
+
+    async def continue_generation(self) -> None:
+        """Resume decoding after `pause_generation`; requests in flight go on under the weights loaded since."""
+        return None
+
     @property
     def num_in_flight(self) -> int:
         """Generate calls made through this object that have not returned yet (0 when not tracked)."""

@@ -13,8 +13,9 @@ Methods:
 Policies for generation still in flight when a sync starts:
 - `drain`: wait until no engine has a generate call in flight, then load (each turn is then produced by
   exactly one weight version);
-- `pause`: load at once; engines swap weights between decode steps and requests in flight continue under
-  the new weights. Every `GenerateResult` reports the version it finished under.
+- `pause`: every engine pauses decoding (`pause_generation`: SGLang's `/pause_generation` in `in_place` mode,
+  whose model-update lock would otherwise wait for the requests in flight), loads, and continues; requests
+  in flight go on under the new weights. Every `GenerateResult` reports the version it finished under.
 
 LoRA adapters (`push_adapter`): only the adapter that changed travels, and each adapter has its own version
 counter. In process, the engines swap it between decode steps; otherwise it is written as a PEFT folder
@@ -199,6 +200,24 @@ class WeightSync:
         drain_s = await self._drain() if self.policy == "drain" else 0.0
         version = self.version + 1 if version is None else int(version)
         start = time.perf_counter()
+        if self.policy == "pause":  # SGLang loads at once only while paused, else it waits for requests in flight
+            await asyncio.gather(*(e.pause_generation() for e in self.engines))
+            try:
+                buckets = await self._load(state_dict, version)
+            finally:
+                await asyncio.gather(*(e.continue_generation() for e in self.engines))
+        else:
+            buckets = await self._load(state_dict, version)
+        report = SyncReport(version=self.version, method=self.method, seconds=time.perf_counter() - start,
+                            drain_seconds=drain_s, num_bytes=state_dict_bytes(state_dict),
+                            num_engines=len(self.engines), num_buckets=buckets)
+        self.history.append(report)
+        log.info("weight sync v%d (%s): %.3f s for %.1f MB", report.version, self.method, report.seconds,
+                 report.num_bytes / 1e6)
+        return report
+
+    async def _load(self, state_dict: Mapping[str, torch.Tensor], version: int) -> int:
+        """Load `state_dict` into every engine by this sync's method; the number of broadcast buckets."""
         buckets = 0
         if self.method == "in_process":
             sd = dict(state_dict)
@@ -211,13 +230,7 @@ class WeightSync:
             from miles.engines.weight_broadcast import broadcast_weights
 
             buckets = await broadcast_weights(self.broadcaster, self.engines, state_dict, version=version)
-        report = SyncReport(version=self.version, method=self.method, seconds=time.perf_counter() - start,
-                            drain_seconds=drain_s, num_bytes=state_dict_bytes(state_dict),
-                            num_engines=len(self.engines), num_buckets=buckets)
-        self.history.append(report)
-        log.info("weight sync v%d (%s): %.3f s for %.1f MB", report.version, self.method, report.seconds,
-                 report.num_bytes / 1e6)
-        return report
+        return buckets
 
     def adapter_version(self, name: str) -> int | None:
         """The version adapter `name` was last pushed as (None: never)."""

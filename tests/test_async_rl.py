@@ -297,6 +297,30 @@ def test_max_staleness_0_reproduces_the_synchronous_loop_on_the_main_job(tmp_pat
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("inflight", ["pause", "continue"])
+def test_an_async_run_on_an_http_engine_pauses_it_around_each_update_only_under_inflight_pause(inflight, tmp_path):
+    """On SGLang a weight update waits for the requests in flight unless generation is paused: with
+    `async.inflight: pause` the trainer's sync calls `/pause_generation` and `/continue_generation` around every
+    load (the server's own pause counter sees each one); with `continue` it never pauses."""
+    import httpx
+
+    from miles.engines.testing import ServerProcess
+
+    server = ServerProcess(REPO / "checkpoints" / "calculator-sft-1m")
+    try:
+        proc = _train(tmp_path / "run", *SMALL, "async.enabled=true", "async.max_staleness=1",
+                      f"async.inflight={inflight}", "engine.kind=sglang", f"engine.urls=[{server.url}]")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        metrics = httpx.get(server.url + "/metrics", timeout=10).text
+    finally:
+        server.kill()
+    pauses = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                 if line.startswith("miles_engine_pauses_total"))
+    syncs = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "sync"]
+    assert len(syncs) >= 2 and pauses == (len(syncs) if inflight == "pause" else 0), (pauses, len(syncs))
+
+
+@pytest.mark.slow
 def test_an_async_run_takes_the_ratio_against_the_rollout_policy(tmp_path):
     proc = _train(tmp_path, "steps=6", "rollout.tasks_per_step=4", "rollout.scheduler.group_size=4",
                   "async.enabled=true", "async.max_staleness=2")

@@ -355,3 +355,49 @@ async def test_joins_of_a_weight_group_that_hang_are_one_at_a_time_and_block_no_
             first.cancel()
     finally:
         black_hole.close()
+
+
+async def _decoded_past(engine: EmbeddedEngine, tokens: int) -> None:
+    while engine.stats["decode_tokens"] < tokens:
+        await asyncio.sleep(0.01)
+
+
+async def test_pause_generation_holds_requests_in_flight_and_a_paused_sync_loads_between_their_tokens(tmp_path):
+    """SGLang's `/pause_generation` (`in_place`) and `/continue_generation` on the embedded server: decoding
+    stops with the requests kept, new ones wait, and a `policy: pause` sync loads while a request is in flight
+    (it does not wait for it), which then finishes under the new weights."""
+    from miles.weight_sync import WeightSync
+
+    engine = EmbeddedEngine(small_qwen2(0))
+    handle = serve_in_thread(engine)
+    client = SGLangClient(handle.url)
+    try:
+        params = SamplingParams(temperature=0.0, max_new_tokens=1500)
+        first = asyncio.ensure_future(client.generate([1, 2, 3], params))
+        await asyncio.wait_for(_decoded_past(engine, 5), 30)
+        await client.pause_generation()
+        assert engine.paused
+        later = asyncio.ensure_future(client.generate([4, 5], SamplingParams(temperature=0.0, max_new_tokens=4)))
+        decoded = engine.stats["decode_tokens"]
+        await asyncio.sleep(0.5)
+        assert engine.stats["decode_tokens"] == decoded and not first.done() and not later.done()
+        await client.continue_generation()
+        assert (await later).output_ids and not engine.paused
+
+        sync = WeightSync([client], method="disk", policy="pause", staging_dir=tmp_path / "weights")
+        report = await sync.push(small_qwen2(5).state_dict())
+        assert report.version == 1 and not first.done()  # loaded with the request still decoding
+        result = await first
+        assert result.weight_version == 1 and len(result.output_ids) == 1500 and not engine.paused
+
+        third = asyncio.ensure_future(client.generate([6, 7], params))  # unpaused, an update waits for it
+        await asyncio.wait_for(_decoded_past(engine, engine.stats["decode_tokens"] + 5), 30)
+        update = asyncio.ensure_future(client.update_weights(path=str(tmp_path / "weights" / "v1"), version=2))
+        done, _ = await asyncio.wait({update, third}, return_when=asyncio.FIRST_COMPLETED)
+        assert done == {third} and (await third).weight_version == 1 and await update == 2
+        with pytest.raises(InvalidRequestError, match="mode must be one of"):
+            await client._request("POST", "/pause_generation", json={"mode": "freeze"})
+    finally:
+        await client.close()
+        handle.stop()
+        await engine.close()

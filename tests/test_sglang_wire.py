@@ -99,6 +99,16 @@ def test_admin_bodies_fit_their_req_inputs():
     check(wire.init_group_body("127.0.0.1", 29500, 1, 2), "InitWeightsUpdateGroupReqInput")
     check(wire.update_distributed_body(["w"], ["float32"], [[2, 3]], weight_version=1),
           "UpdateWeightsFromDistributedReqInput")
+    check(wire.pause_body("in_place"), "PauseGenerationReqInput")
+    check(wire.continue_body(), "ContinueGenerationReqInput")
+
+
+def test_pause_modes_are_sglangs():
+    mode = next(s for s in _classes("srt/managers/io_struct.py")["PauseGenerationReqInput"].body
+                if isinstance(s, ast.AnnAssign) and s.target.id == "mode")
+    assert {e.value for e in mode.annotation.slice.elts} == set(wire.PAUSE_MODES)
+    with pytest.raises(InvalidRequestError):
+        wire.pause_body("freeze")
 
 
 @pytest.mark.parametrize("reason", list(FinishReason))

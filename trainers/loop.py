@@ -199,7 +199,9 @@ class TrainLoop:
             self.trainer: Trainer = build_trainer(cfg, self.model)
             make_sync = (build_weight_sync if cfg.cluster.kind == "local"  # on Ray, restarted engines rejoin
                          else functools.partial(rejoining_weight_sync, wait_s=cfg.cluster.timeout_s))
-            self.sync = await make_sync(cfg.sync, self.engine_set.workers, staging_dir=self.out / "weights",
+            pause = cfg.asynchronous.enabled and cfg.asynchronous.inflight == "pause"  # turns in flight go on
+            self.sync = await make_sync(dataclasses.replace(cfg.sync, policy="pause") if pause else cfg.sync,
+                                        self.engine_set.workers, staging_dir=self.out / "weights",
                                         drain_engines=self.engine_set.rollout)
             labels = run_labels(cfg.observability, self.out, cfg.env.id, cfg.model.name,
                                 adapter="all" if cfg.adapters else "base")  # adapters: step metrics span them all

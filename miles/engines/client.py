@@ -20,11 +20,13 @@ from miles.engines.wire import (
     ROUTING_KEY_HEADER,
     SESSION_HEADER,
     abort_body,
+    continue_body,
     generate_body,
     init_group_body,
     load_lora_body,
     parse_generate_response,
     parse_weight_version,
+    pause_body,
     unload_lora_body,
     update_distributed_body,
     update_from_disk_body,
@@ -199,6 +201,14 @@ class SGLangClient(RolloutEngine):
 
     async def abort_all(self) -> None:
         await self._request("POST", "/abort_request", json=abort_body(abort_all=True))
+
+    async def pause_generation(self) -> None:
+        """SGLang's `POST /pause_generation` in `in_place` mode: requests in flight stay with their KV, and a
+        weight update then loads at once instead of waiting for them under the model-update lock."""
+        await self._request("POST", "/pause_generation", json=pause_body("in_place"))
+
+    async def continue_generation(self) -> None:
+        await self._request("POST", "/continue_generation", json=continue_body())
 
     async def health(self) -> bool:
         """`GET /health_generate` answers 200 (the server generated a token)."""

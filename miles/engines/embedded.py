@@ -180,11 +180,12 @@ class EmbeddedEngine(RolloutEngine):
         self._rids: set[str] = set()
         self._aborts: set[str] = set()
         self._abort_all = False
+        self._paused = False
         self._cond = threading.Condition()
         self._model_lock = StepLock()
         self._closed = False
         self._keys = random.Random(os.urandom(8))  # random streams of unseeded requests
-        self.stats = {"steps": 0, "prefill_tokens": 0, "cached_tokens": 0, "decode_tokens": 0}
+        self.stats = {"steps": 0, "prefill_tokens": 0, "cached_tokens": 0, "decode_tokens": 0, "pauses": 0}
         self.histograms = EngineHistograms()
         self._thread = threading.Thread(target=self._run, name=f"{engine_id}-decode", daemon=True)
         self._thread.start()
@@ -258,6 +259,28 @@ class EmbeddedEngine(RolloutEngine):
         with self._cond:
             self._abort_all = True
             self._cond.notify()
+
+    async def pause_generation(self) -> None:
+        """Stop decoding after the step in progress; requests in flight keep their rows and caches, new ones
+        wait, aborts still land. Returns once no step runs."""
+        with self._cond:
+            self._paused = True
+            self.stats["pauses"] += 1
+        await asyncio.to_thread(self._wait_for_step)
+
+    def _wait_for_step(self) -> None:
+        with self._model_lock.exclusive():
+            pass
+
+    async def continue_generation(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify()
+
+    @property
+    def paused(self) -> bool:
+        """Whether decoding is held by `pause_generation`."""
+        return self._paused
 
     async def update_weights(self, *, state_dict: dict[str, Any] | None = None, path: str | None = None,
                              version: int | None = None) -> int:
@@ -415,11 +438,13 @@ class EmbeddedEngine(RolloutEngine):
             torch.cuda.set_device(self.device)  # graphs capture on the thread's current device
         while True:
             with self._cond:
-                while not (self._pending or self._active or self._closed or self._aborts or self._abort_all):
+                while not (self._closed or self._aborts or self._abort_all
+                           or (not self._paused and (self._pending or self._active))):
                     self._cond.wait()
                 if self._closed:
                     break
-                room = self.max_batch_size - len(self._active)
+                paused = self._paused
+                room = 0 if paused else self.max_batch_size - len(self._active)
                 new, self._pending = self._pending[:max(room, 0)], self._pending[max(room, 0):]
                 aborts, self._aborts = self._aborts, set()
                 abort_all, self._abort_all = self._abort_all, False
@@ -427,7 +452,7 @@ class EmbeddedEngine(RolloutEngine):
                 with self._model_lock.step(), torch.inference_mode():
                     self._handle_aborts(new, aborts, abort_all)
                     self._admit([r for r in new if not r.finished])
-                    if self._active:
+                    if self._active and not paused:
                         self._step()
             except Exception as exc:  # never let one bad step kill the loop
                 logger.exception("decode step failed")

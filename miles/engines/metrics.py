@@ -22,7 +22,8 @@ from miles.observability.registry import Metrics, process_metrics
 _COUNTERS = (("miles_engine_prefill_tokens_total", "prefill_tokens"),
              ("miles_engine_cached_tokens_total", "cached_tokens"),
              ("miles_engine_decode_tokens_total", "decode_tokens"),
-             ("miles_engine_decode_steps_total", "steps"))
+             ("miles_engine_decode_steps_total", "steps"),
+             ("miles_engine_pauses_total", "pauses"))
 
 
 class EngineHistograms:

@@ -33,7 +33,7 @@ from miles.engines.embedded import EmbeddedEngine
 from miles.engines.errors import InvalidRequestError
 from miles.engines.load import LOADS_PATH, loads_body
 from miles.engines.metrics import engine_registry, render_metrics
-from miles.engines.weight_routes import add_weight_routes
+from miles.engines.weight_routes import ModelUpdateLock, add_weight_routes
 from miles.engines.wire import (
     ROUTING_KEY_HEADER,
     SESSION_HEADER,
@@ -119,6 +119,7 @@ def create_app(engine: EmbeddedEngine, *, api_key: str | None = None, admin_key:
     started = time.time()
 
     app.add_middleware(KeyCheck, api_key=api_key, admin_key=admin_key)
+    update_lock = ModelUpdateLock()
 
     @app.exception_handler(InvalidRequestError)
     async def _bad_request(_: fastapi.Request, exc: InvalidRequestError) -> JSONResponse:
@@ -138,16 +139,17 @@ def create_app(engine: EmbeddedEngine, *, api_key: str | None = None, admin_key:
         req = parse_generate_request(await _json_body(request), engine.tokenizer)
         rid = req["rid"] or uuid.uuid4().hex
         session_id = request.headers.get(SESSION_HEADER) or request.headers.get(ROUTING_KEY_HEADER)
-        work = asyncio.ensure_future(engine.generate(req["input_ids"], req["params"], rid=rid,
-                                                     ignore_eos=req["ignore_eos"], session_id=session_id,
-                                                     adapter=req["lora_path"]))
-        aborted = False
-        while not work.done():  # a client that hung up gets its request aborted, not decoded to the end
-            await asyncio.wait({work}, timeout=DISCONNECT_POLL_S)
-            if not work.done() and not aborted and await request.is_disconnected():
-                aborted = True
-                await engine.abort(rid)
-        result = work.result()
+        async with update_lock.generating():
+            work = asyncio.ensure_future(engine.generate(req["input_ids"], req["params"], rid=rid,
+                                                         ignore_eos=req["ignore_eos"], session_id=session_id,
+                                                         adapter=req["lora_path"]))
+            aborted = False
+            while not work.done():  # a client that hung up gets its request aborted, not decoded to the end
+                await asyncio.wait({work}, timeout=DISCONNECT_POLL_S)
+                if not work.done() and not aborted and await request.is_disconnected():
+                    aborted = True
+                    await engine.abort(rid)
+            result = work.result()
         return JSONResponse(generate_response(result, rid=rid, text=_decode(result.output_ids),
                                               return_logprob=req["return_logprob"]))
 
@@ -213,7 +215,7 @@ def create_app(engine: EmbeddedEngine, *, api_key: str | None = None, admin_key:
         await engine.flush_cache()
         return PlainTextResponse("Cache flushed.\n")
 
-    add_weight_routes(app, engine, _json_body)
+    add_weight_routes(app, engine, _json_body, update_lock)
 
     @app.post("/load_lora_adapter")
     async def load_lora_adapter(request: fastapi.Request) -> JSONResponse:

@@ -10,7 +10,13 @@
   weight_version?, abort_all_requests?}`: receives one broadcast (one flat uint8 tensor for
   `load_format: "flattened_bucket"`, else one per tensor), loads it at once (cast to the parameters' dtype), then
   flushes the cache when `flush_cache` and takes `weight_version` when given (no version: the version stays);
-- `POST /destroy_weights_update_group {group_name?}`.
+- `POST /destroy_weights_update_group {group_name?}`;
+- `POST /pause_generation {mode}` (`in_place` and `retract` keep the requests in flight, `abort` ends them) and
+  `POST /continue_generation`.
+
+As in SGLang, a generate request holds the model-update lock's read side for its whole life, and the weight
+updates (disk, distributed, the session's begin and end) take its write side: they wait for the requests in
+flight, and hold back new ones, unless generation is paused, when they load at once.
 
 Answers are SGLang's: `{"success", "message"}`, status 200, or 400 when `success` is false.
 """
@@ -20,7 +26,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import threading
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 import fastapi
@@ -29,7 +36,7 @@ from fastapi.responses import JSONResponse
 from miles.engines.embedded import EmbeddedEngine
 from miles.engines.errors import InvalidRequestError
 from miles.engines.weight_broadcast import DEFAULT_GROUP, WeightReceiver
-from miles.engines.wire import parse_weight_version
+from miles.engines.wire import PAUSE_MODES, parse_weight_version
 
 JsonBody = Any  # an async callable: request -> dict (the server's body parser)
 
@@ -82,11 +89,62 @@ def _in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future[Any]:
     return future
 
 
-def add_weight_routes(app: fastapi.FastAPI, engine: EmbeddedEngine, json_body: JsonBody) -> None:
-    """Register the weight-update endpoints of `engine` on `app`."""
+class ModelUpdateLock:
+    """SGLang's model-update lock and pause flag: `generating()` for a generate request's life (after any pause),
+    `updating()` for a weight update, which waits for those in flight and holds new ones back (a waiting update
+    goes first), unless generation is paused."""
+
+    def __init__(self) -> None:
+        self._cond = asyncio.Condition()
+        self._readers = 0
+        self._writing = False
+        self._writers_waiting = 0
+        self.paused = False
+
+    @asynccontextmanager
+    async def generating(self) -> AsyncIterator[None]:
+        async with self._cond:
+            await self._cond.wait_for(lambda: not (self.paused or self._writing or self._writers_waiting))
+            self._readers += 1
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._readers -= 1
+                self._cond.notify_all()
+
+    @asynccontextmanager
+    async def updating(self) -> AsyncIterator[None]:
+        async with self._cond:
+            paused = self.paused
+            if not paused:
+                self._writers_waiting += 1
+                try:
+                    await self._cond.wait_for(lambda: self._readers == 0 and not self._writing)
+                finally:
+                    self._writers_waiting -= 1
+                self._writing = True
+        try:
+            yield
+        finally:
+            if not paused:
+                async with self._cond:
+                    self._writing = False
+                    self._cond.notify_all()
+
+    async def pause(self, paused: bool) -> None:
+        async with self._cond:
+            self.paused = paused
+            self._cond.notify_all()
+
+
+def add_weight_routes(app: fastapi.FastAPI, engine: EmbeddedEngine, json_body: JsonBody,
+                      update_lock: ModelUpdateLock) -> None:
+    """Register the weight-update and pause endpoints of `engine` on `app`; `update_lock` is the one the
+    server's generate route holds."""
     receivers: dict[str, WeightReceiver] = {}
     session = {"open": False}
-    lock = asyncio.Lock()  # one update at a time, like SGLang's model_update_lock
+    lock = asyncio.Lock()  # one load at a time
     # Joining a group blocks a thread until the trainer's rendezvous answers (or times out): one join at a time,
     # on a thread of its own, so joins aimed at a dead address can neither pile up nor starve the other routes.
     joining = asyncio.Lock()
@@ -106,7 +164,7 @@ def add_weight_routes(app: fastapi.FastAPI, engine: EmbeddedEngine, json_body: J
         _require(body, "model_path")
         from miles.engines.embedded import load_state_dict_from_folder
 
-        async with lock:
+        async with update_lock.updating(), lock:
             try:
                 tensors = await asyncio.to_thread(load_state_dict_from_folder, str(body["model_path"]))
                 version = await _load(tensors, body)
@@ -141,7 +199,8 @@ def add_weight_routes(app: fastapi.FastAPI, engine: EmbeddedEngine, json_body: J
         await json_body(request)
         if session["open"]:
             return _answer(False, "a weight-update session is already open; call end_weight_update() first")
-        session["open"] = True
+        async with update_lock.updating():
+            session["open"] = True
         return _answer(True, "Success")
 
     @app.post("/end_weight_update")
@@ -149,7 +208,8 @@ def add_weight_routes(app: fastapi.FastAPI, engine: EmbeddedEngine, json_body: J
         await json_body(request)
         if not session["open"]:
             return _answer(False, "no weight-update session is open; call begin_weight_update() first")
-        session["open"] = False
+        async with update_lock.updating():
+            session["open"] = False
         return _answer(True, "Success")
 
     @app.post("/update_weights_from_distributed")
@@ -163,7 +223,7 @@ def add_weight_routes(app: fastapi.FastAPI, engine: EmbeddedEngine, json_body: J
         if not session["open"]:
             return _answer(False, "update_weights_from_distributed must run between begin_weight_update() and "
                                   "end_weight_update()")
-        async with lock:
+        async with update_lock.updating(), lock:
             try:
                 tensors = await asyncio.to_thread(receiver.receive, body["names"], body["dtypes"], body["shapes"],
                                                   body.get("load_format"))
@@ -174,6 +234,24 @@ def add_weight_routes(app: fastapi.FastAPI, engine: EmbeddedEngine, json_body: J
             except (InvalidRequestError, RuntimeError, ValueError, TypeError) as exc:
                 return _answer(False, f"Failed to update parameter online: {exc}")
         return _answer(True, f"Succeeded to update parameter online. Weight version {version}.")
+
+    @app.post("/pause_generation")
+    async def pause_generation(request: fastapi.Request) -> JSONResponse:
+        mode = (await json_body(request)).get("mode", "abort")  # SGLang's default mode
+        if mode not in PAUSE_MODES:
+            raise InvalidRequestError(f"mode must be one of {PAUSE_MODES}, got {mode!r}")
+        if mode == "abort":
+            await engine.abort_all()
+        await update_lock.pause(True)
+        await engine.pause_generation()  # in_place and retract alike: the rows and their KV stay
+        return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
+
+    @app.post("/continue_generation")
+    async def continue_generation(request: fastapi.Request) -> JSONResponse:
+        await json_body(request)
+        await engine.continue_generation()
+        await update_lock.pause(False)
+        return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
 
     @app.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(request: fastapi.Request) -> JSONResponse:

@@ -17,6 +17,7 @@ from miles.engines.errors import InvalidRequestError
 TOP_K_ALL = 1 << 30  # SGLang's "whole vocabulary" top_k
 ROUTING_KEY_HEADER = "x-smg-routing-key"  # sglang-router's header for sticky (manual policy) routing
 SESSION_HEADER = "x-miles-session-id"  # lets the embedded server keep a session's KV cache between turns
+PAUSE_MODES = ("in_place", "retract", "abort")  # SGLang's PauseGenerationReqInput.mode
 
 
 # ---------------------------------------------------------------------------- requests (client side)
@@ -73,6 +74,19 @@ def lora_update_response(success: bool, *, error: str | None = None,
 def abort_body(rid: str | None = None, *, abort_all: bool = False) -> dict[str, Any]:
     """The JSON body of `POST /abort_request` (an `AbortReq`)."""
     return {"rid": rid or "", "abort_all": abort_all}
+
+
+def pause_body(mode: str = "in_place") -> dict[str, Any]:
+    """The JSON body of `POST /pause_generation` (a `PauseGenerationReqInput`): `in_place` keeps the requests in
+    flight, with their KV, until `/continue_generation`; `retract` requeues them; `abort` ends them."""
+    if mode not in PAUSE_MODES:
+        raise InvalidRequestError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+    return {"mode": mode}
+
+
+def continue_body() -> dict[str, Any]:
+    """The JSON body of `POST /continue_generation` (a `ContinueGenerationReqInput`)."""
+    return {"torch_empty_cache": True}
 
 
 def update_from_disk_body(model_path: str, *, weight_version: int | None = None) -> dict[str, Any]:

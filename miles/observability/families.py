@@ -106,6 +106,8 @@ FAMILIES: tuple[Family, ...] = (
            "engine"),
     Family("miles_engine_decode_tokens_total", "counter", "Tokens produced by decode steps.", E, "engine"),
     Family("miles_engine_decode_steps_total", "counter", "Batched decode steps.", E, "engine"),
+    Family("miles_engine_pauses_total", "counter", "Times decoding was paused (`pause_generation`), as around a "
+           "weight update under `policy: pause`.", E, "engine"),
     Family("miles_engine_running_requests", "gauge", "Requests decoding now (the batch).", E, "engine"),
     Family("miles_engine_waiting_requests", "gauge", "Requests queued or in prefill (the queue depth).", E,
            "engine"),
