@@ -14,7 +14,7 @@ median wall time (and its CPU time where it runs on the CPU). On CUDA it also sh
 memory-bandwidth limit (every decode step reads all weights once: batch / (weight bytes / bandwidth)).
 
     python benchmarks/engine.py                                  # the 3m tiny model, CPU
-    python benchmarks/engine.py --main-job --threads 2           # issue 19: the main job's rollout shape
+    python benchmarks/engine.py --main-job --threads 2           # the calculator example's rollout shape
     python benchmarks/engine.py --device cuda --model-size 0.5b  # ~0.5B random-init Qwen2 on a GPU
 """
 
@@ -165,9 +165,9 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--obs-len", type=int, default=16)
     ap.add_argument("--main-job", action="store_true",
-                    help="the main job's rollout (configs/calculator.yaml): 64 sessions, the tiny 1m model with "
-                         "the tiny tokenizer's vocabulary, 34-token prompts, 2 turns of 22 and 9 tokens, "
-                         "15-token observations (the medians of its recorded sessions)")
+                    help="the calculator example's rollout (configs/calculator.yaml): 64 sessions, the tiny "
+                         "1m model with the tiny tokenizer's vocabulary, 34-token prompts, 2 turns of 22 and "
+                         "9 tokens, 15-token observations (the medians of its recorded sessions)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave torch's default)")
     ap.add_argument("--repeats", type=int, default=3, help="alternating rounds; medians are reported")
     ap.add_argument("--skip-per-turn", action="store_true", help="leave out the per-turn batch-1 baseline")

@@ -1,4 +1,4 @@
-"""Several LoRA adapters on one base: equivalence, training throughput, and mixed-adapter decode (issue 15).
+"""Several LoRA adapters on one base: equivalence, training throughput, and mixed-adapter decode.
 
 * **equivalence**: 3 adapters trained together for k steps on real Calculator groups end with the same adapter
   weights as each trained alone on its own groups with the same seeds (fp32, CPU): the max |dw| is printed

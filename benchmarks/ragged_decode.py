@@ -6,7 +6,7 @@ attention call reads every row's cache up to the longest context; `attention_gro
 read only up to its own (`Decoder.forward(groups=...)`), as a ragged attention kernel does. Both paths run
 the same decode step, alternately, in one process; the table gives each one's median step time.
 
-    python benchmarks/ragged_decode.py                       # the main job's 1m tiny model, 1 thread
+    python benchmarks/ragged_decode.py                       # the calculator example's 1m model, 1 thread
     python benchmarks/ragged_decode.py --model-size 3m
 """
 

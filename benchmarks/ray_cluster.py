@@ -1,4 +1,4 @@
-"""The Ray path's per-step overhead on the main job, side by side in one run.
+"""The Ray path's per-step overhead on the calculator example, side by side in one run.
 
 The same `miles train --config configs/calculator.yaml` run (same seed, same steps) three ways:
 
@@ -12,7 +12,7 @@ Each variant runs `--repeats` times, interleaved, so that a change in the machin
 Reported: the mean seconds per RL step (the first `--warmup` steps left out) with its rollout, train and sync
 parts, and the ratios `ray/local` and `ray/http` last. The load average before and after is printed too.
 
-    python benchmarks/ray_cluster.py                   # CPU, the main job, 15 steps
+    python benchmarks/ray_cluster.py                   # CPU, the calculator example, 15 steps
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ machine load hits them alike) and each path's median step time is reported, with
 and the largest weight difference after the first step (a check that the math is the same).
 
     python benchmarks/trainer.py                       # tiny 3m model, 32 sequences of 64-512 tokens, CPU
-    python benchmarks/trainer.py --main-job            # the main job's update (see below)
+    python benchmarks/trainer.py --main-job            # the calculator example's update (see below)
     python benchmarks/trainer.py --main-job --records runs/calculator/sessions.jsonl
     PYTHONPATH=/tmp/trl_pkgs python benchmarks/trainer.py --main-job   # TRL installed with pip --target
 
@@ -62,8 +62,9 @@ def make_batch(num_seqs: int, min_len: int, max_len: int, vocab: int, group_size
 
 def main_job_batch(seed: int, vocab: int, num_seqs: int = 64, group_size: int = 8, long_sessions: int = 2
                    ) -> TrajectoryBatch:
-    """Trajectories shaped like the main job's rollouts (see the module doc): one tool call and an answer, but
-    the last `long_sessions` (at most 2) run longer (about 225 and 630 tokens); rewards mixed within groups."""
+    """Trajectories shaped like the calculator example's rollouts (see the module doc): one tool call and an
+    answer, but the last `long_sessions` (at most 2) run longer (about 225 and 630 tokens); rewards mixed
+    within groups."""
     g = torch.Generator().manual_seed(seed)
 
     def rand(lo: int, hi: int) -> int:
@@ -209,7 +210,8 @@ def plain_hf_path(model, batch, advantages, micro_seqs: int, lr: float):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--main-job", action="store_true", help="the main job's model, batch shape and micro-batch")
+    ap.add_argument("--main-job", action="store_true",
+                    help="the calculator example's model, batch shape and micro-batch")
     ap.add_argument("--records", default=None, help="with --main-job: a recorded sessions.jsonl to take the batch from")
     ap.add_argument("--long-sessions", type=int, default=2, choices=(0, 1, 2),
                     help="with --main-job: how many of the 64 sessions run long (the rollouts' tail)")

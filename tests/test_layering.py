@@ -7,7 +7,6 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-FLOORS = {"miles": 0, "tools": 1, "envs": 2, "sessions": 3, "trainers": 4}
 PACKAGES = {"miles.tools": 1, "miles.envs": 2, "miles.sessions": 3, "miles.trainers": 4}
 
 
@@ -19,20 +18,22 @@ def floor_of(module: str) -> int | None:
 
 
 def upward_imports() -> list[str]:
+    """Every import in the package tree (`miles/`, where the folder path is the import path) of a floor above
+    its own module's."""
     found = []
-    for folder, floor in FLOORS.items():
-        for path in sorted((REPO / folder).rglob("*.py")):
-            if path == REPO / "miles" / "cli.py":
+    for path in sorted((REPO / "miles").rglob("*.py")):
+        relative = path.relative_to(REPO)
+        if relative == Path("miles", "cli.py"):
+            continue
+        floor = floor_of(".".join(relative.with_suffix("").parts)) or 0
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
                 continue
-            for node in ast.walk(ast.parse(path.read_text(), str(path))):
-                if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                    names = [node.module]
-                elif isinstance(node, ast.Import):
-                    names = [a.name for a in node.names]
-                else:
-                    continue
-                found += [f"{path.relative_to(REPO)}:{node.lineno} imports {n}" for n in names
-                          if (floor_of(n) or 0) > floor]
+            found += [f"{relative}:{node.lineno} imports {n}" for n in names if (floor_of(n) or 0) > floor]
     return found
 
 
@@ -41,10 +42,10 @@ def test_no_floor_imports_a_floor_above_it():
 
 
 def test_the_check_sees_an_upward_import(tmp_path, monkeypatch):
-    fake = tmp_path / "tools"
-    fake.mkdir()
+    fake = tmp_path / "miles" / "tools"
+    fake.mkdir(parents=True)
     (fake / "bad.py").write_text("from miles.sessions import Session\n")
-    for folder in FLOORS:
-        (tmp_path / folder).mkdir(exist_ok=True)
+    (tmp_path / "miles" / "sessions").mkdir()
+    (tmp_path / "miles" / "sessions" / "fine.py").write_text("from miles.tools import Tool\n")
     monkeypatch.setattr(__import__(__name__), "REPO", tmp_path)
-    assert upward_imports() == ["tools/bad.py:1 imports miles.sessions"]
+    assert upward_imports() == ["miles/tools/bad.py:1 imports miles.sessions"]
