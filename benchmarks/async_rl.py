@@ -52,15 +52,27 @@ REPO = Path(__file__).resolve().parents[1]
 
 def config(args: argparse.Namespace, out: Path) -> dict:
     return {
-        "seed": 0, "output_dir": str(out), "steps": args.steps,
-        "env": {"id": "LongTail-v0", "import": [str(REPO / "benchmarks" / "long_tail_env.py")],
-                "num_train_tasks": 4096},
+        "seed": 0,
+        "output_dir": str(out),
+        "steps": args.steps,
+        "env": {
+            "id": "LongTail-v0",
+            "import": [str(REPO / "benchmarks" / "long_tail_env.py")],
+            "num_train_tasks": 4096,
+        },
         "model": {"name": "tiny", "size": args.model_size},
         "engine": {"device": args.device, "max_batch_size": 256, "kv_cache_fraction": 0.03},
-        "rollout": {"tasks_per_step": args.tasks_per_step,
-                    "scheduler": {"group_size": args.group_size, "progress": False,
-                                  "session": {"sampling": {"temperature": 1.0, "max_new_tokens": 80},
-                                              "timeouts": {"turn_floor_s": 120.0}}}},
+        "rollout": {
+            "tasks_per_step": args.tasks_per_step,
+            "scheduler": {
+                "group_size": args.group_size,
+                "progress": False,
+                "session": {
+                    "sampling": {"temperature": 1.0, "max_new_tokens": 80},
+                    "timeouts": {"turn_floor_s": 120.0},
+                },
+            },
+        },
         "trainer": {"lr": 1e-4, "micro_batch_tokens": 16384},
         "torch": {"device": args.device},
         "eval": {"num_tasks": 1, "max_new_tokens": 8},
@@ -117,9 +129,21 @@ class CpuSampler:
 def start_servers(args: argparse.Namespace, count: int, logs: Path) -> tuple[RolloutProcess, dict]:
     """`miles rollout --dp count` on this run's device, with miles' own router in the run (no sglang-router)."""
     device = "cuda:0" if args.device == "cuda" else args.device
-    servers = RolloutProcess("--dp", str(count), "--no-router", "--model", f"tiny-{args.model_size}", "--device",
-                             device, "--max-running-requests", "256", "--port", str(free_ports(count)),
-                             "--log-dir", str(logs))
+    servers = RolloutProcess(
+        "--dp",
+        str(count),
+        "--no-router",
+        "--model",
+        f"tiny-{args.model_size}",
+        "--device",
+        device,
+        "--max-running-requests",
+        "256",
+        "--port",
+        str(free_ports(count)),
+        "--log-dir",
+        str(logs),
+    )
     try:
         return servers, servers.ready()
     except BaseException:
@@ -127,8 +151,9 @@ def start_servers(args: argparse.Namespace, count: int, logs: Path) -> tuple[Rol
         raise
 
 
-def run_variant(args: argparse.Namespace, name: str, sets: list[str], threads: int, servers: int,
-                work: Path) -> dict:
+def run_variant(
+    args: argparse.Namespace, name: str, sets: list[str], threads: int, servers: int, work: Path
+) -> dict:
     out = work / name
     cfg = work / f"{name}.json"
     launcher, engine = start_servers(args, servers, work / f"{name}-logs") if servers else (None, None)
@@ -142,8 +167,9 @@ def run_variant(args: argparse.Namespace, name: str, sets: list[str], threads: i
         cmd += ["--set", s]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
     try:
-        with subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                              text=True) as proc:
+        with subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        ) as proc:
             sampler = CpuSampler(proc.pid, *([launcher.proc.pid] if launcher else []))
             _, stderr = proc.communicate()
             sampler.stop()
@@ -154,20 +180,28 @@ def run_variant(args: argparse.Namespace, name: str, sets: list[str], threads: i
     if proc.returncode != 0:
         raise SystemExit(f"{name} failed:\n{stderr[-3000:]}")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in rows if r["kind"] == "train"][args.warmup_steps:]
+    train = [r for r in rows if r["kind"] == "train"][args.warmup_steps :]
     summary = json.loads((out / "summary.json").read_text())
     wall = sum(r["step_s"] for r in train)
     samples = sum(r["trained_sessions"] for r in train)
     tokens = sum(r["trained_tokens_per_s"] * r["step_s"] for r in train)
     stale = [r.get("staleness_mean", 0.0) for r in train]
     return {
-        "variant": name, "samples_per_s": samples / wall, "tokens_per_s": tokens / wall, "step_s": wall / len(train),
-        "trainer_idle": float(np.mean([r.get("trainer_idle_ratio", r["rollout_s"] / r["step_s"]) for r in train])),
-        "rollout_idle": float(np.mean([r.get("rollout_idle_ratio", 1 - r["rollout_s"] / r["step_s"])
-                                       for r in train])),
-        "staleness_mean": float(np.mean(stale)), "staleness_max": max(r.get("staleness_max", 0.0) for r in train),
+        "variant": name,
+        "samples_per_s": samples / wall,
+        "tokens_per_s": tokens / wall,
+        "step_s": wall / len(train),
+        "trainer_idle": float(
+            np.mean([r.get("trainer_idle_ratio", r["rollout_s"] / r["step_s"]) for r in train])
+        ),
+        "rollout_idle": float(
+            np.mean([r.get("rollout_idle_ratio", 1 - r["rollout_s"] / r["step_s"]) for r in train])
+        ),
+        "staleness_mean": float(np.mean(stale)),
+        "staleness_max": max(r.get("staleness_max", 0.0) for r in train),
         "stale_dropped": sum(r.get("stale_groups_dropped", 0) for r in train),
-        "late": sum(r.get("late_groups", 0) for r in train), "rl_s": summary["seconds"]["rl"],
+        "late": sum(r.get("late_groups", 0) for r in train),
+        "rl_s": summary["seconds"]["rl"],
         "cores": sampler.cores_between(train[0]["time"] - train[0]["step_s"], train[-1]["time"]),
     }
 
@@ -177,30 +211,53 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--model-size", default="1m", help="a tiny model size (the largest: 25m)")
     p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--warmup-steps", type=int, default=6,
-                   help="steps left out of the figures (one-time costs: cache growth, first long batches)")
+    p.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=6,
+        help="steps left out of the figures (one-time costs: cache growth, first long batches)",
+    )
     p.add_argument("--tasks-per-step", type=int, default=8)
     p.add_argument("--group-size", type=int, default=4)
     p.add_argument("--threads", type=int, default=2, help="torch threads of the whole machine")
     p.add_argument("--staleness", type=int, nargs="+", default=[1, 2, 4])
-    p.add_argument("--servers", type=int, nargs="+", default=[0],
-                   help="rollout layouts: 0 is engines inside the run, N > 0 is N `miles rollout` servers")
-    p.add_argument("--engines", type=int, nargs="+", default=[1],
-                   help="engines inside the run (`engine.num_engines`) of the layout without servers")
-    p.add_argument("--inflight", default=None, choices=["continue", "pause"],
-                   help="async.inflight of the asynchronous variants (default: the config's default)")
+    p.add_argument(
+        "--servers",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="rollout layouts: 0 is engines inside the run, N > 0 is N `miles rollout` servers",
+    )
+    p.add_argument(
+        "--engines",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="engines inside the run (`engine.num_engines`) of the layout without servers",
+    )
+    p.add_argument(
+        "--inflight",
+        default=None,
+        choices=["continue", "pause"],
+        help="async.inflight of the asynchronous variants (default: the config's default)",
+    )
     args = p.parse_args()
     half = max(1, args.threads // 2)
-    print(f"{'variant':<14}{'samples/s':>11}{'tokens/s':>10}{'s/step':>8}{'trainer idle':>14}{'rollout idle':>14}"
-          f"{'staleness mean/max':>20}{'stale dropped':>15}{'late groups':>13}{'CPU cores':>11}", flush=True)
+    print(
+        f"{'variant':<14}{'samples/s':>11}{'tokens/s':>10}{'s/step':>8}{'trainer idle':>14}{'rollout idle':>14}"
+        f"{'staleness mean/max':>20}{'stale dropped':>15}{'late groups':>13}{'CPU cores':>11}",
+        flush=True,
+    )
     variants = []
     layouts = [(0, e) for e in args.engines if 0 in args.servers] + [(n, 1) for n in args.servers if n]
     for n, e in layouts:  # per layout: its synchronous variants, then its asynchronous ones
         suffix = f"-x{n}" if n else (f"-e{e}" if e > 1 else "")
         common = [f"engine.num_engines={e}"] if n == 0 else []
         if n == 0:
-            variants += [(f"sync-t{t}{suffix}", ["async.enabled=false", *common], t, 0)
-                         for t in sorted({args.threads, half}, reverse=True)]
+            variants += [
+                (f"sync-t{t}{suffix}", ["async.enabled=false", *common], t, 0)
+                for t in sorted({args.threads, half}, reverse=True)
+            ]
         else:
             variants.append((f"sync{suffix}", ["async.enabled=false", *common], args.threads, n))
         for s in args.staleness:
@@ -215,10 +272,12 @@ def main() -> None:
         for name, sets, threads, servers in variants:
             r = run_variant(args, name, sets, threads, servers, Path(tmp))
             results.append(r)
-            print(f"{r['variant']:<14}{r['samples_per_s']:>11.2f}{r['tokens_per_s']:>10.0f}{r['step_s']:>8.2f}"
-                  f"{r['trainer_idle']:>14.1%}{r['rollout_idle']:>14.1%}{r['staleness_mean']:>11.2f} / "
-                  f"{r['staleness_max']:<6.0f}{r['stale_dropped']:>15.0f}{r['late']:>13.0f}{r['cores']:>11.2f}",
-                  flush=True)
+            print(
+                f"{r['variant']:<14}{r['samples_per_s']:>11.2f}{r['tokens_per_s']:>10.0f}{r['step_s']:>8.2f}"
+                f"{r['trainer_idle']:>14.1%}{r['rollout_idle']:>14.1%}{r['staleness_mean']:>11.2f} / "
+                f"{r['staleness_max']:<6.0f}{r['stale_dropped']:>15.0f}{r['late']:>13.0f}{r['cores']:>11.2f}",
+                flush=True,
+            )
     base = max((r for r in results if r["variant"].startswith("sync")), key=lambda r: r["samples_per_s"])
     best = max((r for r in results if r["variant"].startswith("async")), key=lambda r: r["samples_per_s"])
     print(f"best sync: {base['variant']}; best async: {best['variant']}")

@@ -34,6 +34,7 @@ RESULTS: list[tuple[str, bool, str]] = []
 
 def probe(name: str) -> Callable[[Callable[[], str]], Callable[[], str]]:
     """Run the probe at once; it returns a detail line and raises AssertionError when it does not hold."""
+
     def run(fn: Callable[[], str]) -> Callable[[], str]:
         try:
             RESULTS.append((name, True, fn()))
@@ -42,12 +43,18 @@ def probe(name: str) -> Callable[[Callable[[], str]], Callable[[], str]]:
         except Exception as exc:  # noqa: BLE001 - a crash of the probe is a failure to hold
             RESULTS.append((name, False, f"{type(exc).__name__}: {str(exc)[:140]}"))
         return fn
+
     return run
 
 
 def cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "miles.cli", *args], capture_output=True, text=True,
-                          cwd=cwd or REPO, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "miles.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd or REPO,
+        timeout=300,
+    )
 
 
 def one_line(proc: subprocess.CompletedProcess[str], code: int, needle: str) -> str:
@@ -73,19 +80,38 @@ def main() -> int:  # noqa: C901 - one flat list of probes reads best
         return http.post(path, content=body, headers={"content-type": "application/json", **(headers or {})})
 
     # ---- bad generate requests: each fails alone with a 400 while the batch decodes on
-    for label, params in (("temperature NaN", '{"temperature": NaN}'), ("temperature 1e-45 (greedy)", None),
-                          ("temperature -1", '{"temperature": -1}'), ("top_p 0", '{"top_p": 0}'),
-                          ("max_new_tokens 1e12", '{"max_new_tokens": 1000000000000}')):
+    for label, params in (
+        ("temperature NaN", '{"temperature": NaN}'),
+        ("temperature 1e-45 (greedy)", None),
+        ("temperature -1", '{"temperature": -1}'),
+        ("top_p 0", '{"top_p": 0}'),
+        ("max_new_tokens 1e12", '{"max_new_tokens": 1000000000000}'),
+    ):
+
         @probe(f"/generate {label}")
         def _(params: str | None = params) -> str:
             async def go() -> tuple[int, list[int]]:
                 async with httpx.AsyncClient(base_url=guarded.url, timeout=60) as c:
-                    good = [asyncio.create_task(c.post("/generate", json={"input_ids": [1, 2, i], "sampling_params": {
-                        "max_new_tokens": 24, "sampling_seed": i}})) for i in range(3)]
+                    good = [
+                        asyncio.create_task(
+                            c.post(
+                                "/generate",
+                                json={
+                                    "input_ids": [1, 2, i],
+                                    "sampling_params": {"max_new_tokens": 24, "sampling_seed": i},
+                                },
+                            )
+                        )
+                        for i in range(3)
+                    ]
                     sp = params or '{"temperature": 1e-45, "max_new_tokens": 4}'
-                    bad = await c.post("/generate", content=f'{{"input_ids": [1, 2], "sampling_params": {sp}}}',
-                                       headers={"content-type": "application/json"})
+                    bad = await c.post(
+                        "/generate",
+                        content=f'{{"input_ids": [1, 2], "sampling_params": {sp}}}',
+                        headers={"content-type": "application/json"},
+                    )
                     return bad.status_code, [r.status_code for r in await asyncio.gather(*good)]
+
             status, others = asyncio.run(go())
             assert others == [200, 200, 200], f"the other requests got {others}"
             assert status == (200 if params is None else 400), f"status {status}"
@@ -107,26 +133,41 @@ def main() -> int:  # noqa: C901 - one flat list of probes reads best
     def _() -> str:
         async def go() -> tuple[int, float]:
             async with httpx.AsyncClient(base_url=guarded.url, timeout=60) as c:
-                big = asyncio.create_task(c.post("/generate", content=b"[" + b"1," * 25_000_000 + b"1]",
-                                                 headers={"content-type": "application/json"}))
+                big = asyncio.create_task(
+                    c.post(
+                        "/generate",
+                        content=b"[" + b"1," * 25_000_000 + b"1]",
+                        headers={"content-type": "application/json"},
+                    )
+                )
                 await asyncio.sleep(0.05)
                 t0 = time.perf_counter()
                 assert (await c.get("/health")).status_code == 200
                 health_s = time.perf_counter() - t0
                 return (await big).status_code, health_s
+
         status, health_s = asyncio.run(go())
         assert status == 413, status
         return f"413; /health answered in {health_s * 1000:.0f} ms meanwhile"
 
     # ---- the control plane
-    for path, body in (("/update_weights_from_disk", {"model_path": str(tmp)}), ("/abort_request", {"abort_all": True}),
-                       ("/get_weights_by_name", {"name": "model.norm.weight"}),
-                       ("/init_weights_update_group", {"master_address": "10.255.255.1", "master_port": 1,
-                                                       "rank_offset": 1, "world_size": 2}),
-                       ("/load_lora_adapter", {"lora_name": "x", "lora_path": str(tmp)})):
+    for path, body in (
+        ("/update_weights_from_disk", {"model_path": str(tmp)}),
+        ("/abort_request", {"abort_all": True}),
+        ("/get_weights_by_name", {"name": "model.norm.weight"}),
+        (
+            "/init_weights_update_group",
+            {"master_address": "10.255.255.1", "master_port": 1, "rank_offset": 1, "world_size": 2},
+        ),
+        ("/load_lora_adapter", {"lora_name": "x", "lora_path": str(tmp)}),
+    ):
+
         @probe(f"{path} without the admin token")
         def _(path: str = path, body: dict = body) -> str:
-            codes = [post(path, body).status_code, post(path, body, headers={"authorization": "Bearer guess"}).status_code]
+            codes = [
+                post(path, body).status_code,
+                post(path, body, headers={"authorization": "Bearer guess"}).status_code,
+            ]
             assert codes == [401, 401], codes
             return "401, 401 (none, guessed)"
 
@@ -141,15 +182,24 @@ def main() -> int:  # noqa: C901 - one flat list of probes reads best
     (tmp / "corrupt" / "model.safetensors").write_bytes(struct.pack("<Q", 16) + b"{not a header}")
     os.makedirs(tmp / "lora", exist_ok=True)
     (tmp / "lora" / "adapter_model.safetensors").write_bytes(struct.pack("<Q", 1 << 40) + b"{}")
-    (tmp / "lora" / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 8, "peft_type": "LORA",
-                                                                  "target_modules": ["q_proj"]}))
-    for label, path, body in (("a pickle that runs code", "/update_weights_from_disk", {"model_path": str(tmp / "evil")}),
-                              ("a corrupt safetensors file", "/update_weights_from_disk",
-                               {"model_path": str(tmp / "corrupt")}),
-                              ("a LoRA file whose header claims 1 TB", "/load_lora_adapter",
-                               {"lora_name": "x", "lora_path": str(tmp / "lora")}),
-                              ("get_weights_by_name truncate_size 'abc'", "/get_weights_by_name",
-                               {"name": "model.norm.weight", "truncate_size": "abc"})):
+    (tmp / "lora" / "adapter_config.json").write_text(
+        json.dumps({"r": 4, "lora_alpha": 8, "peft_type": "LORA", "target_modules": ["q_proj"]})
+    )
+    for label, path, body in (
+        ("a pickle that runs code", "/update_weights_from_disk", {"model_path": str(tmp / "evil")}),
+        ("a corrupt safetensors file", "/update_weights_from_disk", {"model_path": str(tmp / "corrupt")}),
+        (
+            "a LoRA file whose header claims 1 TB",
+            "/load_lora_adapter",
+            {"lora_name": "x", "lora_path": str(tmp / "lora")},
+        ),
+        (
+            "get_weights_by_name truncate_size 'abc'",
+            "/get_weights_by_name",
+            {"name": "model.norm.weight", "truncate_size": "abc"},
+        ),
+    ):
+
         @probe(f"admin: {label}")
         def _(path: str = path, body: dict = body) -> str:
             r = post(path, body, headers=admin)
@@ -172,13 +222,25 @@ def main() -> int:  # noqa: C901 - one flat list of probes reads best
         try:
             async with httpx.AsyncClient(base_url=url, timeout=60) as c:
                 key = {"authorization": f"Bearer {mine.token}"}
-                return [(await c.get(f"/sessions/{theirs.session_id}/trajectory", headers=key)).status_code,
-                        (await c.post(f"/sessions/{theirs.session_id}/reward", json={"reward": 1}, headers=key)).status_code,
-                        (await c.post(f"/sessions/{theirs.session_id}/close", headers=key)).status_code,
-                        (await c.post("/v1/chat/completions", json={"model": "m", "messages": [
-                            {"role": "user", "content": "hi"}]}, headers={"authorization": "Bearer run-s1"})).status_code,
-                        (await c.post(f"/sessions/{mine.session_id}/reward", json={"reward": 1e300},
-                                      headers=key)).status_code]
+                return [
+                    (await c.get(f"/sessions/{theirs.session_id}/trajectory", headers=key)).status_code,
+                    (
+                        await c.post(f"/sessions/{theirs.session_id}/reward", json={"reward": 1}, headers=key)
+                    ).status_code,
+                    (await c.post(f"/sessions/{theirs.session_id}/close", headers=key)).status_code,
+                    (
+                        await c.post(
+                            "/v1/chat/completions",
+                            json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+                            headers={"authorization": "Bearer run-s1"},
+                        )
+                    ).status_code,
+                    (
+                        await c.post(
+                            f"/sessions/{mine.session_id}/reward", json={"reward": 1e300}, headers=key
+                        )
+                    ).status_code,
+                ]
         finally:
             await server.stop()
             await endpoint.aclose()
@@ -196,7 +258,9 @@ def main() -> int:  # noqa: C901 - one flat list of probes reads best
     @probe("a record with a lone surrogate")
     def _() -> str:
         with Recorder(tmp / "s.jsonl", fsync="line") as rec:
-            rec.write(SessionRecord(session_id="x", initial_messages=[{"role": "user", "content": "a\ud800"}]))
+            rec.write(
+                SessionRecord(session_id="x", initial_messages=[{"role": "user", "content": "a\ud800"}])
+            )
         back = read_sessions(tmp / "s.jsonl").records
         assert len(back) == 1 and back[0].initial_messages[0]["content"] == "a\ud800"
         return "written, read back the same"
@@ -208,22 +272,35 @@ def main() -> int:  # noqa: C901 - one flat list of probes reads best
 
     # ---- setup mistakes: one line, exit 2, before anything loads
     bomb = tmp / "bomb.yaml"
-    bomb.write_text("a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "\n".join(
-        f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 10)}]" for i in range(8)) + "\n")
+    bomb.write_text(
+        "a: &a [x, x, x, x, x, x, x, x, x, x]\n"
+        + "\n".join(
+            f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 10)}]" for i in range(8)
+        )
+        + "\n"
+    )
     (tmp / "binary.yaml").write_bytes(os.urandom(512))
     for label, args, needle in (
-            ("a YAML alias bomb", ["--config", str(bomb)], "expands to more than"),
-            ("a binary config file", ["--config", str(tmp / "binary.yaml")], "config error"),
-            ("--output-dir ''", ["--config", MAIN_JOB, "--output-dir", ""], "output_dir: is empty"),
-            ("--output-dir /dev/null", ["--config", MAIN_JOB, "--output-dir", "/dev/null"], "system folder"),
-            ("--output-dir under /proc", ["--config", MAIN_JOB, "--output-dir", "/proc/self/x"], "system folder"),
-            ("max_seconds: -1", ["--config", MAIN_JOB, "--set", "max_seconds=-1"], "max_seconds: must be > 0"),
-            ("--seed 2**70", ["--config", MAIN_JOB, "--seed", str(2**70)], "seed: must be in"),
-            ("init_from: /etc", ["--config", MAIN_JOB, "--set", "model.init_from=/etc"], "cannot load '/etc'"),
-            ("engine.device: cuda on a CPU build", ["--config", MAIN_JOB, "--set", "engine.device=cuda:7"],
-             "engine.device"),
-            ("an unknown tool-call parser", ["--config", MAIN_JOB, "--set",
-                                             "rollout.scheduler.session.parser=nope"], "unknown tool-call parser")):
+        ("a YAML alias bomb", ["--config", str(bomb)], "expands to more than"),
+        ("a binary config file", ["--config", str(tmp / "binary.yaml")], "config error"),
+        ("--output-dir ''", ["--config", MAIN_JOB, "--output-dir", ""], "output_dir: is empty"),
+        ("--output-dir /dev/null", ["--config", MAIN_JOB, "--output-dir", "/dev/null"], "system folder"),
+        ("--output-dir under /proc", ["--config", MAIN_JOB, "--output-dir", "/proc/self/x"], "system folder"),
+        ("max_seconds: -1", ["--config", MAIN_JOB, "--set", "max_seconds=-1"], "max_seconds: must be > 0"),
+        ("--seed 2**70", ["--config", MAIN_JOB, "--seed", str(2**70)], "seed: must be in"),
+        ("init_from: /etc", ["--config", MAIN_JOB, "--set", "model.init_from=/etc"], "cannot load '/etc'"),
+        (
+            "engine.device: cuda on a CPU build",
+            ["--config", MAIN_JOB, "--set", "engine.device=cuda:7"],
+            "engine.device",
+        ),
+        (
+            "an unknown tool-call parser",
+            ["--config", MAIN_JOB, "--set", "rollout.scheduler.session.parser=nope"],
+            "unknown tool-call parser",
+        ),
+    ):
+
         @probe(f"miles train: {label}")
         def _(args: list[str] = args, needle: str = needle) -> str:
             extra = [] if "--output-dir" in args else ["--output-dir", str(tmp / "out")]

@@ -55,9 +55,19 @@ class Workload:
 def make_model(size: str, device: str, seed: int = 0, vocab_size: int | None = None) -> Qwen2ForCausalLM:
     """A tiny model from `miles.tiny`, or "0.5b": Qwen2.5-0.5B's shape with random weights."""
     if size == "0.5b":
-        cfg = Qwen2Config(vocab_size=151_936, hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
-                          num_key_value_heads=2, intermediate_size=4864, max_position_embeddings=4096,
-                          eos_token_id=None, bos_token_id=None, pad_token_id=0, tie_word_embeddings=True)
+        cfg = Qwen2Config(
+            vocab_size=151_936,
+            hidden_size=896,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            intermediate_size=4864,
+            max_position_embeddings=4096,
+            eos_token_id=None,
+            bos_token_id=None,
+            pad_token_id=0,
+            tie_word_embeddings=True,
+        )
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(cfg)
     else:
@@ -66,8 +76,9 @@ def make_model(size: str, device: str, seed: int = 0, vocab_size: int | None = N
     return model.to(device=device, dtype=dtype).eval()
 
 
-def make_workload(sessions: int, prompt_len: int, obs_len: int, new_tokens: list[int], vocab: int,
-                  seed: int) -> Workload:
+def make_workload(
+    sessions: int, prompt_len: int, obs_len: int, new_tokens: list[int], vocab: int, seed: int
+) -> Workload:
     rng = random.Random(seed)
     prompts = [[rng.randrange(1, vocab) for _ in range(prompt_len)] for _ in range(sessions)]
     obs = [[[rng.randrange(1, vocab) for _ in range(obs_len)] for _ in new_tokens] for _ in range(sessions)]
@@ -80,10 +91,19 @@ def _generate(model: Qwen2ForCausalLM, contexts: list[list[int]], n: int, device
     ids = torch.zeros((len(contexts), width), dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, ctx in enumerate(contexts):
-        ids[i, width - len(ctx):] = torch.tensor(ctx)
-        mask[i, width - len(ctx):] = 1
-    out = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=n, min_new_tokens=n,
-                         do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0)
+        ids[i, width - len(ctx) :] = torch.tensor(ctx)
+        mask[i, width - len(ctx) :] = 1
+    out = model.generate(
+        ids.to(device),
+        attention_mask=mask.to(device),
+        max_new_tokens=n,
+        min_new_tokens=n,
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        pad_token_id=0,
+    )
     return out[:, width:].tolist()
 
 
@@ -113,11 +133,16 @@ def run_per_turn(model: Qwen2ForCausalLM, w: Workload, device: str) -> int:
 
 async def run_engine(engine: EmbeddedEngine, w: Workload, tag: str) -> int:
     """Every session of `w` at once; `tag` makes the session ids new, so no round reuses another's cache."""
+
     async def session(s: int) -> int:
         ctx, produced = list(w.prompts[s]), 0
         for t, n in enumerate(w.new_tokens):
-            r = await engine.generate(ctx, SamplingParams(temperature=1.0, max_new_tokens=n),
-                                      session_id=f"{tag}-s{s}", ignore_eos=True)
+            r = await engine.generate(
+                ctx,
+                SamplingParams(temperature=1.0, max_new_tokens=n),
+                session_id=f"{tag}-s{s}",
+                ignore_eos=True,
+            )
             produced += len(r.output_ids)
             ctx += r.output_ids + w.observations[s][t]
         return produced
@@ -164,14 +189,19 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--obs-len", type=int, default=16)
-    ap.add_argument("--main-job", action="store_true",
-                    help="the calculator example's rollout (configs/calculator.yaml): 64 sessions, the tiny "
-                         "1m model with the tiny tokenizer's vocabulary, 34-token prompts, 2 turns of 22 and "
-                         "9 tokens, 15-token observations (the medians of its recorded sessions)")
+    ap.add_argument(
+        "--main-job",
+        action="store_true",
+        help="the calculator example's rollout (configs/calculator.yaml): 64 sessions, the tiny "
+        "1m model with the tiny tokenizer's vocabulary, 34-token prompts, 2 turns of 22 and "
+        "9 tokens, 15-token observations (the medians of its recorded sessions)",
+    )
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave torch's default)")
     ap.add_argument("--repeats", type=int, default=3, help="alternating rounds; medians are reported")
     ap.add_argument("--skip-per-turn", action="store_true", help="leave out the per-turn batch-1 baseline")
-    ap.add_argument("--bandwidth-tbs", type=float, default=4.3, help="memory bandwidth for the %% of limit (CUDA)")
+    ap.add_argument(
+        "--bandwidth-tbs", type=float, default=4.3, help="memory bandwidth for the %% of limit (CUDA)"
+    )
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     if args.threads:
@@ -186,7 +216,9 @@ def main() -> None:
         new_tokens = [args.new_tokens] * args.turns
 
     model = make_model(args.model_size, args.device, args.seed, vocab)
-    w = make_workload(args.sessions, args.prompt_len, args.obs_len, new_tokens, model.config.vocab_size, args.seed)
+    w = make_workload(
+        args.sessions, args.prompt_len, args.obs_len, new_tokens, model.config.vocab_size, args.seed
+    )
     engine = EmbeddedEngine(model, device=args.device, max_batch_size=max(64, args.sessions))
     cuda = args.device.startswith("cuda")
 
@@ -218,10 +250,14 @@ def main() -> None:
     asyncio.run(engine.close())
 
     params = sum(p.numel() for p in model.parameters())
-    print(f"model: {args.model_size} ({params / 1e6:.2f}M params) on {args.device}; {args.sessions} sessions x "
-          f"{len(new_tokens)} turns x {new_tokens} new tokens; {w.tokens} tokens per round")
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, load average {load0:.1f} -> {load1:.1f} "
-          f"on {os.cpu_count()} CPUs; {args.repeats} alternating rounds, medians")
+    print(
+        f"model: {args.model_size} ({params / 1e6:.2f}M params) on {args.device}; {args.sessions} sessions x "
+        f"{len(new_tokens)} turns x {new_tokens} new tokens; {w.tokens} tokens per round"
+    )
+    print(
+        f"torch {torch.__version__}, threads {torch.get_num_threads()}, load average {load0:.1f} -> {load1:.1f} "
+        f"on {os.cpu_count()} CPUs; {args.repeats} alternating rounds, medians"
+    )
     print(f"engine: {reused} prompt tokens reused from session caches, {prefilled} prefilled per round")
     base = timings["batched generate"]
     header = f"{'path':<20} {'wall s':>8} {'tok/s':>10} {'cpu s':>8} {'vs batched':>11}"
@@ -231,8 +267,10 @@ def main() -> None:
     print(header)
     for name, t in timings.items():
         rate = t.tokens / t.median
-        line = (f"{name:<20} {t.median:8.3f} {rate:10.1f} {t.median_cpu:8.3f} "
-                f"{base.median / t.median * t.tokens / base.tokens:10.2f}x")
+        line = (
+            f"{name:<20} {t.median:8.3f} {rate:10.1f} {t.median_cpu:8.3f} "
+            f"{base.median / t.median * t.tokens / base.tokens:10.2f}x"
+        )
         if cuda:
             line += f" {100 * rate / limit:13.2f}%"
         print(line)

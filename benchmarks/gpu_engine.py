@@ -91,8 +91,10 @@ def check_graphs_match_eager(size: str, device: str, vocab: int) -> Check:
             decoder = Decoder(model)
             batch = DecodeBatch(decoder, decoder.new_cache(16, 1024), 16, cuda_graphs=graphs_on, padded=True)
             prompts = [[(37 * i + 11 * j) % (vocab - 1) + 1 for j in range(5 + 23 * i)] for i in range(11)]
-            rows = [RowSampling(0.0 if i % 3 == 0 else 0.9, 0.8 if i % 4 == 1 else 1.0, -1, seed_key(i))
-                    for i in range(11)]
+            rows = [
+                RowSampling(0.0 if i % 3 == 0 else 0.9, 0.8 if i % 4 == 1 else 1.0, -1, seed_key(i))
+                for i in range(11)
+            ]
             _prefill(decoder, batch, prompts, rows)
             lengths = [len(p) + 1 for p in prompts]
             live = list(range(11))
@@ -121,22 +123,26 @@ def check_graphs_match_eager(size: str, device: str, vocab: int) -> Check:
         del model, decoder, batch
     same_tokens = all(a[0] == b[0] for a, b in zip(*runs, strict=True))
     diff = max(max(abs(x - y) for x, y in zip(a[1], b[1], strict=True)) for a, b in zip(*runs, strict=True))
-    return Check("graphs == eager (same padded shapes)", same_tokens and diff <= 1e-3,
-                 f"{sum(len(o[0]) for o in runs[0])} tokens identical: {same_tokens}; max |logprob diff| {diff:.2e}; "
-                 f"{graphs} graphs captured")
+    return Check(
+        "graphs == eager (same padded shapes)",
+        same_tokens and diff <= 1e-3,
+        f"{sum(len(o[0]) for o in runs[0])} tokens identical: {same_tokens}; max |logprob diff| {diff:.2e}; "
+        f"{graphs} graphs captured",
+    )
 
 
 def _reference_logprobs(model, prompt: list[int], output: list[int], temperature: float) -> torch.Tensor:
     with torch.inference_mode():
         ids = torch.tensor([prompt + output], device=model.device)
-        logits = model(ids).logits[0, len(prompt) - 1:-1].float()
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
     t = temperature if temperature > 0 else 1.0
     lp = torch.log_softmax(logits / t, dim=-1)
     return lp.gather(-1, torch.tensor(output, device=model.device)[:, None]).squeeze(-1).cpu()
 
 
-async def _turns(engine: EmbeddedEngine, prompt: list[int], obs: list[int], params: SamplingParams, sid: str,
-                 turns: int) -> list[tuple[list[int], list[int], list[float]]]:
+async def _turns(
+    engine: EmbeddedEngine, prompt: list[int], obs: list[int], params: SamplingParams, sid: str, turns: int
+) -> list[tuple[list[int], list[int], list[float]]]:
     ctx, out = list(prompt), []
     for _ in range(turns):
         r = await engine.generate(ctx, params, session_id=sid, ignore_eos=True)
@@ -154,8 +160,11 @@ def check_bf16_logprobs(size: str, device: str, vocab: int, tolerance: float) ->
     async def run() -> list:
         jobs = []
         for i, p in enumerate(prompts):
-            params = (SamplingParams(temperature=0.0, max_new_tokens=24) if i % 2 == 0 else
-                      SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=24, seed=i))
+            params = (
+                SamplingParams(temperature=0.0, max_new_tokens=24)
+                if i % 2 == 0
+                else SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=24, seed=i)
+            )
             jobs.append(_turns(engine, p, obs, params, f"s{i}", 2))
         return await asyncio.gather(*jobs)
 
@@ -171,15 +180,27 @@ def check_bf16_logprobs(size: str, device: str, vocab: int, tolerance: float) ->
             worst, total, count = max(worst, float(d.max())), total + float(d.sum()), count + len(out)
             if temperature == 0.0:
                 with torch.inference_mode():
-                    gen = model.generate(torch.tensor([ctx], device=device), max_new_tokens=len(out),
-                                         do_sample=False, pad_token_id=0)[0, len(ctx):].tolist()
+                    gen = model.generate(
+                        torch.tensor([ctx], device=device),
+                        max_new_tokens=len(out),
+                        do_sample=False,
+                        pad_token_id=0,
+                    )[0, len(ctx) :].tolist()
                 greedy_same += sum(a == b for a, b in zip(gen, out, strict=True))
                 greedy_total += len(out)
-    info = f"greedy tokens equal to HF generate: {greedy_same}/{greedy_total} (bf16 kernels differ; not a check)"
+    info = (
+        f"greedy tokens equal to HF generate: {greedy_same}/{greedy_total} (bf16 kernels differ; not a check)"
+    )
     mean = total / max(count, 1)
-    return (Check("bf16 logprobs vs HF forward", worst <= tolerance and mean <= tolerance / 10,
-                  f"{count} tokens over 2 turns (KV reused); max |diff| {worst:.4f}, mean {mean:.5f} (tolerance: "
-                  f"max {tolerance}, mean {tolerance / 10})"), info)
+    return (
+        Check(
+            "bf16 logprobs vs HF forward",
+            worst <= tolerance and mean <= tolerance / 10,
+            f"{count} tokens over 2 turns (KV reused); max |diff| {worst:.4f}, mean {mean:.5f} (tolerance: "
+            f"max {tolerance}, mean {tolerance / 10})",
+        ),
+        info,
+    )
 
 
 def check_update_weights(size: str, device: str, vocab: int) -> Check:
@@ -204,11 +225,16 @@ def check_update_weights(size: str, device: str, vocab: int) -> Check:
     updated = asyncio.run(served(EmbeddedEngine(fresh_model(size, device, 0), device=device), True))
     fresh = asyncio.run(served(EmbeddedEngine(fresh_model(size, device, 1), device=device), False))
     same = all(a[0] == b[0] for a, b in zip(updated, fresh, strict=True))
-    diff = max(max(abs(x - y) for x, y in zip(a[1], b[1], strict=True)) for a, b in zip(updated, fresh, strict=True))
+    diff = max(
+        max(abs(x - y) for x, y in zip(a[1], b[1], strict=True)) for a, b in zip(updated, fresh, strict=True)
+    )
     caches = [u[2] for u in updated] == [f[2] for f in fresh]
-    return Check("update_weights == fresh engine", same and diff <= 1e-3 and caches,
-                 f"tokens identical: {same}; max |logprob diff| {diff:.2e}; cached tokens {[u[2] for u in updated]} "
-                 f"vs {[f[2] for f in fresh]}")
+    return Check(
+        "update_weights == fresh engine",
+        same and diff <= 1e-3 and caches,
+        f"tokens identical: {same}; max |logprob diff| {diff:.2e}; cached tokens {[u[2] for u in updated]} "
+        f"vs {[f[2] for f in fresh]}",
+    )
 
 
 def step_floor_ms(size: str, device: str, batch_size: int, length: int = 256, steps: int = 50) -> float:
@@ -218,8 +244,13 @@ def step_floor_ms(size: str, device: str, batch_size: int, length: int = 256, st
         decoder = Decoder(model)
         batch = DecodeBatch(decoder, decoder.new_cache(batch_size, 2 * length), batch_size)
         rows = [RowSampling(1.0, key=i) for i in range(batch_size)]
-        batch.join(0, torch.ones(batch_size, dtype=torch.long, device=device), [length // 2] * batch_size, rows,
-                   [1] * batch_size)
+        batch.join(
+            0,
+            torch.ones(batch_size, dtype=torch.long, device=device),
+            [length // 2] * batch_size,
+            rows,
+            [1] * batch_size,
+        )
         mode = SampleMode.of(rows)
         for _ in range(3):
             batch.step(batch_size, length, mode)
@@ -265,17 +296,27 @@ def main() -> None:
     ap.add_argument("--batches", default="32,64,128")
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--logprob-tolerance", type=float, default=0.15,
-                    help="largest |engine - HF| logprob allowed in check 2, a tenth of it on average (bf16 kernels "
-                         "round apart; the 0.5B shape in bf16 on a CPU measured max 0.047, mean 0.004)")
+    ap.add_argument(
+        "--logprob-tolerance",
+        type=float,
+        default=0.15,
+        help="largest |engine - HF| logprob allowed in check 2, a tenth of it on average (bf16 kernels "
+        "round apart; the 0.5B shape in bf16 on a CPU measured max 0.047, mean 0.004)",
+    )
     ap.add_argument("--bandwidth-tbs", type=float, default=4.3)
-    ap.add_argument("--profile", action="store_true",
-                    help="then profile 20 bare decode steps and one engine run at the first batch size")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="then profile 20 bare decode steps and one engine run at the first batch size",
+    )
     args = ap.parse_args()
     device, size = args.device, args.model_size
     t_start = time.perf_counter()
-    print(f"torch {torch.__version__}; device {device}"
-          + (f" ({torch.cuda.get_device_name()})" if device.startswith("cuda") else ""), flush=True)
+    print(
+        f"torch {torch.__version__}; device {device}"
+        + (f" ({torch.cuda.get_device_name()})" if device.startswith("cuda") else ""),
+        flush=True,
+    )
     vocab = _built(size, device, 0).config.vocab_size
 
     checks: list[Check] = []
@@ -319,13 +360,19 @@ def main() -> None:
     print(f"\nall checks and benchmarks in {time.perf_counter() - t_start:.0f}s")
     for c in checks:
         print(f"{'PASS' if c.ok else 'FAIL'}  {c.name}: {c.detail}")
-    print(f"\n{size} on {device}; B sessions x {args.turns} turns x {args.new_tokens} new tokens (64-token prompts, "
-          f"16-token observations); bandwidth limit at {args.bandwidth_tbs} TB/s")
-    print(f"{'B':>4} {'batched generate':>17} {'engine':>10} {'engine/gen':>11} {'engine ms/step':>15} "
-          f"{'bare step ms':>13} {'BW limit':>10} {'% of limit':>11}")
+    print(
+        f"\n{size} on {device}; B sessions x {args.turns} turns x {args.new_tokens} new tokens (64-token prompts, "
+        f"16-token observations); bandwidth limit at {args.bandwidth_tbs} TB/s"
+    )
+    print(
+        f"{'B':>4} {'batched generate':>17} {'engine':>10} {'engine/gen':>11} {'engine ms/step':>15} "
+        f"{'bare step ms':>13} {'BW limit':>10} {'% of limit':>11}"
+    )
     for b, gen_rate, eng_rate, ms, floor, limit in rows:
-        print(f"{b:>4} {gen_rate:>13.0f} t/s {eng_rate:>6.0f} t/s {eng_rate / gen_rate:>10.2f}x {ms:>15.2f} "
-              f"{floor:>13.2f} {limit:>10.0f} {100 * eng_rate / limit:>10.2f}%")
+        print(
+            f"{b:>4} {gen_rate:>13.0f} t/s {eng_rate:>6.0f} t/s {eng_rate / gen_rate:>10.2f}x {ms:>15.2f} "
+            f"{floor:>13.2f} {limit:>10.0f} {100 * eng_rate / limit:>10.2f}%"
+        )
     if args.profile:
         profile(size, device, int(args.batches.split(",")[0]), args, vocab)
     sys.exit(0 if all(c.ok for c in checks) else 1)

@@ -51,8 +51,10 @@ def profile_region(fn: Callable[[], object], *, label: str, top: int = 8) -> Non
         by_kind[kind] = by_kind.get(kind, 0.0) + us
         by_name[e.name] = by_name.get(e.name, 0.0) + us
     busy = sum(by_kind.values())
-    print(f"  profile of {label}: {wall_us / 1e3:.1f} ms wall, GPU kernels {busy / 1e3:.1f} ms "
-          f"({100 * busy / max(wall_us, 1e-9):.0f}% busy, {len(kernels)} kernels)")
+    print(
+        f"  profile of {label}: {wall_us / 1e3:.1f} ms wall, GPU kernels {busy / 1e3:.1f} ms "
+        f"({100 * busy / max(wall_us, 1e-9):.0f}% busy, {len(kernels)} kernels)"
+    )
     for kind, us in sorted(by_kind.items(), key=lambda kv: -kv[1]):
         print(f"    {kind:>16}: {us / 1e3:8.1f} ms  {100 * us / wall_us:5.1f}% of the wall time")
     print("    top kernels:")
@@ -62,4 +64,6 @@ def profile_region(fn: Callable[[], object], *, label: str, top: int = 8) -> Non
     ops = [a for a in prof.key_averages(group_by_stack_n=12) if a.self_device_time_total > 0]
     for a in sorted(ops, key=lambda a: -a.self_device_time_total)[:top]:
         frames = [f for f in a.stack if OWN_FRAMES.search(f)][:3]
-        print(f"    {a.self_device_time_total / 1e3:8.1f} ms  {a.key} x{a.count}  <- {' <- '.join(frames) or '?'}")
+        print(
+            f"    {a.self_device_time_total / 1e3:8.1f} ms  {a.key} x{a.count}  <- {' <- '.join(frames) or '?'}"
+        )

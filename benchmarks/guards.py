@@ -49,7 +49,9 @@ def main() -> None:
     from miles.trajectory import TrajectoryBatch
     from miles.types import TerminationReason
 
-    model = AutoModelForCausalLM.from_pretrained(REPO / "checkpoints" / "calculator-sft-1m", dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        REPO / "checkpoints" / "calculator-sft-1m", dtype=torch.float32
+    )
     tito = TokenizerSpec("tiny", "compact").build()
     recipe = EnvRecipe("Calculator-v0", {"max_operand": 9, "num_operators": [1, 1], "operators": "+-*"})
     tasks = recipe.make().tasks.take(64)
@@ -58,9 +60,18 @@ def main() -> None:
         t.meta.group_id, t.reward = f"g{i // 8}", float(i % 2)
         t.rollout_logprobs = [(-0.5 if m else 0.0) for m in t.loss_mask]
     batch = TrajectoryBatch.from_trajectories(trajs)
-    records = [SessionRecord(session_id=f"s{i}", group_id=f"g{i // 8}", termination=TerminationReason.DONE,
-                             reward=t.reward, trajectory=t, tools=[{"type": "function"}],
-                             turns=[TurnRecord(index=0, tool_calls=[{"id": "c"}])]) for i, t in enumerate(trajs)]
+    records = [
+        SessionRecord(
+            session_id=f"s{i}",
+            group_id=f"g{i // 8}",
+            termination=TerminationReason.DONE,
+            reward=t.reward,
+            trajectory=t,
+            tools=[{"type": "function"}],
+            turns=[TurnRecord(index=0, tool_calls=[{"id": "c"}])],
+        )
+        for i, t in enumerate(trajs)
+    ]
     trainer = TorchTrainer(model, TorchTrainerConfig(lr=3e-4, max_grad_norm=1.0))
     health = RunHealth(HealthConfig(), warn=lambda line: None)
 
@@ -72,7 +83,9 @@ def main() -> None:
     step_s = median_s(step, args.steps)
     state = trainer.hf_state_dict()
     weights_s = median_s(lambda: first_nonfinite(state), args.steps * 5)
-    health_s = median_s(lambda: health.observe(step_activity(records), {"optimizer_steps": 1.0}), args.steps * 5)
+    health_s = median_s(
+        lambda: health.observe(step_activity(records), {"optimizer_steps": 1.0}), args.steps * 5
+    )
     real_isfinite = backend.math.isfinite
     backend.math.isfinite = lambda x: True  # the step without its gradient-norm check
     try:
@@ -81,12 +94,16 @@ def main() -> None:
         backend.math.isfinite = real_isfinite
     guarded_s = median_s(step, args.steps)
     total = weights_s + health_s
-    print(f"calculator example, 64 sessions, {batch.token_ids.numel()} tokens, {torch.get_num_threads()} threads")
+    print(
+        f"calculator example, 64 sessions, {batch.token_ids.numel()} tokens, {torch.get_num_threads()} threads"
+    )
     print(f"step (update + the state dict a sync sends): {step_s * 1000:.1f} ms")
     print(f"weights finiteness check:   {weights_s * 1000:.3f} ms  ({weights_s / step_s:.2%} of a step)")
     print(f"activity + health per step: {health_s * 1000:.3f} ms  ({health_s / step_s:.2%})")
-    print(f"gradient-norm check: step {guarded_s * 1000:.1f} ms with, {unguarded_s * 1000:.1f} ms without "
-          f"(ratio {guarded_s / unguarded_s:.3f}; within the noise)")
+    print(
+        f"gradient-norm check: step {guarded_s * 1000:.1f} ms with, {unguarded_s * 1000:.1f} ms without "
+        f"(ratio {guarded_s / unguarded_s:.3f}; within the noise)"
+    )
     print(f"guards in all: {total / step_s:.2%} of a step (target <= 2%)")
     assert math.isfinite(total)
 

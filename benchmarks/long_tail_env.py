@@ -21,8 +21,11 @@ from miles.types import Message
 def make_task(rng) -> Task:
     turns = int(rng.integers(6, 9)) if rng.random() < 0.2 else 1
     budget = int(round(math.exp(rng.uniform(math.log(8), math.log(80)))))
-    return Task(id="", prompt=f"Work for {turns} turns, about {budget} tokens each: {int(rng.integers(10**6))}.",
-                data={"turns": turns, "sampling": {"max_new_tokens": budget}})
+    return Task(
+        id="",
+        prompt=f"Work for {turns} turns, about {budget} tokens each: {int(rng.integers(10**6))}.",
+        data={"turns": turns, "sampling": {"max_new_tokens": budget}},
+    )
 
 
 class LongTailEnv(Env):

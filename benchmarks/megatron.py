@@ -39,10 +39,16 @@ def llama_config(args: argparse.Namespace):
     import transformers
 
     return transformers.LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.ffn,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-        max_position_embeddings=max(args.seq_len, 2048), tie_word_embeddings=False,
-        rope_parameters={"rope_theta": 500000.0, "rope_type": "default"})
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.ffn,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=max(args.seq_len, 2048),
+        tie_word_embeddings=False,
+        rope_parameters={"rope_theta": 500000.0, "rope_type": "default"},
+    )
 
 
 def make_batches(args: argparse.Namespace, n: int):
@@ -56,9 +62,15 @@ def make_batches(args: argparse.Namespace, n: int):
         for i in range(args.batch):
             ids = torch.randint(0, args.vocab, (args.seq_len,), generator=g).tolist()
             lps = [0.0] * prompt + (-torch.rand(args.seq_len - prompt, generator=g)).tolist()
-            trajs.append(Trajectory(token_ids=ids, loss_mask=[0] * prompt + [1] * (args.seq_len - prompt),
-                                    rollout_logprobs=lps, reward=float((i + step) % 2),
-                                    meta=TrajectoryMeta(group_id=str(i // 2))))
+            trajs.append(
+                Trajectory(
+                    token_ids=ids,
+                    loss_mask=[0] * prompt + [1] * (args.seq_len - prompt),
+                    rollout_logprobs=lps,
+                    reward=float((i + step) % 2),
+                    meta=TrajectoryMeta(group_id=str(i // 2)),
+                )
+            )
         out.append(TrajectoryBatch.from_trajectories(trajs))
     return out
 
@@ -66,8 +78,11 @@ def make_batches(args: argparse.Namespace, n: int):
 def flops_per_token(cfg, seq_len: int) -> tuple[float, int]:
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     kv = cfg.num_key_value_heads * head_dim
-    per_layer = cfg.hidden_size * (cfg.hidden_size + 2 * kv) + cfg.hidden_size * cfg.hidden_size \
+    per_layer = (
+        cfg.hidden_size * (cfg.hidden_size + 2 * kv)
+        + cfg.hidden_size * cfg.hidden_size
         + 3 * cfg.hidden_size * cfg.intermediate_size
+    )
     matmul_params = cfg.num_hidden_layers * per_layer + cfg.vocab_size * cfg.hidden_size  # + lm_head
     attention = 6 * cfg.num_hidden_layers * seq_len * cfg.num_attention_heads * head_dim
     return 6 * matmul_params + attention, matmul_params
@@ -127,34 +142,46 @@ def main() -> None:
     tokens = args.seq_len * args.batch
     mbt = args.micro_batch_tokens or tokens
     batches = make_batches(args, args.warmup + args.steps)
-    print(f"model: {args.layers} layers, hidden {args.hidden}, heads {args.heads}/{args.kv_heads}, vocab "
-          f"{args.vocab}; {n_params / 1e6:.1f}M matmul params; batch {args.batch} x {args.seq_len} tokens; "
-          f"{precision} on {'cuda' if on_gpu else 'cpu'}")
+    print(
+        f"model: {args.layers} layers, hidden {args.hidden}, heads {args.heads}/{args.kv_heads}, vocab "
+        f"{args.vocab}; {n_params / 1e6:.1f}M matmul params; batch {args.batch} x {args.seq_len} tokens; "
+        f"{precision} on {'cuda' if on_gpu else 'cpu'}"
+    )
     results: dict[str, float] = {}
     for backend in args.backends.split(","):
         torch.manual_seed(0)
         if backend == "megatron":
             from miles.trainers.megatron import MegatronTrainer, MegatronTrainerConfig
 
-            trainer = MegatronTrainer(hf_config=cfg, config=MegatronTrainerConfig(
-                lr=1e-5, precision=precision, micro_batch_tokens=mbt))
+            trainer = MegatronTrainer(
+                hf_config=cfg,
+                config=MegatronTrainerConfig(lr=1e-5, precision=precision, micro_batch_tokens=mbt),
+            )
         elif backend == "torch":
             import transformers
 
             from miles.trainers.torch_backend import TorchTrainer, TorchTrainerConfig
 
             model = transformers.LlamaForCausalLM(cfg)
-            trainer = TorchTrainer(model, TorchTrainerConfig(lr=1e-5, precision=precision, micro_batch_tokens=mbt,
-                                                             packing=args.torch_packing))
+            trainer = TorchTrainer(
+                model,
+                TorchTrainerConfig(
+                    lr=1e-5, precision=precision, micro_batch_tokens=mbt, packing=args.torch_packing
+                ),
+            )
         else:
             raise SystemExit(f"unknown backend {backend!r}; use megatron and/or torch")
         dt = time_trainer(trainer, batches, args.warmup)
         results[backend] = dt
         mfu = fpt * tokens / dt / PEAK_FLOPS
-        print(f"{backend:>9}: {dt:.4f} s/step  {tokens / dt:,.0f} tokens/s  MFU {100 * mfu:.1f}%"
-              + ("" if on_gpu else "  (MFU vs an H200 peak; meaningless on CPU)"))
+        print(
+            f"{backend:>9}: {dt:.4f} s/step  {tokens / dt:,.0f} tokens/s  MFU {100 * mfu:.1f}%"
+            + ("" if on_gpu else "  (MFU vs an H200 peak; meaningless on CPU)")
+        )
         if args.profile:
-            _sibling("gpu_profile").profile_region(lambda t=trainer: t.train_step(batches[-1]), label=f"one {backend} train_step")
+            _sibling("gpu_profile").profile_region(
+                lambda t=trainer: t.train_step(batches[-1]), label=f"one {backend} train_step"
+            )
         del trainer
         gc.collect()
         if on_gpu:

@@ -29,9 +29,20 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-TOOLS = [{"type": "function", "function": {
-    "name": "calculate", "description": "Evaluate an arithmetic expression exactly.",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculate",
+            "description": "Evaluate an arithmetic expression exactly.",
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string"}},
+                "required": ["expression"],
+            },
+        },
+    }
+]
 
 
 def question(rng: random.Random) -> tuple[str, int]:
@@ -45,44 +56,68 @@ async def agent(http: httpx.AsyncClient, url: str, sid: str, turns: int, max_tok
     text, value = question(rng)
     messages: list[dict] = [{"role": "user", "content": text}]
     for _ in range(turns):
-        resp = await http.post(f"{url}/v1/chat/completions", headers={"authorization": f"Bearer {sid}"}, json={
-            "model": "m", "messages": messages, "tools": TOOLS, "max_tokens": max_tokens, "temperature": 0})
+        resp = await http.post(
+            f"{url}/v1/chat/completions",
+            headers={"authorization": f"Bearer {sid}"},
+            json={
+                "model": "m",
+                "messages": messages,
+                "tools": TOOLS,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+            },
+        )
         resp.raise_for_status()
         message = resp.json()["choices"][0]["message"]
         messages.append(message)
         if message.get("tool_calls"):
-            messages += [{"role": "tool", "tool_call_id": c["id"], "content": str(value)}
-                         for c in message["tool_calls"]]
+            messages += [
+                {"role": "tool", "tool_call_id": c["id"], "content": str(value)}
+                for c in message["tool_calls"]
+            ]
         else:
             text, value = question(rng)
             messages.append({"role": "user", "content": text})
 
 
-async def endpoint_phase(http: httpx.AsyncClient, url: str, prefix: str, args: argparse.Namespace
-                         ) -> tuple[float, list[list[tuple[list[int], int]]]]:
+async def endpoint_phase(
+    http: httpx.AsyncClient, url: str, prefix: str, args: argparse.Namespace
+) -> tuple[float, list[list[tuple[list[int], int]]]]:
     """Run the agents; returns the wall time of their turns and each session's (prompt ids, generated) turns."""
     sids = [f"{prefix}-{i}" for i in range(args.sessions)]
     t0 = time.perf_counter()
-    await asyncio.gather(*(agent(http, url, sid, args.turns, args.max_tokens, i) for i, sid in enumerate(sids)))
+    await asyncio.gather(
+        *(agent(http, url, sid, args.turns, args.max_tokens, i) for i, sid in enumerate(sids))
+    )
     wall = time.perf_counter() - t0
     sessions = []
     for sid in sids:
         (await http.post(f"{url}/sessions/{sid}/close")).raise_for_status()
         [record] = (await http.get(f"{url}/sessions/{sid}/trajectory")).json()["records"]
         ids = record["trajectory"]["token_ids"]
-        sessions.append([(ids[:t["output_start"]],
-                          t["output_end"] - t["output_start"]) for t in record["turns"]])
+        sessions.append(
+            [(ids[: t["output_start"]], t["output_end"] - t["output_start"]) for t in record["turns"]]
+        )
     return wall, sessions
 
 
-async def direct_phase(http: httpx.AsyncClient, url: str, prefix: str,
-                       sessions: list[list[tuple[list[int], int]]]) -> float:
+async def direct_phase(
+    http: httpx.AsyncClient, url: str, prefix: str, sessions: list[list[tuple[list[int], int]]]
+) -> float:
     """The same turns straight to `/generate`, session by session in order, all sessions at once."""
+
     async def one(i: int, turns: list[tuple[list[int], int]]) -> None:
         for k, (prompt, n) in enumerate(turns):
-            resp = await http.post(f"{url}/generate", headers={"x-miles-session-id": f"{prefix}-{i}"}, json={
-                "rid": f"{prefix}-{i}-{k}", "input_ids": prompt, "return_logprob": True,
-                "sampling_params": {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}})
+            resp = await http.post(
+                f"{url}/generate",
+                headers={"x-miles-session-id": f"{prefix}-{i}"},
+                json={
+                    "rid": f"{prefix}-{i}-{k}",
+                    "input_ids": prompt,
+                    "return_logprob": True,
+                    "sampling_params": {"temperature": 0, "max_new_tokens": n, "ignore_eos": True},
+                },
+            )
             resp.raise_for_status()
             assert len(resp.json()["output_ids"]) == n
 
@@ -92,10 +127,26 @@ async def direct_phase(http: httpx.AsyncClient, url: str, prefix: str,
 
 
 def start_server(model: str, port: int, max_batch_size: int, device: str) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-m", "miles.engines", "--model", model, "--port", str(port),
-                             "--max-batch-size", str(max_batch_size), "--device", device,
-                             "--openai", "chat_template=compact"],
-                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "miles.engines",
+            "--model",
+            model,
+            "--port",
+            str(port),
+            "--max-batch-size",
+            str(max_batch_size),
+            "--device",
+            device,
+            "--openai",
+            "chat_template=compact",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
 
 
 async def main_async(args: argparse.Namespace) -> None:
@@ -124,17 +175,22 @@ async def main_async(args: argparse.Namespace) -> None:
                 direct_walls.append(await direct_phase(http, url, f"dr{r}", sessions))
                 turns = sum(len(s) for s in sessions)
                 tokens = sum(n for s in sessions for _, n in s)
-                print(f"repeat {r}: endpoint {wall:.2f} s, /generate {direct_walls[-1]:.2f} s "
-                      f"({turns} turns, {tokens} generated tokens, "
-                      f"{sum(len(p) for s in sessions for p, _ in s) // turns} prompt tokens per turn)", flush=True)
+                print(
+                    f"repeat {r}: endpoint {wall:.2f} s, /generate {direct_walls[-1]:.2f} s "
+                    f"({turns} turns, {tokens} generated tokens, "
+                    f"{sum(len(p) for s in sessions for p, _ in s) // turns} prompt tokens per turn)",
+                    flush=True,
+                )
     finally:
         server.terminate()
         server.wait(30)
     n = args.sessions * args.turns
     ratios = sorted(e / d for e, d in zip(ep_walls, direct_walls, strict=True))
     ep, dr = statistics.median(ep_walls), statistics.median(direct_walls)
-    print(f"\n{args.sessions} concurrent sessions x {args.turns} turns, model {args.model} on {args.device}, "
-          f"median of {args.repeats} repeats")
+    print(
+        f"\n{args.sessions} concurrent sessions x {args.turns} turns, model {args.model} on {args.device}, "
+        f"median of {args.repeats} repeats"
+    )
     print(f"{'':24}{'/generate':>12}{'endpoint':>12}")
     print(f"{'wall time (s)':24}{dr:>12.2f}{ep:>12.2f}")
     print(f"{'per turn (ms)':24}{1000 * dr / n:>12.1f}{1000 * ep / n:>12.1f}")

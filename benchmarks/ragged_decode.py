@@ -37,7 +37,9 @@ def mixes(seed: int) -> dict[str, list[int]]:
     }
 
 
-def step_ms(decoder: Decoder, cache, lengths: list[int], plan: AttentionGroups | None, min_s: float = 0.2) -> float:
+def step_ms(
+    decoder: Decoder, cache, lengths: list[int], plan: AttentionGroups | None, min_s: float = 0.2
+) -> float:
     """Mean milliseconds of one decode step over rows of `lengths` (one padded call when `plan` is None)."""
     ids = torch.randint(0, 100, (len(lengths), 1))
     pos = torch.tensor(lengths)[:, None] - 1
@@ -60,7 +62,9 @@ def main() -> None:
     decoder = Decoder(make_tiny_model(args.model_size).eval())
     cache = decoder.new_cache(256, 2048, initial_len=1024)
     cache.data.normal_(generator=torch.Generator().manual_seed(args.seed))
-    print(f"{'rows and context lengths':<32}{'padded ms':>11}{'grouped ms':>12}{'speed-up':>10}  groups (base; rows x length)")
+    print(
+        f"{'rows and context lengths':<32}{'padded ms':>11}{'grouped ms':>12}{'speed-up':>10}  groups (base; rows x length)"
+    )
     ratios = []
     for name, lengths in mixes(args.seed).items():
         plan = attention_groups(lengths)
@@ -72,10 +76,13 @@ def main() -> None:
             grouped.append(step_ms(decoder, cache, lengths, plan))
         p, g = statistics.median(padded), statistics.median(grouped)
         ratios.append(p / g)
-        shape = f"{plan.base}; " + ", ".join(f"{len(r)} x {n}" for r, n in plan.gathered) if plan else "one call"
+        shape = (
+            f"{plan.base}; " + ", ".join(f"{len(r)} x {n}" for r, n in plan.gathered) if plan else "one call"
+        )
         print(f"{name:<32}{p:>11.3f}{g:>12.3f}{p / g:>9.2f}x  {shape}")
-    print(f"grouped/padded decode step, geometric mean over the mixes: "
-          f"{statistics.geometric_mean(ratios):.2f}x")
+    print(
+        f"grouped/padded decode step, geometric mean over the mixes: {statistics.geometric_mean(ratios):.2f}x"
+    )
 
 
 if __name__ == "__main__":

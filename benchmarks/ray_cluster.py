@@ -33,20 +33,36 @@ PARTS = ("step_s", "rollout_s", "train_s", "sync_s")
 
 
 def run(name: str, out: Path, args: argparse.Namespace, sets: list[str]) -> dict[str, float]:
-    cmd = [sys.executable, "-m", "miles.cli", "train", "--config", "configs/calculator.yaml", "--output-dir", str(out),
-           "--set", "max_seconds=null", "--set", f"steps={args.steps}", "--set", "eval.num_tasks=8",
-           *(x for s in sets for x in ("--set", s))]
+    cmd = [
+        sys.executable,
+        "-m",
+        "miles.cli",
+        "train",
+        "--config",
+        "configs/calculator.yaml",
+        "--output-dir",
+        str(out),
+        "--set",
+        "max_seconds=null",
+        "--set",
+        f"steps={args.steps}",
+        "--set",
+        "eval.num_tasks=8",
+        *(x for s in sets for x in ("--set", s)),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=3600)
     if proc.returncode:
         raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in rows if r["kind"] == "train"][args.warmup:]
+    train = [r for r in rows if r["kind"] == "train"][args.warmup :]
     return {k: float(np.mean([r.get(k, 0.0) for r in train])) for k in PARTS}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2)
@@ -57,12 +73,25 @@ def main() -> None:
     print(f"load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     results: dict[str, list[dict[str, float]]] = {"local": [], "http": [], "ray": []}
     with tempfile.TemporaryDirectory() as tmp:
-        server = RolloutProcess("--engine", "embedded", "--model", "checkpoints/calculator-sft-1m", "--port",
-                                str(free_port()), "--no-router", "--log-dir", str(Path(tmp) / "logs"), cwd=REPO)
+        server = RolloutProcess(
+            "--engine",
+            "embedded",
+            "--model",
+            "checkpoints/calculator-sft-1m",
+            "--port",
+            str(free_port()),
+            "--no-router",
+            "--log-dir",
+            str(Path(tmp) / "logs"),
+            cwd=REPO,
+        )
         try:
             url = server.ready()["urls"][0]
-            variants = {"local": [], "http": ["engine.kind=sglang", f"engine.urls=[{url}]"],
-                        "ray": ["cluster.kind=ray"]}
+            variants = {
+                "local": [],
+                "http": ["engine.kind=sglang", f"engine.urls=[{url}]"],
+                "ray": ["cluster.kind=ray"],
+            }
             for i in range(args.repeats):
                 for name, sets in variants.items():
                     results[name].append(run(name, Path(tmp) / f"{name}-{i}", args, sets))

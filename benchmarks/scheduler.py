@@ -38,8 +38,9 @@ class BenchEnv(ToolEnv):
     max_turns = TURNS
 
     def default_tasks(self) -> TaskSource:
-        return TaskSource.from_iterable([{"id": f"t{i}", "prompt": f"Add {i} three times.", "answer": "9"}
-                                         for i in range(64)])
+        return TaskSource.from_iterable(
+            [{"id": f"t{i}", "prompt": f"Add {i} three times.", "answer": "9"} for i in range(64)]
+        )
 
     @tool
     def add(self, a: int, b: int) -> int:
@@ -59,8 +60,9 @@ class BenchEnv(ToolEnv):
 def script(tito: TITOTokenizer) -> list[list[int]]:
     stop = [tito.stop_token_ids[0]]
     enc = tito.tokenizer.encode
-    call = enc('<tool_call>\n{"name": "add", "arguments": {"a": 3, "b": 3}}\n</tool_call>',
-               add_special_tokens=False)
+    call = enc(
+        '<tool_call>\n{"name": "add", "arguments": {"a": 3, "b": 3}}\n</tool_call>', add_special_tokens=False
+    )
     return [call + stop] * (TURNS - 1) + [enc("9", add_special_tokens=False) + stop]
 
 
@@ -78,8 +80,12 @@ async def bare(n: int, tito: TITOTokenizer, engine: InstantEngine) -> list[float
         total = 0.0
         for _ in range(TURNS):
             res = await engine.generate(conv.prompt_ids, sampling, session_id=f"b{i}")
-            text = conv.append_generation(res.output_ids, res.output_logprobs, weight_version=res.weight_version,
-                                          finish_reason=res.finish_reason)
+            text = conv.append_generation(
+                res.output_ids,
+                res.output_logprobs,
+                weight_version=res.weight_version,
+                finish_reason=res.finish_reason,
+            )
             parsed = parser.parse(text)
             action = Message(role="assistant", content=parsed.content, tool_calls=parsed.calls)
             obs, r, term, trunc, _ = await env.astep(action)
@@ -95,13 +101,25 @@ async def bare(n: int, tito: TITOTokenizer, engine: InstantEngine) -> list[float
     return await asyncio.gather(*(one(i) for i in range(n)))
 
 
-async def full(n: int, tito: TITOTokenizer, engine: InstantEngine, path: Path, *, metrics: bool = False
-               ) -> list[float]:
-    cfg = SchedulerConfig(session=SessionConfig(sampling=SAMPLING), group_size=4, max_concurrent_sessions=n,
-                          max_inflight_per_engine=n, progress=False)
+async def full(
+    n: int, tito: TITOTokenizer, engine: InstantEngine, path: Path, *, metrics: bool = False
+) -> list[float]:
+    cfg = SchedulerConfig(
+        session=SessionConfig(sampling=SAMPLING),
+        group_size=4,
+        max_concurrent_sessions=n,
+        max_inflight_per_engine=n,
+        progress=False,
+    )
     observer = SessionMetrics(RunLabels("bench", "Bench-v0", "instant"), metrics=Metrics(CollectorRegistry()))
-    sched = SessionScheduler(engine, tokenizer=tito, env_factory=BenchEnv, config=cfg, recorder=path,
-                             observer=observer if metrics else None)
+    sched = SessionScheduler(
+        engine,
+        tokenizer=tito,
+        env_factory=BenchEnv,
+        config=cfg,
+        recorder=path,
+        observer=observer if metrics else None,
+    )
     groups = await sched.run([f"t{i % 64}" for i in range(n // 4)])
     await sched.aclose()
     return [r.reward for g in groups for r in g.records]
@@ -122,8 +140,11 @@ def main() -> None:
                 engine = InstantEngine(replies)
                 path = Path(tmp) / f"sessions-{rep}-{name}.jsonl"
                 t0 = time.perf_counter()
-                rewards = asyncio.run(bare(n, tito, engine) if name == "bare"
-                                      else full(n, tito, engine, path, metrics=name == "metrics"))
+                rewards = asyncio.run(
+                    bare(n, tito, engine)
+                    if name == "bare"
+                    else full(n, tito, engine, path, metrics=name == "metrics")
+                )
                 dt = time.perf_counter() - t0
                 assert len(rewards) == n and all(r == 1.0 for r in rewards), f"{name}: wrong rewards"
                 if name != "bare":

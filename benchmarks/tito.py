@@ -18,18 +18,34 @@ from miles.engine import FinishReason
 from miles.tito import TITOTokenizer, load_tokenizer
 from miles.types import Message, ToolCall
 
-TOOLS = [{"type": "function", "function": {
-    "name": "calculate", "description": "Evaluate an arithmetic expression.",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
-START = [Message("system", "You are a careful assistant. Use the calculator for every step."),
-         Message("user", "Add the numbers 1 to 64, one tool call at a time.")]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculate",
+            "description": "Evaluate an arithmetic expression.",
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string"}},
+                "required": ["expression"],
+            },
+        },
+    }
+]
+START = [
+    Message("system", "You are a careful assistant. Use the calculator for every step."),
+    Message("user", "Add the numbers 1 to 64, one tool call at a time."),
+]
 TURNS = 64
 MEASURED = (1, 16, 64)
 
 
 def _turn(t: int) -> tuple[Message, list[Message]]:
-    call = Message("assistant", f"Step {t}.", [ToolCall("calculate", {"expression": f"{t * (t - 1) // 2} + {t}"},
-                                                        id="call_0")])
+    call = Message(
+        "assistant",
+        f"Step {t}.",
+        [ToolCall("calculate", {"expression": f"{t * (t - 1) // 2} + {t}"}, id="call_0")],
+    )
     result = [Message("tool", str(t * (t + 1) // 2), tool_call_id="call_0", name="calculate")]
     return call, result
 
@@ -64,15 +80,21 @@ def bench(spec: str, repeats: int) -> None:
     runs = [run_once(tito, outputs) for _ in range(repeats)]
     tito_med = {t: statistics.median(r[0][t] for r in runs) for t in MEASURED}
     naive_med = {t: statistics.median(r[1][t] for r in runs) for t in MEASURED}
-    print(f"\n[{spec}] family={tito.family}, {TURNS} turns, median of {repeats} runs "
-          f"(conversation at turn 64: {runs[0][2]} tokens)")
+    print(
+        f"\n[{spec}] family={tito.family}, {TURNS} turns, median of {repeats} runs "
+        f"(conversation at turn 64: {runs[0][2]} tokens)"
+    )
     print(f"{'turn':>6} {'tito append (us)':>18} {'naive re-render (us)':>22} {'naive / tito':>13}")
     for t in MEASURED:
-        print(f"{t:>6} {tito_med[t] * 1e6:>18.0f} {naive_med[t] * 1e6:>22.0f} {naive_med[t] / tito_med[t]:>13.1f}")
+        print(
+            f"{t:>6} {tito_med[t] * 1e6:>18.0f} {naive_med[t] * 1e6:>22.0f} {naive_med[t] / tito_med[t]:>13.1f}"
+        )
     tr = tito_med[64] / tito_med[1]
     nr = naive_med[64] / naive_med[1]
-    print(f"tito turn64/turn1 = {tr:.2f} (target <= 1.5: {'PASS' if tr <= 1.5 else 'FAIL'}); "
-          f"naive turn64/turn1 = {nr:.2f}")
+    print(
+        f"tito turn64/turn1 = {tr:.2f} (target <= 1.5: {'PASS' if tr <= 1.5 else 'FAIL'}); "
+        f"naive turn64/turn1 = {nr:.2f}"
+    )
 
 
 def main() -> None:

@@ -44,7 +44,9 @@ from miles.trainers.torch_backend import AlgorithmConfig, TorchTrainer, TorchTra
 from miles.trajectory import Trajectory, TrajectoryBatch, TrajectoryMeta
 
 
-def make_batch(num_seqs: int, min_len: int, max_len: int, vocab: int, group_size: int, seed: int) -> TrajectoryBatch:
+def make_batch(
+    num_seqs: int, min_len: int, max_len: int, vocab: int, group_size: int, seed: int
+) -> TrajectoryBatch:
     """Multi-turn-shaped trajectories: a prompt, generated turns, a masked tool observation in between."""
     g = torch.Generator().manual_seed(seed)
     trajs = []
@@ -54,14 +56,21 @@ def make_batch(num_seqs: int, min_len: int, max_len: int, vocab: int, group_size
         gen1 = (n - prompt - obs) // 2
         mask = [0] * prompt + [1] * gen1 + [0] * obs + [1] * (n - prompt - gen1 - obs)
         lps = [(-float(torch.rand((), generator=g)) * 3 if m else 0.0) for m in mask]
-        trajs.append(Trajectory(token_ids=torch.randint(0, vocab, (n,), generator=g).tolist(), loss_mask=mask,
-                                rollout_logprobs=lps, reward=float(torch.rand((), generator=g) > 0.5),
-                                meta=TrajectoryMeta(group_id=f"g{i // group_size}")))
+        trajs.append(
+            Trajectory(
+                token_ids=torch.randint(0, vocab, (n,), generator=g).tolist(),
+                loss_mask=mask,
+                rollout_logprobs=lps,
+                reward=float(torch.rand((), generator=g) > 0.5),
+                meta=TrajectoryMeta(group_id=f"g{i // group_size}"),
+            )
+        )
     return TrajectoryBatch.from_trajectories(trajs)
 
 
-def main_job_batch(seed: int, vocab: int, num_seqs: int = 64, group_size: int = 8, long_sessions: int = 2
-                   ) -> TrajectoryBatch:
+def main_job_batch(
+    seed: int, vocab: int, num_seqs: int = 64, group_size: int = 8, long_sessions: int = 2
+) -> TrajectoryBatch:
     """Trajectories shaped like the calculator example's rollouts (see the module doc): one tool call and an
     answer, but the last `long_sessions` (at most 2) run longer (about 225 and 630 tokens); rewards mixed
     within groups."""
@@ -78,9 +87,15 @@ def main_job_batch(seed: int, vocab: int, num_seqs: int = 64, group_size: int = 
             mask += [1] * rand(18, 24) + [0] * 14
         mask += [1] * rand(5, 9)
         lps = [(-float(torch.rand((), generator=g)) * 2 if m else 0.0) for m in mask]
-        trajs.append(Trajectory(token_ids=torch.randint(3, vocab, (len(mask),), generator=g).tolist(), loss_mask=mask,
-                                rollout_logprobs=lps, reward=float(i % 3 == 0),
-                                meta=TrajectoryMeta(group_id=f"g{i // group_size}")))
+        trajs.append(
+            Trajectory(
+                token_ids=torch.randint(3, vocab, (len(mask),), generator=g).tolist(),
+                loss_mask=mask,
+                rollout_logprobs=lps,
+                reward=float(i % 3 == 0),
+                meta=TrajectoryMeta(group_id=f"g{i // group_size}"),
+            )
+        )
     return TrajectoryBatch.from_trajectories(trajs)
 
 
@@ -109,10 +124,15 @@ def interleaved_medians(steps: dict[str, Callable[[], None]], rounds: int, warmu
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def miles_path(model, batch, packing: str, micro_tokens: int, lr: float) -> tuple[Callable[[], None], TorchTrainer]:
-    cfg = TorchTrainerConfig(lr=lr, micro_batch_tokens=micro_tokens, packing=packing, max_grad_norm=1.0,
-                             temperature=1.0)
-    alg = AlgorithmConfig(advantage=AdvantageConfig("grpo"), loss=LossConfig(aggregation="seq-mean-token-mean"))
+def miles_path(
+    model, batch, packing: str, micro_tokens: int, lr: float
+) -> tuple[Callable[[], None], TorchTrainer]:
+    cfg = TorchTrainerConfig(
+        lr=lr, micro_batch_tokens=micro_tokens, packing=packing, max_grad_norm=1.0, temperature=1.0
+    )
+    alg = AlgorithmConfig(
+        advantage=AdvantageConfig("grpo"), loss=LossConfig(aggregation="seq-mean-token-mean")
+    )
     trainer = TorchTrainer(model, cfg, alg)
     return (lambda: trainer.train_step(batch)), trainer
 
@@ -127,7 +147,7 @@ def split_prompt_completion(batch: TrajectoryBatch, micro_seqs: int):
         rows.append((ids[:first], ids[first:], mask[first:]))
     micro = []
     for lo in range(0, len(rows), micro_seqs):
-        part = rows[lo:lo + micro_seqs]
+        part = rows[lo : lo + micro_seqs]
         p_len, c_len = max(r[0].numel() for r in part), max(r[1].numel() for r in part)
         b = len(part)
         p_ids = torch.zeros(b, p_len, dtype=torch.long)
@@ -136,8 +156,8 @@ def split_prompt_completion(batch: TrajectoryBatch, micro_seqs: int):
         c_attn = torch.zeros(b, c_len, dtype=torch.long)
         c_mask = torch.zeros(b, c_len, dtype=torch.long)
         for j, (p, c, m) in enumerate(part):
-            p_ids[j, p_len - p.numel():], p_mask[j, p_len - p.numel():] = p, 1
-            c_ids[j, :c.numel()], c_attn[j, :c.numel()], c_mask[j, :c.numel()] = c, 1, m.long()
+            p_ids[j, p_len - p.numel() :], p_mask[j, p_len - p.numel() :] = p, 1
+            c_ids[j, : c.numel()], c_attn[j, : c.numel()], c_mask[j, : c.numel()] = c, 1, m.long()
         micro.append((lo, lo + b, p_ids, p_mask, c_ids, c_attn, c_mask))
     return micro
 
@@ -151,15 +171,28 @@ def trl_path(model, batch, advantages, micro_seqs: int, lr: float):
     except ImportError as e:
         return None, f"TRL not importable ({e})"
     micro = split_prompt_completion(batch, micro_seqs)
-    args = GRPOConfig(output_dir="/tmp/miles-bench-trl", per_device_train_batch_size=micro_seqs,
-                      num_generations=min(micro_seqs, 2), max_completion_length=int(batch.token_ids.numel()),
-                      report_to=[], use_cpu=not torch.cuda.is_available(), save_strategy="no", beta=0.0,
-                      loss_type="grpo", bf16=torch.cuda.is_available(), temperature=1.0)
+    args = GRPOConfig(
+        output_dir="/tmp/miles-bench-trl",
+        per_device_train_batch_size=micro_seqs,
+        num_generations=min(micro_seqs, 2),
+        max_completion_length=int(batch.token_ids.numel()),
+        report_to=[],
+        use_cpu=not torch.cuda.is_available(),
+        save_strategy="no",
+        beta=0.0,
+        loss_type="grpo",
+        bf16=torch.cuda.is_available(),
+        temperature=1.0,
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer = GRPOTrainer(model=model, reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
-                              args=args, train_dataset=Dataset.from_dict({"prompt": ["x"] * micro_seqs}),
-                              processing_class=load_tiny_tokenizer())
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
+            args=args,
+            train_dataset=Dataset.from_dict({"prompt": ["x"] * micro_seqs}),
+            processing_class=load_tiny_tokenizer(),
+        )
     trainer.current_gradient_accumulation_steps = len(micro)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=torch.cuda.is_available() or None)
     dev = next(model.parameters()).device
@@ -168,9 +201,15 @@ def trl_path(model, batch, advantages, micro_seqs: int, lr: float):
         model.train()
         opt.zero_grad(set_to_none=True)
         for lo, hi, p_ids, p_mask, c_ids, c_attn, c_mask in micro:
-            inputs = {"prompt_ids": p_ids.to(dev), "prompt_mask": p_mask.to(dev), "completion_ids": c_ids.to(dev),
-                      "completion_mask": c_attn.to(dev), "tool_mask": c_mask.to(dev),
-                      "advantages": advantages[lo:hi].to(dev), "num_items_in_batch": c_mask.sum().to(dev)}
+            inputs = {
+                "prompt_ids": p_ids.to(dev),
+                "prompt_mask": p_mask.to(dev),
+                "completion_ids": c_ids.to(dev),
+                "completion_mask": c_attn.to(dev),
+                "tool_mask": c_mask.to(dev),
+                "advantages": advantages[lo:hi].to(dev),
+                "num_items_in_batch": c_mask.sum().to(dev),
+            }
             with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
                 loss = trainer.compute_loss(model, inputs)
             loss.backward()
@@ -194,7 +233,7 @@ def plain_hf_path(model, batch, advantages, micro_seqs: int, lr: float):
             attn = torch.cat([p_mask, c_attn], 1).to(dev)
             k = c_ids.size(1)
             with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
-                logits = model(input_ids=ids, attention_mask=attn).logits[:, -k - 1:-1].float()
+                logits = model(input_ids=ids, attention_mask=attn).logits[:, -k - 1 : -1].float()
             logp = torch.log_softmax(logits, -1).gather(-1, c_ids.to(dev)[..., None])[..., 0]
             ratio = torch.exp(logp - logp.detach())
             a = advantages[lo:hi].to(dev)[:, None]
@@ -210,11 +249,19 @@ def plain_hf_path(model, batch, advantages, micro_seqs: int, lr: float):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--main-job", action="store_true",
-                    help="the calculator example's model, batch shape and micro-batch")
-    ap.add_argument("--records", default=None, help="with --main-job: a recorded sessions.jsonl to take the batch from")
-    ap.add_argument("--long-sessions", type=int, default=2, choices=(0, 1, 2),
-                    help="with --main-job: how many of the 64 sessions run long (the rollouts' tail)")
+    ap.add_argument(
+        "--main-job", action="store_true", help="the calculator example's model, batch shape and micro-batch"
+    )
+    ap.add_argument(
+        "--records", default=None, help="with --main-job: a recorded sessions.jsonl to take the batch from"
+    )
+    ap.add_argument(
+        "--long-sessions",
+        type=int,
+        default=2,
+        choices=(0, 1, 2),
+        help="with --main-job: how many of the 64 sessions run long (the rollouts' tail)",
+    )
     ap.add_argument("--size", default="3m")
     ap.add_argument("--hidden", type=int, default=None, help="override the size's hidden width (heads of 64)")
     ap.add_argument("--layers", type=int, default=None, help="override the size's number of layers")
@@ -234,12 +281,16 @@ def main() -> None:
         from transformers import AutoModelForCausalLM
 
         root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-        base = AutoModelForCausalLM.from_pretrained(os.path.join(root, "checkpoints", "calculator-sft-1m"),
-                                                    dtype=torch.float32)
+        base = AutoModelForCausalLM.from_pretrained(
+            os.path.join(root, "checkpoints", "calculator-sft-1m"), dtype=torch.float32
+        )
         label = "calculator-sft-1m"
         num_seqs = 64
-        batch = recorded_batch(args.records, num_seqs) if args.records else main_job_batch(
-            0, base.config.vocab_size, num_seqs, long_sessions=args.long_sessions)
+        batch = (
+            recorded_batch(args.records, num_seqs)
+            if args.records
+            else main_job_batch(0, base.config.vocab_size, num_seqs, long_sessions=args.long_sessions)
+        )
         micro_tokens, micro_seqs = 65536, num_seqs
     else:
         base = make_tiny_model(args.size, seed=0)
@@ -255,12 +306,16 @@ def main() -> None:
                 cfg.layer_types = ["full_attention"] * args.layers
             torch.manual_seed(0)
             base = Qwen2ForCausalLM(cfg)
-        batch = make_batch(args.num_seqs, args.min_len, args.max_len, base.config.vocab_size, group_size=8, seed=0)
+        batch = make_batch(
+            args.num_seqs, args.min_len, args.max_len, base.config.vocab_size, group_size=8, seed=0
+        )
         lens = (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).tolist()
         # the packed budget holds as many tokens as one padded baseline micro-batch would on average
         micro_tokens, micro_seqs = int(sum(lens) / len(lens) * args.micro_seqs), args.micro_seqs
     base = base.to(args.device)
-    counts = torch.tensor([float(batch.loss_mask[batch.sequence(i)].sum()) for i in range(batch.num_sequences)])
+    counts = torch.tensor(
+        [float(batch.loss_mask[batch.sequence(i)].sum()) for i in range(batch.num_sequences)]
+    )
     adv = compute_advantages(batch.rewards, batch.group_ids, AdvantageConfig("grpo"), token_counts=counts)
     total_tokens = int(batch.token_ids.numel())
     lens = (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).tolist()
@@ -275,11 +330,15 @@ def main() -> None:
         if step is None:
             return
         step()  # first step from the shared initial weights, for the equivalence check
-        first_step_weights[name] = {k: v.detach().float().cpu().clone() for k, v in model.state_dict().items()}
+        first_step_weights[name] = {
+            k: v.detach().float().cpu().clone() for k, v in model.state_dict().items()
+        }
         steps[name] = step
 
-    add("miles (auto: varlen)" if args.device == "cpu" else "miles varlen",
-        lambda m: miles_path(m, batch, "varlen", micro_tokens, lr)[0])
+    add(
+        "miles (auto: varlen)" if args.device == "cpu" else "miles varlen",
+        lambda m: miles_path(m, batch, "varlen", micro_tokens, lr)[0],
+    )
     add("miles padded", lambda m: miles_path(m, batch, "padded", micro_tokens, lr)[0])
     if args.all:
         add("miles packed", lambda m: miles_path(m, batch, "packed", micro_tokens, lr)[0])
@@ -299,9 +358,11 @@ def main() -> None:
     ref_w = first_step_weights[baseline]
     params = sum(p.numel() for p in base.parameters())
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    table = Table(title=f"train step: {label} ({params / 1e6:.1f}M params), {batch.num_sequences} seqs, "
-                        f"{total_tokens} tokens (lengths {min(lens)}-{max(lens)}), device {args.device}, "
-                        f"{args.threads} threads, median of {args.rounds} interleaved rounds, load {load:.1f}")
+    table = Table(
+        title=f"train step: {label} ({params / 1e6:.1f}M params), {batch.num_sequences} seqs, "
+        f"{total_tokens} tokens (lengths {min(lens)}-{max(lens)}), device {args.device}, "
+        f"{args.threads} threads, median of {args.rounds} interleaved rounds, load {load:.1f}"
+    )
     for col in ("path", "s/step", "tokens/s", f"x vs {baseline}", "max |dw| vs baseline after step 1"):
         table.add_column(col, justify="right")
     for name, t in medians.items():
@@ -310,7 +371,9 @@ def main() -> None:
     Console().print(table)
     if trl_note and not trl_note.startswith("TRL GRPOTrainer"):
         print(f"note: {trl_note}; the baseline is the plain HF loop")
-    print(f"torch {torch.__version__}, micro-batch: {micro_tokens} tokens packed vs {micro_seqs} sequences padded")
+    print(
+        f"torch {torch.__version__}, micro-batch: {micro_tokens} tokens packed vs {micro_seqs} sequences padded"
+    )
 
 
 if __name__ == "__main__":

@@ -45,8 +45,15 @@ SIZES = sorted(TINY_SIZES) + sorted(LARGE)
 def make_model(size: str, device: str, dtype: torch.dtype, seed: int) -> Qwen2ForCausalLM:
     if size in LARGE:
         hidden, layers, heads, kv, inter, vocab = LARGE[size]
-        cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                          num_key_value_heads=kv, intermediate_size=inter, tie_word_embeddings=True)
+        cfg = Qwen2Config(
+            vocab_size=vocab,
+            hidden_size=hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv,
+            intermediate_size=inter,
+            tie_word_embeddings=True,
+        )
         torch.manual_seed(seed)
         with torch.device(device):
             model = Qwen2ForCausalLM(cfg)
@@ -57,8 +64,10 @@ def make_model(size: str, device: str, dtype: torch.dtype, seed: int) -> Qwen2Fo
 
 def digest(state: dict[str, torch.Tensor]) -> dict[str, str]:
     """sha256 of every tensor's bytes."""
-    return {n: hashlib.sha256(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
-            for n, t in state.items()}
+    return {
+        n: hashlib.sha256(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+        for n, t in state.items()
+    }
 
 
 def sync_cuda(device: str) -> None:
@@ -93,20 +102,31 @@ def engine_main(size: str, device: str, dtype: str, port: int, threads: int, con
     handle.stop()
 
 
-async def bench_broadcast(args: argparse.Namespace, state: dict[str, torch.Tensor], backend: str,
-                          engine_device: str, dtype: torch.dtype) -> tuple[float, int, bool]:
+async def bench_broadcast(
+    args: argparse.Namespace,
+    state: dict[str, torch.Tensor],
+    backend: str,
+    engine_device: str,
+    dtype: torch.dtype,
+) -> tuple[float, int, bool]:
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()
     port = free_port()
-    proc = ctx.Process(target=engine_main, args=(args.model_size, engine_device, str(dtype).removeprefix("torch."),
-                                                 port, args.threads, child), daemon=True)
+    proc = ctx.Process(
+        target=engine_main,
+        args=(args.model_size, engine_device, str(dtype).removeprefix("torch."), port, args.threads, child),
+        daemon=True,
+    )
     proc.start()
     client = SGLangClient(f"http://127.0.0.1:{port}")
     try:
         if not await asyncio.to_thread(parent.poll, 600) or parent.recv() != "ready":
             raise RuntimeError("the engine process did not start")
-        sync = await build_weight_sync(SyncConfig(method="broadcast", backend=backend, bucket_mb=args.bucket_mb,
-                                                  timeout_s=600), [client], staging_dir=args.staging_dir)
+        sync = await build_weight_sync(
+            SyncConfig(method="broadcast", backend=backend, bucket_mb=args.bucket_mb, timeout_s=600),
+            [client],
+            staging_dir=args.staging_dir,
+        )
         seconds = await timed(lambda: sync.push(state), args.device, args.repeats)
         buckets = sync.history[-1].num_buckets
         parent.send("digest")
@@ -128,9 +148,11 @@ async def main(args: argparse.Namespace) -> None:
     trainer = make_model(args.model_size, device, dtype, seed=0)
     state = {n: t.detach() for n, t in trainer.state_dict().items()}
     gb = state_dict_bytes(state) / 1e9
-    print(f"model {args.model_size}: {sum(p.numel() for p in trainer.parameters()) / 1e6:.1f}M parameters, "
-          f"{len(state)} tensors, {gb:.3f} GB ({dtype}), device {device}, {args.threads} CPU thread(s) per "
-          f"process, {args.repeats} repeats (median)")
+    print(
+        f"model {args.model_size}: {sum(p.numel() for p in trainer.parameters()) / 1e6:.1f}M parameters, "
+        f"{len(state)} tensors, {gb:.3f} GB ({dtype}), device {device}, {args.threads} CPU thread(s) per "
+        f"process, {args.repeats} repeats (median)"
+    )
 
     rows: list[tuple[str, float, str]] = []
     dst = {n: torch.empty_like(t) for n, t in state.items()}
@@ -145,12 +167,22 @@ async def main(args: argparse.Namespace) -> None:
     engine = EmbeddedEngine(make_model(args.model_size, device, dtype, seed=1), device=device)
     try:
         in_process = WeightSync([engine], method="in_process")
-        rows.append(("in_process", await timed(lambda: in_process.push(state), device, args.repeats),
-                     "into an EmbeddedEngine, same process"))
+        rows.append(
+            (
+                "in_process",
+                await timed(lambda: in_process.push(state), device, args.repeats),
+                "into an EmbeddedEngine, same process",
+            )
+        )
         staging = Path(tempfile.mkdtemp(prefix="miles-sync-", dir=args.staging_dir))
         disk = WeightSync([engine], method="disk", staging_dir=staging, keep_versions=1)
-        rows.append(("disk", await timed(lambda: disk.push(state), device, args.repeats),
-                     f"safetensors under {staging.parent}, then loaded"))
+        rows.append(
+            (
+                "disk",
+                await timed(lambda: disk.push(state), device, args.repeats),
+                f"safetensors under {staging.parent}, then loaded",
+            )
+        )
         shutil.rmtree(staging)
     finally:
         await engine.close()
@@ -163,8 +195,13 @@ async def main(args: argparse.Namespace) -> None:
         backend, engine_device = "gloo", "cpu"
     seconds, buckets, equal = await bench_broadcast(args, state, backend, engine_device, dtype)
     where = f"trainer {device} -> engine process {engine_device}"
-    rows.append((f"broadcast ({backend})", seconds, f"{where}, {buckets} buckets of <= {args.bucket_mb:g} MB, "
-                                                    f"received == sent: {equal}"))
+    rows.append(
+        (
+            f"broadcast ({backend})",
+            seconds,
+            f"{where}, {buckets} buckets of <= {args.bucket_mb:g} MB, received == sent: {equal}",
+        )
+    )
 
     base = rows[0][1] / gb
     print("\n| method | s per sync | s per GB | GB/s | vs memcpy | notes |\n|---|---|---|---|---|---|")
@@ -183,9 +220,19 @@ if __name__ == "__main__":
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--bucket-mb", type=float, default=512.0)
-    ap.add_argument("--backend", choices=["nccl", "gloo"], default=None,
-                    help="broadcast backend (default: gloo on CPU; on CUDA nccl with two GPUs, else gloo)")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch CPU threads per process (1: stable on a shared machine; every method gets the same)")
-    ap.add_argument("--staging-dir", default=None, help="where the disk method writes (default: the temp dir)")
+    ap.add_argument(
+        "--backend",
+        choices=["nccl", "gloo"],
+        default=None,
+        help="broadcast backend (default: gloo on CPU; on CUDA nccl with two GPUs, else gloo)",
+    )
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads per process (1: stable on a shared machine; every method gets the same)",
+    )
+    ap.add_argument(
+        "--staging-dir", default=None, help="where the disk method writes (default: the temp dir)"
+    )
     asyncio.run(main(ap.parse_args()))

@@ -14,8 +14,9 @@ from _agent import config, parser, run
 
 
 def main() -> None:
-    args = parser(__doc__, steps=15, sft_demos=128, eval_tasks=50, max_new_tokens=48,
-                  output_dir="runs/calculator_grpo").parse_args()
+    args = parser(
+        __doc__, steps=15, sft_demos=128, eval_tasks=50, max_new_tokens=48, output_dir="runs/calculator_grpo"
+    ).parse_args()
     run(config(args, "Calculator-v0", num_train_tasks=5000))
 
 

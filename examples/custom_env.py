@@ -30,8 +30,12 @@ class ShopOracle(OraclePolicy):
     def act(self, messages: list[Message]) -> Message:
         if messages[-1].role != "tool":
             item = self.task.data["item"]
-            return Message("assistant", tool_calls=[ToolCall("price", {"item": item}, id="call_0",
-                                                             raw_arguments=f'{{"item": "{item}"}}')])
+            return Message(
+                "assistant",
+                tool_calls=[
+                    ToolCall("price", {"item": item}, id="call_0", raw_arguments=f'{{"item": "{item}"}}')
+                ],
+            )
         return Message("assistant", f"It costs {messages[-1].content} dollars.")
 
 
@@ -81,17 +85,26 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-dir", default="runs/custom_env")
     a = p.parse_args()
-    cfg = from_dict(TrainConfig, {
-        "seed": a.seed, "output_dir": a.output_dir, "steps": a.steps,
-        "env": {"id": "Shop-v0", "num_train_tasks": 2000},
-        "model": {"name": "tiny", "size": a.model_size, "seed": a.seed},
-        "rollout": {"tasks_per_step": a.tasks_per_step, "scheduler": {
-            "group_size": a.group_size, "session": {"sampling": {"temperature": 1.0,
-                                                                  "max_new_tokens": a.max_new_tokens}}}},
-        "trainer": {"lr": 1e-3},
-        "sft": {"enabled": a.sft_demos > 0, "num_demos": a.sft_demos, "batch_size": 8, "epochs": 2},
-        "eval": {"num_tasks": a.eval_tasks, "max_new_tokens": a.max_new_tokens},
-    })
+    cfg = from_dict(
+        TrainConfig,
+        {
+            "seed": a.seed,
+            "output_dir": a.output_dir,
+            "steps": a.steps,
+            "env": {"id": "Shop-v0", "num_train_tasks": 2000},
+            "model": {"name": "tiny", "size": a.model_size, "seed": a.seed},
+            "rollout": {
+                "tasks_per_step": a.tasks_per_step,
+                "scheduler": {
+                    "group_size": a.group_size,
+                    "session": {"sampling": {"temperature": 1.0, "max_new_tokens": a.max_new_tokens}},
+                },
+            },
+            "trainer": {"lr": 1e-3},
+            "sft": {"enabled": a.sft_demos > 0, "num_demos": a.sft_demos, "batch_size": 8, "epochs": 2},
+            "eval": {"num_tasks": a.eval_tasks, "max_new_tokens": a.max_new_tokens},
+        },
+    )
     print(format_summary(train(cfg), cfg))
 
 

@@ -28,9 +28,16 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-dir", default="runs/multi_lora")
     args = p.parse_args()
-    overrides = [f"seed={args.seed}", f"output_dir={args.output_dir}",
-                 f"model.init_from={ROOT / 'checkpoints' / 'calculator-sft-1m'}"]
-    for key, value in (("steps", args.steps), ("max_seconds", args.max_seconds), ("eval.num_tasks", args.eval_tasks)):
+    overrides = [
+        f"seed={args.seed}",
+        f"output_dir={args.output_dir}",
+        f"model.init_from={ROOT / 'checkpoints' / 'calculator-sft-1m'}",
+    ]
+    for key, value in (
+        ("steps", args.steps),
+        ("max_seconds", args.max_seconds),
+        ("eval.num_tasks", args.eval_tasks),
+    ):
         if value is not None:
             overrides.append(f"{key}={value}")
     cfg = load_train_config(str(ROOT / "configs" / "multi_lora.yaml"), overrides)
@@ -40,7 +47,9 @@ def main() -> None:
         before = summary.evals["start"][f"{adapter.name}/greedy"].success_rate
         after = summary.evals["final"][f"{adapter.name}/greedy"].success_rate
         print(f"{adapter.name:<10}{before:>26.1%}{after:>10.1%}{100 * (after - before):>+9.1f}p")
-    print(f"{summary.steps_done} steps, RL {summary.seconds.get('rl', 0.0):.0f} s; run dir: {summary.output_dir}")
+    print(
+        f"{summary.steps_done} steps, RL {summary.seconds.get('rl', 0.0):.0f} s; run dir: {summary.output_dir}"
+    )
 
 
 if __name__ == "__main__":

@@ -19,14 +19,26 @@ import os
 
 from openai import OpenAI
 
-TOOLS = [{"type": "function", "function": {
-    "name": "calculate", "description": "Evaluate an arithmetic expression exactly.",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculate",
+            "description": "Evaluate an arithmetic expression exactly.",
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string"}},
+                "required": ["expression"],
+            },
+        },
+    }
+]
 OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.USub: operator.neg}
 
 
 def calculate(expression: str) -> str:
     """+ - * over whole numbers, evaluated from the syntax tree (never `eval`)."""
+
     def value(node: ast.AST) -> int:
         if isinstance(node, ast.Constant) and type(node.value) is int:
             return node.value
@@ -35,6 +47,7 @@ def calculate(expression: str) -> str:
         if isinstance(node, ast.UnaryOp) and type(node.op) in OPERATORS:
             return OPERATORS[type(node.op)](value(node.operand))
         raise ValueError(f"not supported: {ast.unparse(node)}")
+
     return str(value(ast.parse(expression.strip(), mode="eval").body))
 
 
@@ -50,15 +63,21 @@ def run_tool(name: str, arguments: str) -> str:
 def solve(client: OpenAI, messages: list[dict], tools: list[dict], *, max_turns: int, max_tokens: int) -> str:
     """The agent loop: ask, run the tools the model calls, give back their results, until it answers."""
     for _ in range(max_turns):
-        reply = client.chat.completions.create(model="miles", messages=messages, tools=tools,
-                                               max_tokens=max_tokens, temperature=1.0)
+        reply = client.chat.completions.create(
+            model="miles", messages=messages, tools=tools, max_tokens=max_tokens, temperature=1.0
+        )
         message = reply.choices[0].message
         messages.append(message.model_dump(exclude_none=True))
         if not message.tool_calls:
             return message.content or ""
         for call in message.tool_calls:
-            messages.append({"role": "tool", "tool_call_id": call.id,
-                             "content": run_tool(call.function.name, call.function.arguments)})
+            messages.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": call.id,
+                    "content": run_tool(call.function.name, call.function.arguments),
+                }
+            )
     return ""
 
 

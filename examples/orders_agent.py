@@ -19,8 +19,9 @@ from _agent import config, parser, run
 
 
 def main() -> None:
-    args = parser(__doc__, steps=6, sft_demos=64, eval_tasks=20, max_new_tokens=64,
-                  output_dir="runs/orders_agent").parse_args()
+    args = parser(
+        __doc__, steps=6, sft_demos=64, eval_tasks=20, max_new_tokens=64, output_dir="runs/orders_agent"
+    ).parse_args()
     run(config(args, "Orders-v0", num_train_tasks=2000))
 
 

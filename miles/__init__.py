@@ -7,7 +7,18 @@ from miles.types import Message, TerminationReason, ToolCall, ToolErrorType, Too
 __version__ = "0.1.0"
 
 __all__ = [
-    "EngineError", "FinishReason", "GenerateResult", "Message", "RolloutEngine", "SamplingParams",
-    "TerminationReason", "ToolCall", "ToolErrorType", "ToolResult", "Trajectory", "TrajectoryBatch",
-    "TrajectoryMeta", "TurnSpan",
+    "EngineError",
+    "FinishReason",
+    "GenerateResult",
+    "Message",
+    "RolloutEngine",
+    "SamplingParams",
+    "TerminationReason",
+    "ToolCall",
+    "ToolErrorType",
+    "ToolResult",
+    "Trajectory",
+    "TrajectoryBatch",
+    "TrajectoryMeta",
+    "TurnSpan",
 ]

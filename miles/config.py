@@ -37,7 +37,9 @@ def _count_values(node: Any, budget: int) -> int:
 
 ConfigLoader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"), list("-+0123456789."))
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
 
 
 def parse_yaml(text: str) -> Any:
@@ -45,8 +47,11 @@ def parse_yaml(text: str) -> Any:
     `MAX_CONFIG_VALUES` values."""
     data = yaml.load(text, Loader=ConfigLoader)  # noqa: S506 - a SafeLoader subclass
     if _count_values(data, MAX_CONFIG_VALUES) < 0:
-        raise ConfigError("", f"the YAML expands to more than {MAX_CONFIG_VALUES:,} values through its aliases "
-                              "(*name); write the config out without them")
+        raise ConfigError(
+            "",
+            f"the YAML expands to more than {MAX_CONFIG_VALUES:,} values through its aliases "
+            "(*name); write the config out without them",
+        )
     return data
 
 
@@ -198,7 +203,9 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         try:
             node[parts[-1]] = parse_yaml(raw) if raw.strip() else ""
         except yaml.YAMLError as exc:
-            raise ConfigError(path.strip(), f"{raw!r} is not a YAML value: {getattr(exc, 'problem', exc)}") from None
+            raise ConfigError(
+                path.strip(), f"{raw!r} is not a YAML value: {getattr(exc, 'problem', exc)}"
+            ) from None
     return data
 
 
@@ -215,7 +222,9 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
         except yaml.YAMLError as exc:
             where = getattr(exc, "problem_mark", None)
             at = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
-            raise ConfigError("", f"{str(path)!r} is not valid YAML{at}: {getattr(exc, 'problem', exc)}") from None
+            raise ConfigError(
+                "", f"{str(path)!r} is not valid YAML{at}: {getattr(exc, 'problem', exc)}"
+            ) from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError("", f"{path} must hold a mapping at the top level")
         data = loaded or {}

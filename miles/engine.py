@@ -39,8 +39,12 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         def number(name: str, value: Any) -> float:
-            if isinstance(value, bool) or not isinstance(value, int | float) or value != value or value in (
-                    float("inf"), float("-inf")):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or value != value
+                or value in (float("inf"), float("-inf"))
+            ):
                 raise ValueError(f"{name} must be a finite number, got {value!r}")
             return float(value)
 
@@ -58,7 +62,9 @@ class SamplingParams:
         if not 0 <= self.max_new_tokens <= MAX_NEW_TOKENS:
             raise ValueError(f"max_new_tokens must be in [0, {MAX_NEW_TOKENS}], got {self.max_new_tokens}")
         if not -1 <= self.top_k < 1 << 31:  # a device tensor holds it; any k above the vocabulary keeps all
-            raise ValueError(f"top_k must be -1 (all), 0 (all) or a positive count below 2**31, got {self.top_k}")
+            raise ValueError(
+                f"top_k must be -1 (all), 0 (all) or a positive count below 2**31, got {self.top_k}"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -69,7 +75,9 @@ class SamplingParams:
         """These params with `overrides` (e.g. a task's own `max_new_tokens`); unknown names raise ValueError."""
         unknown = sorted(set(overrides) - {f.name for f in fields(self)})
         if unknown:
-            raise ValueError(f"unknown sampling parameters {unknown}; known: {sorted(f.name for f in fields(self))}")
+            raise ValueError(
+                f"unknown sampling parameters {unknown}; known: {sorted(f.name for f in fields(self))}"
+            )
         data = {**self.to_dict(), **dict(overrides)}
         return SamplingParams.from_dict(data)
 
@@ -110,10 +118,13 @@ class GenerateResult:
     def __post_init__(self) -> None:
         if len(self.output_ids) != len(self.output_logprobs):
             raise ValueError(
-                f"output_ids ({len(self.output_ids)}) and output_logprobs ({len(self.output_logprobs)}) differ in length")
+                f"output_ids ({len(self.output_ids)}) and output_logprobs ({len(self.output_logprobs)}) differ in length"
+            )
         if self.token_versions is not None and len(self.token_versions) != len(self.output_ids):
-            raise ValueError(f"output_ids ({len(self.output_ids)}) and token_versions ({len(self.token_versions)}) "
-                             "differ in length")
+            raise ValueError(
+                f"output_ids ({len(self.output_ids)}) and token_versions ({len(self.token_versions)}) "
+                "differ in length"
+            )
 
 
 class EngineError(RuntimeError):
@@ -131,9 +142,15 @@ class RolloutEngine(abc.ABC):
     engine_id: str = ""
 
     @abc.abstractmethod
-    async def generate(self, input_ids: list[int], sampling_params: SamplingParams, *,
-                       session_id: str | None = None, rid: str | None = None,
-                       adapter: str | None = None) -> GenerateResult:
+    async def generate(
+        self,
+        input_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        session_id: str | None = None,
+        rid: str | None = None,
+        adapter: str | None = None,
+    ) -> GenerateResult:
         """Continue `input_ids` under the base model, or under LoRA adapter `adapter` (then the result's
         `weight_version` and `token_versions` are that adapter's versions). Raises `EngineError` on
         infrastructure failure."""
@@ -147,8 +164,9 @@ class RolloutEngine(abc.ABC):
         """True when the engine can serve a generate call now."""
 
     @abc.abstractmethod
-    async def update_weights(self, *, state_dict: dict[str, Any] | None = None, path: str | None = None,
-                             version: int | None = None) -> int:
+    async def update_weights(
+        self, *, state_dict: dict[str, Any] | None = None, path: str | None = None, version: int | None = None
+    ) -> int:
         """Load new weights from an in-memory HF-layout state dict or from an HF checkpoint folder.
 
         `version` sets the new weight version (default: the current one plus 1). Returns the new version.
@@ -159,14 +177,21 @@ class RolloutEngine(abc.ABC):
     def weight_version(self) -> int:
         """The version of the weights that the next generate call will use."""
 
-    async def update_adapter(self, name: str, *, weights: AdapterWeights | None = None, path: str | None = None,
-                             version: int | None = None) -> int:
+    async def update_adapter(
+        self,
+        name: str,
+        *,
+        weights: AdapterWeights | None = None,
+        path: str | None = None,
+        version: int | None = None,
+    ) -> int:
         """Load LoRA adapter `name` (in memory, or a PEFT folder at `path`), replacing the one of that name
         without draining anything: requests in flight finish (or, where the engine swaps between decode steps,
         go on) while the other adapters and the base are untouched. `version` sets the adapter's own version
         (default: its current one plus 1). Returns the new version. Engines without LoRA raise `EngineError`."""
-        raise EngineError(f"{type(self).__name__} serves no LoRA adapters", engine_id=self.engine_id,
-                          retryable=False)
+        raise EngineError(
+            f"{type(self).__name__} serves no LoRA adapters", engine_id=self.engine_id, retryable=False
+        )
 
     async def pause_generation(self) -> None:
         """Stop decoding until `continue_generation`: requests in flight keep their state (SGLang's

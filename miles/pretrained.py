@@ -49,5 +49,7 @@ def load_smollm2() -> tuple[Any, Any]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(smollm2_dir()), gguf_file=SMOLLM2_FILE, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(smollm2_dir()), gguf_file=SMOLLM2_FILE, dtype=torch.float32
+    )
     return model, load_smollm2_tokenizer()

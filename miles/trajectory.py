@@ -40,7 +40,7 @@ def _turn_index(traj: Trajectory) -> torch.Tensor:
     """Per token of `traj`: the index of the model turn (assistant span) it belongs to, -1 elsewhere."""
     out = torch.full((len(traj),), -1, dtype=torch.int64)
     for k, span in enumerate(s for s in traj.spans if s.role == "assistant"):
-        out[span.start:span.end] = k
+        out[span.start : span.end] = k
     return out
 
 
@@ -110,7 +110,8 @@ class Trajectory:
         if len(self.loss_mask) != n or len(self.rollout_logprobs) != n:
             raise TrajectoryInvariantError(
                 f"lengths differ: token_ids={n} loss_mask={len(self.loss_mask)} "
-                f"rollout_logprobs={len(self.rollout_logprobs)}")
+                f"rollout_logprobs={len(self.rollout_logprobs)}"
+            )
         for i, (m, lp) in enumerate(zip(self.loss_mask, self.rollout_logprobs, strict=True)):
             if m not in (0, 1):
                 raise TrajectoryInvariantError(f"loss_mask[{i}]={m} is not 0 or 1")
@@ -122,8 +123,15 @@ class Trajectory:
                 raise TrajectoryInvariantError(f"span {s} is out of order or outside [0, {n}]")
             prev_end = s.end
 
-    def append(self, ids: list[int], *, role: str, generated: bool, logprobs: list[float] | None = None,
-               weight_version: int | None = None) -> TurnSpan:
+    def append(
+        self,
+        ids: list[int],
+        *,
+        role: str,
+        generated: bool,
+        logprobs: list[float] | None = None,
+        weight_version: int | None = None,
+    ) -> TurnSpan:
         """Append one turn's tokens verbatim; generated tokens get mask 1 and their logprobs."""
         if generated and (logprobs is None or len(logprobs) != len(ids)):
             raise TrajectoryInvariantError("generated tokens need one logprob each")
@@ -190,7 +198,9 @@ class TrajectoryBatch:
     meta: list[dict[str, Any]] = field(default_factory=list)
     oldest_versions: torch.Tensor | None = None  # int64 [B]
     policy_ids: tuple[str, ...] = ()
-    turn_index: torch.Tensor | None = None  # int64 [T]: the model turn a token belongs to (0, 1, ...; -1: not the model's)
+    turn_index: torch.Tensor | None = (
+        None  # int64 [T]: the model turn a token belongs to (0, 1, ...; -1: not the model's)
+    )
 
     def __post_init__(self) -> None:
         if not self.policy_ids and self.meta:
@@ -212,19 +222,26 @@ class TrajectoryBatch:
             return torch.cat([t[s] for s in spans]) if spans else t[:0]
 
         return TrajectoryBatch(
-            token_ids=tokens(self.token_ids), loss_mask=tokens(self.loss_mask),
-            rollout_logprobs=tokens(self.rollout_logprobs), cu_seqlens=cu, rewards=self.rewards[idx],
-            group_ids=self.group_ids[idx], meta=[self.meta[i] for i in indices] if self.meta else [],
+            token_ids=tokens(self.token_ids),
+            loss_mask=tokens(self.loss_mask),
+            rollout_logprobs=tokens(self.rollout_logprobs),
+            cu_seqlens=cu,
+            rewards=self.rewards[idx],
+            group_ids=self.group_ids[idx],
+            meta=[self.meta[i] for i in indices] if self.meta else [],
             oldest_versions=None if self.oldest_versions is None else self.oldest_versions[idx],
             policy_ids=tuple(self.policy_of(i) for i in indices),
-            turn_index=None if self.turn_index is None else tokens(self.turn_index))
+            turn_index=None if self.turn_index is None else tokens(self.turn_index),
+        )
 
     def staleness(self, trainer_version: int) -> torch.Tensor:
         """Per sequence: `trainer_version` minus its oldest generating version (0 where unknown)."""
         if self.oldest_versions is None:
             return torch.zeros(self.num_sequences, dtype=torch.int64)
         known = self.oldest_versions >= 0
-        return torch.where(known, trainer_version - self.oldest_versions, torch.zeros_like(self.oldest_versions))
+        return torch.where(
+            known, trainer_version - self.oldest_versions, torch.zeros_like(self.oldest_versions)
+        )
 
     @property
     def num_sequences(self) -> int:
@@ -240,17 +257,26 @@ class TrajectoryBatch:
         return cls(
             token_ids=torch.tensor([i for t in trajectories for i in t.token_ids], dtype=torch.int64),
             loss_mask=torch.tensor([m for t in trajectories for m in t.loss_mask], dtype=torch.float32),
-            rollout_logprobs=torch.tensor([x for t in trajectories for x in t.rollout_logprobs],
-                                          dtype=torch.float32),
+            rollout_logprobs=torch.tensor(
+                [x for t in trajectories for x in t.rollout_logprobs], dtype=torch.float32
+            ),
             cu_seqlens=cu,
             rewards=torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
-            group_ids=torch.tensor([groups.setdefault(t.meta.group_id or f"_{i}", len(groups))
-                                    for i, t in enumerate(trajectories)], dtype=torch.int64),
+            group_ids=torch.tensor(
+                [
+                    groups.setdefault(t.meta.group_id or f"_{i}", len(groups))
+                    for i, t in enumerate(trajectories)
+                ],
+                dtype=torch.int64,
+            ),
             meta=[asdict(t.meta) for t in trajectories],
-            oldest_versions=torch.tensor([-1 if t.oldest_weight_version is None else t.oldest_weight_version
-                                          for t in trajectories], dtype=torch.int64),
+            oldest_versions=torch.tensor(
+                [-1 if t.oldest_weight_version is None else t.oldest_weight_version for t in trajectories],
+                dtype=torch.int64,
+            ),
             policy_ids=tuple(t.meta.policy_id for t in trajectories),
-            turn_index=torch.cat([_turn_index(t) for t in trajectories]) if trajectories
+            turn_index=torch.cat([_turn_index(t) for t in trajectories])
+            if trajectories
             else torch.zeros(0, dtype=torch.int64),
         )
 
@@ -259,9 +285,20 @@ class TrajectoryBatch:
 
     def save(self, path: str | Path) -> None:
         """Write the tensors as safetensors, with the metadata as a JSON header entry."""
-        tensors = {k: getattr(self, k).contiguous() for k in
-                   ("token_ids", "loss_mask", "rollout_logprobs", "cu_seqlens", "rewards", "group_ids",
-                    "oldest_versions", "turn_index") if getattr(self, k) is not None}
+        tensors = {
+            k: getattr(self, k).contiguous()
+            for k in (
+                "token_ids",
+                "loss_mask",
+                "rollout_logprobs",
+                "cu_seqlens",
+                "rewards",
+                "group_ids",
+                "oldest_versions",
+                "turn_index",
+            )
+            if getattr(self, k) is not None
+        }
         save_file(tensors, str(path), metadata={"meta": json.dumps(self.meta)})
 
     @classmethod

@@ -77,7 +77,9 @@ def loads_strict(text: str) -> Any:
 def _same_json(a: Any, b: Any) -> bool:
     """Equal as JSON values (unlike `==`, `true` differs from `1` and `1.0` from `1`); key order is ignored."""
     try:
-        return json.dumps(a, sort_keys=True, allow_nan=False) == json.dumps(b, sort_keys=True, allow_nan=False)
+        return json.dumps(a, sort_keys=True, allow_nan=False) == json.dumps(
+            b, sort_keys=True, allow_nan=False
+        )
     except (TypeError, ValueError):
         return False
 
@@ -138,8 +140,13 @@ class ToolCall:
                     error = "arguments are not a JSON object"
             except ValueError as exc:
                 error = f"invalid JSON: {exc}"
-        return cls(name=fn.get("name", ""), arguments=parsed, id=data.get("id", ""), raw_arguments=raw,
-                   parse_error=error)
+        return cls(
+            name=fn.get("name", ""),
+            arguments=parsed,
+            id=data.get("id", ""),
+            raw_arguments=raw,
+            parse_error=error,
+        )
 
 
 @dataclass
@@ -194,11 +201,21 @@ class ToolResult:
         return Message(role="tool", content=self.content, tool_call_id=self.call_id or None, name=self.name)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"call_id": self.call_id, "name": self.name, "content": self.content,
-                "error": self.error.value if self.error else None, "duration_s": self.duration_s}
+        return {
+            "call_id": self.call_id,
+            "name": self.name,
+            "content": self.content,
+            "error": self.error.value if self.error else None,
+            "duration_s": self.duration_s,
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ToolResult:
         err = data.get("error")
-        return cls(call_id=data.get("call_id", ""), name=data.get("name", ""), content=data.get("content", ""),
-                   error=ToolErrorType(err) if err else None, duration_s=data.get("duration_s", 0.0))
+        return cls(
+            call_id=data.get("call_id", ""),
+            name=data.get("name", ""),
+            content=data.get("content", ""),
+            error=ToolErrorType(err) if err else None,
+            duration_s=data.get("duration_s", 0.0),
+        )

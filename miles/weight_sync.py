@@ -88,10 +88,14 @@ class SyncConfig:
         if not self.bucket_mb > 0:
             raise ConfigError("bucket_mb", f"must be > 0, got {self.bucket_mb}")
         if self.keep_versions < 1:
-            raise ConfigError("keep_versions", f"must be >= 1 (the version the engines just loaded), got "
-                                               f"{self.keep_versions}")
+            raise ConfigError(
+                "keep_versions",
+                f"must be >= 1 (the version the engines just loaded), got {self.keep_versions}",
+            )
         if not 0 <= self.master_port < 65536:
-            raise ConfigError("master_port", f"must be in [0, 65535] (0 picks a free port), got {self.master_port}")
+            raise ConfigError(
+                "master_port", f"must be in [0, 65535] (0 picks a free port), got {self.master_port}"
+            )
         if not self.master_address:
             raise ConfigError("master_address", "must not be empty")
         if not self.timeout_s > 0:
@@ -156,16 +160,26 @@ class WeightSync:
     drain policy waits for (default `engines`; a router in front of the workers counts them instead).
     """
 
-    def __init__(self, engines: Sequence[RolloutEngine], *, method: SyncMethod | Literal["auto"] = "in_process",
-                 policy: SyncPolicy = "drain", staging_dir: str | Path | None = None,
-                 broadcaster: Any = None, keep_versions: int = 2, drain_timeout_s: float = 600.0,
-                 poll_s: float = 0.005, drain_engines: Sequence[RolloutEngine] | None = None) -> None:
+    def __init__(
+        self,
+        engines: Sequence[RolloutEngine],
+        *,
+        method: SyncMethod | Literal["auto"] = "in_process",
+        policy: SyncPolicy = "drain",
+        staging_dir: str | Path | None = None,
+        broadcaster: Any = None,
+        keep_versions: int = 2,
+        drain_timeout_s: float = 600.0,
+        poll_s: float = 0.005,
+        drain_engines: Sequence[RolloutEngine] | None = None,
+    ) -> None:
         method = resolve_sync_method(method, engines)
         if method == "disk" and staging_dir is None:
             raise WeightSyncError("the disk method needs a staging_dir")
         if method == "broadcast" and broadcaster is None:
-            raise WeightSyncError("the broadcast method needs a connected WeightBroadcaster (build_weight_sync "
-                                  "makes one)")
+            raise WeightSyncError(
+                "the broadcast method needs a connected WeightBroadcaster (build_weight_sync makes one)"
+            )
         if keep_versions < 1:
             raise WeightSyncError(f"keep_versions must be >= 1, got {keep_versions}")
         self.engines = list(engines)
@@ -200,7 +214,9 @@ class WeightSync:
         drain_s = await self._drain() if self.policy == "drain" else 0.0
         version = self.version + 1 if version is None else int(version)
         start = time.perf_counter()
-        if self.policy == "pause":  # SGLang loads at once only while paused, else it waits for requests in flight
+        if (
+            self.policy == "pause"
+        ):  # SGLang loads at once only while paused, else it waits for requests in flight
             await asyncio.gather(*(e.pause_generation() for e in self.engines))
             try:
                 buckets = await self._load(state_dict, version)
@@ -208,12 +224,23 @@ class WeightSync:
                 await asyncio.gather(*(e.continue_generation() for e in self.engines))
         else:
             buckets = await self._load(state_dict, version)
-        report = SyncReport(version=self.version, method=self.method, seconds=time.perf_counter() - start,
-                            drain_seconds=drain_s, num_bytes=state_dict_bytes(state_dict),
-                            num_engines=len(self.engines), num_buckets=buckets)
+        report = SyncReport(
+            version=self.version,
+            method=self.method,
+            seconds=time.perf_counter() - start,
+            drain_seconds=drain_s,
+            num_bytes=state_dict_bytes(state_dict),
+            num_engines=len(self.engines),
+            num_buckets=buckets,
+        )
         self.history.append(report)
-        log.info("weight sync v%d (%s): %.3f s for %.1f MB", report.version, self.method, report.seconds,
-                 report.num_bytes / 1e6)
+        log.info(
+            "weight sync v%d (%s): %.3f s for %.1f MB",
+            report.version,
+            self.method,
+            report.seconds,
+            report.num_bytes / 1e6,
+        )
         return report
 
     async def _load(self, state_dict: Mapping[str, torch.Tensor], version: int) -> int:
@@ -236,28 +263,48 @@ class WeightSync:
         """The version adapter `name` was last pushed as (None: never)."""
         return self.adapter_versions.get(name)
 
-    async def push_adapter(self, name: str, weights: AdapterWeights, *, version: int | None = None) -> SyncReport:
+    async def push_adapter(
+        self, name: str, weights: AdapterWeights, *, version: int | None = None
+    ) -> SyncReport:
         """Load adapter `name` into every engine as its version `version` (default: its last plus 1, or 0 the
         first time), without draining anything (see the module docstring); returns the report."""
         last = self.adapter_versions.get(name)
         version = (0 if last is None else last + 1) if version is None else int(version)
         start = time.perf_counter()
         if self.method == "in_process":
-            await asyncio.gather(*(e.update_adapter(name, weights=weights, version=version) for e in self.engines))
+            await asyncio.gather(
+                *(e.update_adapter(name, weights=weights, version=version) for e in self.engines)
+            )
         else:
             if self.staging_dir is None:
-                raise WeightSyncError(f"adapters reach {self.method} engines by disk: give the sync a staging_dir")
+                raise WeightSyncError(
+                    f"adapters reach {self.method} engines by disk: give the sync a staging_dir"
+                )
             root = self.staging_dir / "adapters" / name
             folder = await asyncio.to_thread(weights.save, root / f"v{version}")
-            await asyncio.gather(*(e.update_adapter(name, path=str(folder), version=version) for e in self.engines))
+            await asyncio.gather(
+                *(e.update_adapter(name, path=str(folder), version=version) for e in self.engines)
+            )
             await asyncio.to_thread(self._prune, folder, root)
         self.adapter_versions[name] = version
-        report = SyncReport(version=version, method="in_process" if self.method == "in_process" else "disk",
-                            seconds=time.perf_counter() - start, drain_seconds=0.0, num_bytes=weights.num_bytes,
-                            num_engines=len(self.engines), policy_id=name)
+        report = SyncReport(
+            version=version,
+            method="in_process" if self.method == "in_process" else "disk",
+            seconds=time.perf_counter() - start,
+            drain_seconds=0.0,
+            num_bytes=weights.num_bytes,
+            num_engines=len(self.engines),
+            policy_id=name,
+        )
         self.history.append(report)
-        log.info("adapter sync %s v%d (%s): %.3f s for %.2f MB", name, version, report.method, report.seconds,
-                 report.num_bytes / 1e6)
+        log.info(
+            "adapter sync %s v%d (%s): %.3f s for %.2f MB",
+            name,
+            version,
+            report.method,
+            report.seconds,
+            report.num_bytes / 1e6,
+        )
         return report
 
     def _stage(self, state_dict: Mapping[str, torch.Tensor], version: int) -> Path:
@@ -272,7 +319,7 @@ class WeightSync:
         never `current`, which engines just read."""
         assert self.staging_dir is not None
         older = [p for p in _version_folders(root or self.staging_dir) if p != current]
-        for folder in older[:max(0, len(older) - (self.keep_versions - 1))]:
+        for folder in older[: max(0, len(older) - (self.keep_versions - 1))]:
             shutil.rmtree(folder, ignore_errors=True)
 
     async def close(self) -> None:
@@ -280,7 +327,9 @@ class WeightSync:
         if self.broadcaster is None:
             return
         name = self.broadcaster.group_name
-        await asyncio.gather(*(e.destroy_weights_update_group(name) for e in self.engines), return_exceptions=True)
+        await asyncio.gather(
+            *(e.destroy_weights_update_group(name) for e in self.engines), return_exceptions=True
+        )
         self.broadcaster.close()
 
 
@@ -302,11 +351,17 @@ def resolve_sync_method(method: str, engines: Sequence[RolloutEngine]) -> SyncMe
     if method == "auto":
         return "broadcast" if http[0] else "in_process"
     if method == "in_process" and http[0]:
-        raise ConfigError("sync.method", "in_process needs embedded engines in this process, but the engines are "
-                                         "HTTP servers; use sync.method: broadcast (or auto, or disk)")
+        raise ConfigError(
+            "sync.method",
+            "in_process needs embedded engines in this process, but the engines are "
+            "HTTP servers; use sync.method: broadcast (or auto, or disk)",
+        )
     if method == "broadcast" and not http[0]:
-        raise ConfigError("sync.method", "broadcast sends weights to HTTP engines, but the engines are embedded "
-                                         "in this process; use sync.method: in_process (or auto)")
+        raise ConfigError(
+            "sync.method",
+            "broadcast sends weights to HTTP engines, but the engines are embedded "
+            "in this process; use sync.method: in_process (or auto)",
+        )
     if method not in ("in_process", "disk", "broadcast"):
         raise ConfigError("sync.method", f"{method!r} is not one of auto, in_process, disk, broadcast")
     return method  # type: ignore[return-value]
@@ -317,8 +372,9 @@ def resolve_backend(cfg: SyncConfig) -> str:
     if cfg.backend == "auto":
         return "nccl" if torch.cuda.is_available() else "gloo"
     if cfg.backend == "nccl" and not torch.cuda.is_available():
-        raise ConfigError("sync.backend", "nccl needs CUDA in the trainer process, and there is none; use gloo "
-                                          "(or auto)")
+        raise ConfigError(
+            "sync.backend", "nccl needs CUDA in the trainer process, and there is none; use gloo (or auto)"
+        )
     return cfg.backend
 
 
@@ -337,15 +393,21 @@ async def _engine_ranks(cfg: SyncConfig, clients: Sequence[Any]) -> list[int]:
     for c in clients:
         host = urlsplit(c.base_url).hostname or ""
         if _is_loopback(cfg.master_address) and not _is_loopback(host):
-            raise ConfigError("sync.master_address", f"{cfg.master_address} is this machine's loopback, which engine "
-                                                     f"{c.base_url} cannot reach; set it to an address of this "
-                                                     "machine on the engines' network")
+            raise ConfigError(
+                "sync.master_address",
+                f"{cfg.master_address} is this machine's loopback, which engine "
+                f"{c.base_url} cannot reach; set it to an address of this "
+                "machine on the engines' network",
+            )
         info = await c.get_server_info()
         tp, dp, pp = (int(info.get(k) or 1) for k in ("tp_size", "dp_size", "pp_size"))
         if dp > 1 or pp > 1:
-            raise ConfigError("sync.method", f"{c.base_url} runs dp_size {dp}, pp_size {pp}: SGLang joins a weight "
-                                             "group only with dp_size 1 and one pipeline stage; launch one server "
-                                             "per replica (miles rollout --dp N) or use sync.method: disk")
+            raise ConfigError(
+                "sync.method",
+                f"{c.base_url} runs dp_size {dp}, pp_size {pp}: SGLang joins a weight "
+                "group only with dp_size 1 and one pipeline stage; launch one server "
+                "per replica (miles rollout --dp N) or use sync.method: disk",
+            )
         sizes.append(tp)
     return sizes
 
@@ -361,22 +423,35 @@ async def connect_broadcaster(cfg: SyncConfig, clients: Sequence[Any]) -> Any:
     backend = resolve_backend(cfg)
     sizes = await _engine_ranks(cfg, clients)
     await asyncio.gather(*(c.destroy_weights_update_group(DEFAULT_GROUP) for c in clients))
-    broadcaster = WeightBroadcaster(cfg.master_address, cfg.master_port, world_size=1 + sum(sizes),
-                                    backend=backend, timeout_s=cfg.timeout_s, bucket_bytes=cfg.bucket_bytes)
+    broadcaster = WeightBroadcaster(
+        cfg.master_address,
+        cfg.master_port,
+        world_size=1 + sum(sizes),
+        backend=backend,
+        timeout_s=cfg.timeout_s,
+        bucket_bytes=cfg.bucket_bytes,
+    )
     try:
         await init_weight_update_group(broadcaster, clients, ranks_per_engine=sizes)
     except Exception as exc:  # noqa: BLE001 - one line for the user, the cause chained
         where = f"tcp://{broadcaster.master_address}:{broadcaster.master_port}"
-        raise ConfigError("sync", f"the engines could not join the weight-update group at {where} over "
-                                  f"{backend} ({type(exc).__name__}: {str(exc).splitlines()[0][:300]}); check "
-                                  "sync.master_address/master_port are reachable from the engines and "
-                                  "sync.backend suits them") from exc
+        raise ConfigError(
+            "sync",
+            f"the engines could not join the weight-update group at {where} over "
+            f"{backend} ({type(exc).__name__}: {str(exc).splitlines()[0][:300]}); check "
+            "sync.master_address/master_port are reachable from the engines and "
+            "sync.backend suits them",
+        ) from exc
     return broadcaster
 
 
-async def build_weight_sync(cfg: SyncConfig, engines: Sequence[RolloutEngine], *,
-                            staging_dir: str | Path | None = None,
-                            drain_engines: Sequence[RolloutEngine] | None = None) -> WeightSync:
+async def build_weight_sync(
+    cfg: SyncConfig,
+    engines: Sequence[RolloutEngine],
+    *,
+    staging_dir: str | Path | None = None,
+    drain_engines: Sequence[RolloutEngine] | None = None,
+) -> WeightSync:
     """The `WeightSync` a config asks for, checked and (for broadcast) connected at setup.
 
     `engines` are the per-worker engines that hold weights (one client per SGLang server, never a router);
@@ -385,5 +460,12 @@ async def build_weight_sync(cfg: SyncConfig, engines: Sequence[RolloutEngine], *
     """
     method = resolve_sync_method(cfg.method, engines)
     broadcaster = await connect_broadcaster(cfg, engines) if method == "broadcast" else None
-    return WeightSync(engines, method=method, policy=cfg.policy, staging_dir=staging_dir, broadcaster=broadcaster,
-                      keep_versions=cfg.keep_versions, drain_engines=drain_engines)
+    return WeightSync(
+        engines,
+        method=method,
+        policy=cfg.policy,
+        staging_dir=staging_dir,
+        broadcaster=broadcaster,
+        keep_versions=cfg.keep_versions,
+        drain_engines=drain_engines,
+    )

@@ -55,8 +55,13 @@ async def test_a_weight_update_between_decode_steps_is_recorded_token_by_token()
     assert versions[0] == 0 and versions[-1] == 5 and versions == sorted(versions)
 
     conv = tito().start([{"role": "user", "content": "hi"}])
-    conv.append_generation(result.output_ids, result.output_logprobs, weight_version=result.weight_version,
-                           finish_reason=result.finish_reason, token_versions=versions)
+    conv.append_generation(
+        result.output_ids,
+        result.output_logprobs,
+        weight_version=result.weight_version,
+        finish_reason=result.finish_reason,
+        token_versions=versions,
+    )
     spans = [s for s in conv.trajectory.spans if s.role == "assistant"]
     assert [s.weight_version for s in spans] == [0, 5] and spans[0].end == spans[1].start
     assert spans[0].end - spans[0].start == versions.count(0)
@@ -65,8 +70,12 @@ async def test_a_weight_update_between_decode_steps_is_recorded_token_by_token()
 
 def _traj(*versions: int | None) -> Trajectory:
     ids = list(range(len(versions)))
-    return Trajectory(token_ids=ids, loss_mask=[1] * len(ids), rollout_logprobs=[-0.1] * len(ids),
-                      spans=[TurnSpan("assistant", i, i + 1, v) for i, v in enumerate(versions)])
+    return Trajectory(
+        token_ids=ids,
+        loss_mask=[1] * len(ids),
+        rollout_logprobs=[-0.1] * len(ids),
+        spans=[TurnSpan("assistant", i, i + 1, v) for i, v in enumerate(versions)],
+    )
 
 
 def test_the_batch_carries_each_samples_oldest_version_and_its_staleness():
@@ -77,13 +86,21 @@ def test_the_batch_carries_each_samples_oldest_version_and_its_staleness():
 
 # ---- admission in the rollout manager ------------------------------------------------------------------
 async def test_the_manager_admits_groups_only_within_the_staleness_bound():
-    engine = InstantEngine(respond=lambda ids, sid, k: tito().tokenizer.encode("The answer is 3.") +
-                           [tito().stop_token_ids[0]])
-    sched = SessionScheduler(engine, tokenizer=tito(), env_factory=AddEnv, config=SchedulerConfig(
-        group_size=2, progress=False, session=SessionConfig(sampling=SamplingParams(max_new_tokens=8))))
+    engine = InstantEngine(
+        respond=lambda ids, sid, k: tito().tokenizer.encode("The answer is 3.") + [tito().stop_token_ids[0]]
+    )
+    sched = SessionScheduler(
+        engine,
+        tokenizer=tito(),
+        env_factory=AddEnv,
+        config=SchedulerConfig(
+            group_size=2, progress=False, session=SessionConfig(sampling=SamplingParams(max_new_tokens=8))
+        ),
+    )
     tasks = AddEnv().tasks.take(8)
-    manager = RolloutManager(sched, TaskFeed(lambda p: tasks[p % 8]), groups_per_version=2, max_staleness=1,
-                             first_version=3)
+    manager = RolloutManager(
+        sched, TaskFeed(lambda p: tasks[p % 8]), groups_per_version=2, max_staleness=1, first_version=3
+    )
     got: list[int] = []
 
     async def consume() -> None:
@@ -138,22 +155,34 @@ class _FakeProcess:
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.lists(st.integers(0, 12), min_size=1, max_size=3), min_size=12, max_size=12),
-       st.integers(0, 4), st.sampled_from(["drop", "regenerate"]))
+@given(
+    st.lists(st.lists(st.integers(0, 12), min_size=1, max_size=3), min_size=12, max_size=12),
+    st.integers(0, 4),
+    st.sampled_from(["drop", "regenerate"]),
+)
 def test_no_group_over_the_bound_is_ever_trained_on(versions, bound, stale):
     trainer_version = 12
-    cfg = load_train_config(None, ["rollout.tasks_per_step=2", f"async.max_staleness={bound}",
-                                   f"async.stale={stale}", "async.enabled=true"])
+    cfg = load_train_config(
+        None,
+        [
+            "rollout.tasks_per_step=2",
+            f"async.max_staleness={bound}",
+            f"async.stale={stale}",
+            "async.enabled=true",
+        ],
+    )
     versions = [*versions, [trainer_version], [trainer_version]]  # the stream always has two fresh groups
-    groups = [Finished(records=[_record(v) for v in vs], position=i, engine_idle_s=0.0)
-              for i, vs in enumerate(versions)]
+    groups = [
+        Finished(records=[_record(v) for v in vs], position=i, engine_idle_s=0.0)
+        for i, vs in enumerate(versions)
+    ]
     fresh = [g for g in groups if group_staleness(g.records, trainer_version) <= bound]
     rollout = AsyncRollout(cfg, http=False, push=None)  # type: ignore[arg-type]
     rollout.process = _FakeProcess(groups)  # type: ignore[assignment]
     taken = asyncio.run(rollout.collect(trainer_version))
     assert all(trainer_version - r.trajectory.oldest_weight_version <= bound for r in taken.records)
     assert taken.records == [r for g in fresh[:2] for r in g.records]
-    skipped = [g.position for g in groups[:groups.index(fresh[1]) + 1] if g not in fresh]
+    skipped = [g.position for g in groups[: groups.index(fresh[1]) + 1] if g not in fresh]
     assert taken.metrics["stale_groups_dropped"] == len(skipped)
     assert taken.metrics["staleness_max"] <= bound
     assert rollout.process.replaced == skipped  # type: ignore[attr-defined]  # every drop frees its place
@@ -184,8 +213,12 @@ class _InProcessManager:
 
     async def next_group(self) -> Finished:
         group, position = await anext(self.stream)
-        return Finished(records=group.records, position=position, engine_idle_s=0.0,
-                        oldest_running=self.manager.oldest_running)
+        return Finished(
+            records=group.records,
+            position=position,
+            engine_idle_s=0.0,
+            oldest_running=self.manager.oldest_running,
+        )
 
     def requeue(self, position: int, *, rerun: bool) -> None:
         self.manager.replace(position, rerun=rerun)
@@ -194,11 +227,19 @@ class _InProcessManager:
 async def test_a_long_tail_group_is_trained_late_not_dropped_as_stale():
     reply = tito().tokenizer.encode("The answer is 3.") + [tito().stop_token_ids[0]]
     engine = _SlowSessions({"t-s0", "t-s1"}, 0.5, respond=lambda ids, sid, k: reply, weight_version=1)
-    sched = SessionScheduler(engine, tokenizer=tito(), env_factory=AddEnv, run_id="t", config=SchedulerConfig(
-        group_size=2, progress=False, session=SessionConfig(sampling=SamplingParams(max_new_tokens=8))))
+    sched = SessionScheduler(
+        engine,
+        tokenizer=tito(),
+        env_factory=AddEnv,
+        run_id="t",
+        config=SchedulerConfig(
+            group_size=2, progress=False, session=SessionConfig(sampling=SamplingParams(max_new_tokens=8))
+        ),
+    )
     tasks = AddEnv().tasks.take(8)
-    manager = RolloutManager(sched, TaskFeed(lambda p: tasks[p % 8]), groups_per_version=2, max_staleness=1,
-                             first_version=1)
+    manager = RolloutManager(
+        sched, TaskFeed(lambda p: tasks[p % 8]), groups_per_version=2, max_staleness=1, first_version=1
+    )
     cfg = load_train_config(None, ["rollout.tasks_per_step=2", "async.enabled=true", "async.max_staleness=1"])
     rollout = AsyncRollout(cfg, http=False, push=None)  # type: ignore[arg-type]
     rollout.process = _InProcessManager(manager)  # type: ignore[assignment]
@@ -220,18 +261,25 @@ async def test_a_long_tail_group_is_trained_late_not_dropped_as_stale():
     assert {"t-s0", "t-s1"} <= set(trained)
 
 
-
 @pytest.mark.parametrize("inflight", ["pause", "continue"])
 async def test_a_weight_update_meets_turns_in_flight_as_async_inflight_says(inflight):
     """`pause` (the default) loads new weights while a turn decodes; `continue` first lets it finish."""
     assert load_train_config(None, ["async.enabled=true"]).asynchronous.inflight == "pause"
     reply = tito().tokenizer.encode("The answer is 3.") + [tito().stop_token_ids[0]]
     engine = _SlowSessions({"t-s0"}, 0.5, respond=lambda ids, sid, k: reply, weight_version=1)
-    sched = SessionScheduler(engine, tokenizer=tito(), env_factory=AddEnv, run_id="t", config=SchedulerConfig(
-        group_size=1, progress=False, session=SessionConfig(sampling=SamplingParams(max_new_tokens=8))))
+    sched = SessionScheduler(
+        engine,
+        tokenizer=tito(),
+        env_factory=AddEnv,
+        run_id="t",
+        config=SchedulerConfig(
+            group_size=1, progress=False, session=SessionConfig(sampling=SamplingParams(max_new_tokens=8))
+        ),
+    )
     tasks = AddEnv().tasks.take(1)
-    manager = RolloutManager(sched, TaskFeed(lambda p: tasks[0]), groups_per_version=1, max_staleness=0,
-                             first_version=1)
+    manager = RolloutManager(
+        sched, TaskFeed(lambda p: tasks[0]), groups_per_version=1, max_staleness=0, first_version=1
+    )
     stream = manager.stream()
     first = asyncio.create_task(anext(stream))
     in_flight_at_load: list[int] = []
@@ -252,16 +300,33 @@ async def test_a_weight_update_meets_turns_in_flight_as_async_inflight_says(infl
         await stream.aclose()
         await sched.aclose()
 
+
 # ---- through `miles train` -----------------------------------------------------------------------------
-def _train(out: Path, *sets: str, resume: bool = False, config: str = "configs/calculator.yaml",
-           wait: bool = True) -> subprocess.CompletedProcess[str] | subprocess.Popen[str]:
-    args = [sys.executable, "-m", "miles.cli", "train", "--config", str(REPO / config), "--output-dir", str(out),
-            "--set", "max_seconds=null", "--set", "eval.num_tasks=4", *(x for s in sets for x in ("--set", s))]
+def _train(
+    out: Path, *sets: str, resume: bool = False, config: str = "configs/calculator.yaml", wait: bool = True
+) -> subprocess.CompletedProcess[str] | subprocess.Popen[str]:
+    args = [
+        sys.executable,
+        "-m",
+        "miles.cli",
+        "train",
+        "--config",
+        str(REPO / config),
+        "--output-dir",
+        str(out),
+        "--set",
+        "max_seconds=null",
+        "--set",
+        "eval.num_tasks=4",
+        *(x for s in sets for x in ("--set", s)),
+    ]
     if resume:
         args.append("--resume")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if not wait:
-        return subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        return subprocess.Popen(
+            args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        )
     return subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
 
 
@@ -291,14 +356,22 @@ def test_max_staleness_0_reproduces_the_synchronous_loop_on_the_main_job(tmp_pat
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-7)
         assert b["staleness_max"] == 0
     assert any(r["loss"] != 0 for r in sync)  # the runs learned something to compare
-    trained = {r.session_id: r.trajectory.token_ids for r in read_sessions(tmp_path / "false" / "sessions.jsonl").records}
-    asynced = {r.session_id: r.trajectory.token_ids for r in read_sessions(tmp_path / "true" / "sessions.jsonl").records}
+    trained = {
+        r.session_id: r.trajectory.token_ids
+        for r in read_sessions(tmp_path / "false" / "sessions.jsonl").records
+    }
+    asynced = {
+        r.session_id: r.trajectory.token_ids
+        for r in read_sessions(tmp_path / "true" / "sessions.jsonl").records
+    }
     assert all(asynced[sid] == ids for sid, ids in trained.items())
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("inflight", ["pause", "continue"])
-def test_an_async_run_on_an_http_engine_pauses_it_around_each_update_only_under_inflight_pause(inflight, tmp_path):
+def test_an_async_run_on_an_http_engine_pauses_it_around_each_update_only_under_inflight_pause(
+    inflight, tmp_path
+):
     """On SGLang a weight update waits for the requests in flight unless generation is paused: with
     `async.inflight: pause` the trainer's sync calls `/pause_generation` and `/continue_generation` around every
     load (the server's own pause counter sees each one); with `continue` it never pauses."""
@@ -308,29 +381,47 @@ def test_an_async_run_on_an_http_engine_pauses_it_around_each_update_only_under_
 
     server = ServerProcess(REPO / "checkpoints" / "calculator-sft-1m")
     try:
-        proc = _train(tmp_path / "run", *SMALL, "async.enabled=true", "async.max_staleness=1",
-                      f"async.inflight={inflight}", "engine.kind=sglang", f"engine.urls=[{server.url}]")
+        proc = _train(
+            tmp_path / "run",
+            *SMALL,
+            "async.enabled=true",
+            "async.max_staleness=1",
+            f"async.inflight={inflight}",
+            "engine.kind=sglang",
+            f"engine.urls=[{server.url}]",
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         metrics = httpx.get(server.url + "/metrics", timeout=10).text
     finally:
         server.kill()
-    pauses = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-                 if line.startswith("miles_engine_pauses_total"))
+    pauses = sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("miles_engine_pauses_total")
+    )
     syncs = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "sync"]
     assert len(syncs) >= 2 and pauses == (len(syncs) if inflight == "pause" else 0), (pauses, len(syncs))
 
 
 @pytest.mark.slow
 def test_an_async_run_takes_the_ratio_against_the_rollout_policy(tmp_path):
-    proc = _train(tmp_path, "steps=6", "rollout.tasks_per_step=4", "rollout.scheduler.group_size=4",
-                  "async.enabled=true", "async.max_staleness=2")
+    proc = _train(
+        tmp_path,
+        "steps=6",
+        "rollout.tasks_per_step=4",
+        "rollout.scheduler.group_size=4",
+        "async.enabled=true",
+        "async.max_staleness=2",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [r for r in _rows(tmp_path) if "approx_kl" in r]
     assert "tis_weight_mean" not in rows[0] and "dual_clip_frac" in rows[0]  # no second weight; dual clip on
     # against the trainer's own weights one optimizer step has ratio 1 (approx_kl exactly 0); against the
     # rollout policy a stale batch's ratio is its importance weight
     stale = [r for r in rows if r["staleness_max"] >= 1]
-    assert stale and all(r["approx_kl"] > 1e-6 for r in stale), [(r["staleness_max"], r["approx_kl"]) for r in rows]
+    assert stale and all(r["approx_kl"] > 1e-6 for r in stale), [
+        (r["staleness_max"], r["approx_kl"]) for r in rows
+    ]
 
 
 DEAD_PEER_SCRIPT = """
@@ -355,8 +446,9 @@ except ValueError:
 def test_a_dead_peer_in_a_descriptor_handshake_prints_no_traceback(mode):
     """Killing the rollout process while the trainer hands it a shared tensor's descriptor made the trainer's
     `multiprocessing.resource_sharer` thread print a traceback beside the one-line error; other errors print."""
-    proc = subprocess.run([sys.executable, "-c", DEAD_PEER_SCRIPT, mode], capture_output=True, text=True,
-                          timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", DEAD_PEER_SCRIPT, mode], capture_output=True, text=True, timeout=60
+    )
     assert "other errors still reach stderr" in proc.stderr
     assert ("resource_sharer.py" in proc.stderr) == (mode == "default"), proc.stderr
 
@@ -364,8 +456,14 @@ def test_a_dead_peer_in_a_descriptor_handshake_prints_no_traceback(mode):
 @pytest.mark.slow
 def test_a_killed_rollout_process_is_a_named_error_and_resume_loses_no_step(tmp_path):
     out = tmp_path / "run"
-    sets = ("steps=5", "rollout.tasks_per_step=2", "rollout.scheduler.group_size=4", "checkpoint.every=1",
-            "async.enabled=true", "async.max_staleness=2")
+    sets = (
+        "steps=5",
+        "rollout.tasks_per_step=2",
+        "rollout.scheduler.group_size=4",
+        "checkpoint.every=1",
+        "async.enabled=true",
+        "async.max_staleness=2",
+    )
     proc = _train(out, *sets, wait=False)
     try:
         deadline = time.monotonic() + 600
@@ -383,7 +481,8 @@ def test_a_killed_rollout_process_is_a_named_error_and_resume_loses_no_step(tmp_
     # One line names the failure (multiprocessing's resource tracker may add a warning about the semaphore
     # the killed process held, which it then cleans up).
     assert [line for line in err.splitlines() if line.startswith("miles train:")] == [
-        "miles train: the rollout process exited with code -9; continue the run with --resume"]
+        "miles train: the rollout process exited with code -9; continue the run with --resume"
+    ]
     assert "Traceback" not in err
     done = len(_rows(out))
     assert 2 <= done < 5
@@ -407,8 +506,15 @@ def test_the_rollout_process_leaves_with_a_trainer_killed_mid_run_while_the_pipe
     still records what it can and leaves (it holds the pipe's other end itself, so the pipe never breaks)."""
     from miles.trainers.rollout_process import ORPHAN_EXIT_S
 
-    proc = _train(tmp_path / "run", "steps=500", "rollout.tasks_per_step=8", "rollout.scheduler.group_size=8",
-                  "async.enabled=true", "async.max_staleness=8", wait=False)
+    proc = _train(
+        tmp_path / "run",
+        "steps=500",
+        "rollout.tasks_per_step=8",
+        "rollout.scheduler.group_size=8",
+        "async.enabled=true",
+        "async.max_staleness=8",
+        wait=False,
+    )
     try:
         assert proc.stdout is not None
         for line in proc.stdout:  # training, with groups flowing
@@ -432,8 +538,16 @@ def test_stale_samples_are_weighed_against_the_rollout_policy_by_default():
         return lc.ratio_to, lc.tis_cap, lc.dual_clip_c
 
     assert loss("async.enabled=true", "async.max_staleness=2") == ("rollout", None, ASYNC_DUAL_CLIP_C)
-    assert loss("async.enabled=true", "async.max_staleness=2", "algorithm.loss.dual_clip_c=5") == ("rollout", None, 5)
-    assert loss("async.enabled=true", "async.max_staleness=0") == (None, None, None)  # the synchronous loop's loss
+    assert loss("async.enabled=true", "async.max_staleness=2", "algorithm.loss.dual_clip_c=5") == (
+        "rollout",
+        None,
+        5,
+    )
+    assert loss("async.enabled=true", "async.max_staleness=0") == (
+        None,
+        None,
+        None,
+    )  # the synchronous loop's loss
     assert loss("async.enabled=false") == (None, None, None)
     assert loss("async.enabled=true", "algorithm.loss.ratio_to=proximal") == ("proximal", ASYNC_TIS_CAP, None)
     assert loss("async.enabled=true", "algorithm.loss.tis_cap=5") == (None, 5.0, None)
@@ -455,8 +569,10 @@ def test_groups_of_a_step_that_trained_nothing_free_their_places():
 def test_the_rollout_process_stops_at_once_with_finished_groups_the_trainer_never_read(tmp_path):
     from miles.trainers.rollout_process import RolloutProcess, RolloutStart
 
-    cfg = load_train_config(str(REPO / "configs" / "calculator.yaml"),
-                            [f"output_dir={tmp_path}", "async.enabled=true", "async.max_staleness=2"])
+    cfg = load_train_config(
+        str(REPO / "configs" / "calculator.yaml"),
+        [f"output_dir={tmp_path}", "async.enabled=true", "async.max_staleness=2"],
+    )
 
     async def go() -> tuple[int | None, float, int]:
         process = RolloutProcess(cfg, RolloutStart())

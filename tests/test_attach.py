@@ -65,18 +65,34 @@ def small_context_server(tmp_path_factory):
 
 def _train(tmp_path: Path, url: str, *extra: str) -> subprocess.CompletedProcess[str]:
     cfg = tmp_path / "c.yaml"
-    cfg.write_text(json.dumps({
-        "output_dir": str(tmp_path / "run"), "steps": 1,
-        "env": {"id": "Calculator-v0", "num_train_tasks": 8},
-        "model": {"name": "tiny", "size": "0.1m"},
-        "engine": {"kind": "sglang", "urls": [url]},
-        "sync": {"method": "disk"},
-        "rollout": {"tasks_per_step": 1, "scheduler": {"group_size": 2, "progress": False,
-                                                       "session": {"sampling": {"max_new_tokens": 16}}}},
-        "eval": {"num_tasks": 1}}))
-    return subprocess.run([sys.executable, "-m", "miles.cli", "train", "--config", str(cfg), *extra],
-                          capture_output=True, text=True, timeout=300, env={"OMP_NUM_THREADS": "1",
-                                                                            "PATH": "/usr/bin:/bin"})
+    cfg.write_text(
+        json.dumps(
+            {
+                "output_dir": str(tmp_path / "run"),
+                "steps": 1,
+                "env": {"id": "Calculator-v0", "num_train_tasks": 8},
+                "model": {"name": "tiny", "size": "0.1m"},
+                "engine": {"kind": "sglang", "urls": [url]},
+                "sync": {"method": "disk"},
+                "rollout": {
+                    "tasks_per_step": 1,
+                    "scheduler": {
+                        "group_size": 2,
+                        "progress": False,
+                        "session": {"sampling": {"max_new_tokens": 16}},
+                    },
+                },
+                "eval": {"num_tasks": 1},
+            }
+        )
+    )
+    return subprocess.run(
+        [sys.executable, "-m", "miles.cli", "train", "--config", str(cfg), *extra],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
+    )
 
 
 @pytest.mark.slow

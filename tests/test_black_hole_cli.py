@@ -34,17 +34,34 @@ def test_a_wedged_engine_loses_no_session_and_its_turns_run_elsewhere(healthy_an
     healthy, wedged = healthy_and_wedged
     run = tmp_path / "run"
     config = tmp_path / "c.yaml"
-    config.write_text(json.dumps({
-        "output_dir": str(run), "steps": STEPS,
-        "env": {"id": "Calculator-v0", "num_train_tasks": 16},
-        "model": {"name": "tiny", "size": "0.1m"},
-        "engine": {"kind": "sglang", "urls": [wedged.url, healthy]},
-        "sync": {"method": "disk"},  # both URLs load from disk; only generation is wedged
-        "rollout": {"tasks_per_step": TASKS, "scheduler": {"group_size": GROUP, "progress": False,
-                                                           "session": {"sampling": {"max_new_tokens": 16}}}},
-        "eval": {"num_tasks": 1}}))
-    proc = subprocess.run([sys.executable, "-m", "miles.cli", "train", "--config", str(config)],
-                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    config.write_text(
+        json.dumps(
+            {
+                "output_dir": str(run),
+                "steps": STEPS,
+                "env": {"id": "Calculator-v0", "num_train_tasks": 16},
+                "model": {"name": "tiny", "size": "0.1m"},
+                "engine": {"kind": "sglang", "urls": [wedged.url, healthy]},
+                "sync": {"method": "disk"},  # both URLs load from disk; only generation is wedged
+                "rollout": {
+                    "tasks_per_step": TASKS,
+                    "scheduler": {
+                        "group_size": GROUP,
+                        "progress": False,
+                        "session": {"sampling": {"max_new_tokens": 16}},
+                    },
+                },
+                "eval": {"num_tasks": 1},
+            }
+        )
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "miles.cli", "train", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert wedged.generate_calls >= 1  # the wedged engine did get turns
 

@@ -34,13 +34,22 @@ def random_batch() -> TrajectoryBatch:
         n = random.randint(4, 10)
         ids = torch.randint(0, VOCAB, (n,)).tolist()
         lps = (-np.random.rand(n - 2) * 3).tolist()
-        trajs.append(Trajectory(token_ids=ids, loss_mask=[0, 0] + [1] * (n - 2), rollout_logprobs=[0.0, 0.0] + lps,
-                                reward=float(np.random.rand() > 0.5), meta=TrajectoryMeta(group_id=f"g{i // 3}")))
+        trajs.append(
+            Trajectory(
+                token_ids=ids,
+                loss_mask=[0, 0] + [1] * (n - 2),
+                rollout_logprobs=[0.0, 0.0] + lps,
+                reward=float(np.random.rand() > 0.5),
+                meta=TrajectoryMeta(group_id=f"g{i // 3}"),
+            )
+        )
     return TrajectoryBatch.from_trajectories(trajs)
 
 
 def new_trainer(seed: int = 0) -> TorchTrainer:
-    cfg = TorchTrainerConfig(lr=5e-3, micro_batch_tokens=20, lr_schedule="cosine", warmup_steps=1, total_steps=6)
+    cfg = TorchTrainerConfig(
+        lr=5e-3, micro_batch_tokens=20, lr_schedule="cosine", warmup_steps=1, total_steps=6
+    )
     alg = AlgorithmConfig(loss=LossConfig(tis_cap=2.0), num_mini_batches=2)
     return TorchTrainer(make_tiny_model("0.1m", vocab_size=VOCAB, seed=seed), cfg, alg)
 
@@ -127,11 +136,17 @@ def test_rng_state_round_trip():
     assert (random.random(), float(np.random.rand()), float(torch.rand(())), float(np.random.randn())) == want
 
 
-@pytest.mark.parametrize("damage", ["flip a byte of the weights", "truncate the optimizer", "garble meta.json"])
+@pytest.mark.parametrize(
+    "damage", ["flip a byte of the weights", "truncate the optimizer", "garble meta.json"]
+)
 def test_a_damaged_newest_checkpoint_is_passed_over_for_the_one_before(damage, tmp_path):
     for step in (1, 2):
-        save_checkpoint(tmp_path, step=step, model_state={"w": torch.full((64,), float(step))},
-                        optimizer_state={"state": {}, "param_groups": []})
+        save_checkpoint(
+            tmp_path,
+            step=step,
+            model_state={"w": torch.full((64,), float(step))},
+            optimizer_state={"state": {}, "param_groups": []},
+        )
     newest = tmp_path / "step_00000002"
     if damage.startswith("flip"):
         data = bytearray((newest / "model.safetensors").read_bytes())
@@ -156,13 +171,25 @@ REPO = Path(__file__).resolve().parents[1]
 
 def _calculator_run(out: Path, *sets: str) -> list[str]:
     """`miles train` on the calculator example, a checkpoint per step, small steps and evaluations."""
-    return ["train", "--config", str(REPO / "configs" / "calculator.yaml"), "--output-dir", str(out), "--set",
-            "rollout.tasks_per_step=2", "--set", "checkpoint.every=1", "--set", "checkpoint.keep=5",
-            *(x for s in sets for x in ("--set", s))]
+    return [
+        "train",
+        "--config",
+        str(REPO / "configs" / "calculator.yaml"),
+        "--output-dir",
+        str(out),
+        "--set",
+        "rollout.tasks_per_step=2",
+        "--set",
+        "checkpoint.every=1",
+        "--set",
+        "checkpoint.keep=5",
+        *(x for s in sets for x in ("--set", s)),
+    ]
 
 
-def test_resume_passes_over_a_damaged_checkpoint_and_a_damaged_warm_start_is_one_line(tmp_path, capsys,
-                                                                                     monkeypatch):
+def test_resume_passes_over_a_damaged_checkpoint_and_a_damaged_warm_start_is_one_line(
+    tmp_path, capsys, monkeypatch
+):
     from miles.cli import main
 
     repo = REPO
@@ -179,9 +206,21 @@ def test_resume_passes_over_a_damaged_checkpoint_and_a_damaged_warm_start_is_one
     warm = tmp_path / "warm"
     warm.mkdir()
     for f in (repo / "checkpoints" / "calculator-sft-1m").iterdir():
-        (warm / f.name).write_bytes(f.read_bytes()[: -200] if f.suffix == ".safetensors" else f.read_bytes())
-    assert main(["train", "--config", str(repo / "configs" / "calculator.yaml"), "--output-dir",
-                 str(tmp_path / "w"), "--set", f"model.init_from={warm}"]) == 2
+        (warm / f.name).write_bytes(f.read_bytes()[:-200] if f.suffix == ".safetensors" else f.read_bytes())
+    assert (
+        main(
+            [
+                "train",
+                "--config",
+                str(repo / "configs" / "calculator.yaml"),
+                "--output-dir",
+                str(tmp_path / "w"),
+                "--set",
+                f"model.init_from={warm}",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith(f"miles train: config error: model.init_from: cannot load '{warm}': ")
 

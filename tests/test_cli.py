@@ -25,7 +25,9 @@ BUILT_INS = ("Calculator-v0", "Orders-v0", "PythonSandbox-v0", "SQL-v0")
 
 
 def test_envs_lists_the_built_in_environments_from_the_console_script():
-    proc = subprocess.run([sys.executable, "-m", "miles.cli", "envs"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "miles.cli", "envs"], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     listed = {line.split()[0]: line.split()[1] for line in proc.stdout.splitlines() if line.strip()}
     for env_id in BUILT_INS:
@@ -58,10 +60,19 @@ def recorded(tmp_path_factory):
     async def record() -> None:
         engine = EmbeddedEngine(small_qwen2(0, vocab_size=len(tok)))
         recorder = Recorder(path)
-        config = SchedulerConfig(group_size=1, progress=False, session=SessionConfig(
-            max_turns=2, sampling=SamplingParams(max_new_tokens=16)))
-        sched = SessionScheduler(engine, tokenizer=TITOTokenizer(tok), config=config, recorder=recorder,
-                                 env_factory=lambda: make("Calculator-v0"), run_id="cli")
+        config = SchedulerConfig(
+            group_size=1,
+            progress=False,
+            session=SessionConfig(max_turns=2, sampling=SamplingParams(max_new_tokens=16)),
+        )
+        sched = SessionScheduler(
+            engine,
+            tokenizer=TITOTokenizer(tok),
+            config=config,
+            recorder=recorder,
+            env_factory=lambda: make("Calculator-v0"),
+            run_id="cli",
+        )
         env = make("Calculator-v0")
         try:
             await sched.run([{"task": t} for t in env.tasks.take(3)])
@@ -106,8 +117,11 @@ def test_the_final_table_fits_long_adapter_modes_in_one_column():
         return EvalResult(mode=mode, num_tasks=10, success_rate=rate, mean_reward=rate, terminations={})
 
     modes = ("mul/greedy", "addsub/greedy")
-    summary = RunSummary(output_dir="out", steps_done=1, evals={
-        "start": {m: result(m, 0.5) for m in modes}, "final": {m: result(m, 0.75) for m in modes}})
+    summary = RunSummary(
+        output_dir="out",
+        steps_done=1,
+        evals={"start": {m: result(m, 0.5) for m in modes}, "final": {m: result(m, 0.75) for m in modes}},
+    )
     rows = format_summary(summary).splitlines()[1:6]
     header, body = rows[0], rows[1:]
     assert [r.index("%") + 1 for r in body] == [header.index("success") + len("success")] * 4, "\n".join(rows)

@@ -38,13 +38,16 @@ def test_int_is_accepted_for_float_but_not_the_reverse():
     assert exc.value.key == "steps"
 
 
-@pytest.mark.parametrize(("data", "key"), [
-    ({"name": "n", "inner": {"lrr": 1.0}}, "inner.lrr"),
-    ({"name": "n", "inner": {"mode": "c"}}, "inner.mode"),
-    ({"steps": 1}, "name"),
-    ({"name": "n", "inner": {"tags": [1]}}, "inner.tags[0]"),
-    ({"name": "n", "inner": 3}, "inner"),
-])
+@pytest.mark.parametrize(
+    ("data", "key"),
+    [
+        ({"name": "n", "inner": {"lrr": 1.0}}, "inner.lrr"),
+        ({"name": "n", "inner": {"mode": "c"}}, "inner.mode"),
+        ({"steps": 1}, "name"),
+        ({"name": "n", "inner": {"tags": [1]}}, "inner.tags[0]"),
+        ({"name": "n", "inner": 3}, "inner"),
+    ],
+)
 def test_errors_name_the_bad_key(data, key):
     with pytest.raises(ConfigError) as exc:
         from_dict(Outer, data)
@@ -74,7 +77,9 @@ def test_a_yaml_alias_bomb_is_refused_before_it_expands_and_plain_aliases_still_
     levels += [f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 10)}]" for i in range(8)]
     path = tmp_path / "bomb.yaml"
     path.write_text("name: run\ninner:\n  tags: []\n" + "\n".join(levels) + "\n")
-    with pytest.raises(ConfigError, match=r"the YAML expands to more than 100,000 values through its aliases"):
+    with pytest.raises(
+        ConfigError, match=r"the YAML expands to more than 100,000 values through its aliases"
+    ):
         load_config(Outer, path)
     path.write_text("name: run\nanchors: {t: &t [x, y]}\ninner: {tags: *t}\n")
     with pytest.raises(ConfigError, match="anchors: unknown key"):  # the alias itself loaded

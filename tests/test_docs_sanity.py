@@ -13,17 +13,20 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-DIARY_PHRASES = [re.compile(p, re.IGNORECASE) for p in (
-    r"\bstop \d+\b",
-    r"\bthis (wave|session)\b",
-    r"\bprevious (wave|sessions?)\b",
-    r"\btried,? (and )?not kept\b",
-    r"\(issue \d+\)",
-    r"\bissue \d+\b",
-    r"\bissue's targets?\b",
-    r"development machine",
-    r"\bmain job\b",
-)]
+DIARY_PHRASES = [
+    re.compile(p, re.IGNORECASE)
+    for p in (
+        r"\bstop \d+\b",
+        r"\bthis (wave|session)\b",
+        r"\bprevious (wave|sessions?)\b",
+        r"\btried,? (and )?not kept\b",
+        r"\(issue \d+\)",
+        r"\bissue \d+\b",
+        r"\bissue's targets?\b",
+        r"development machine",
+        r"\bmain job\b",
+    )
+]
 
 
 def documentation_files(repo: Path = REPO) -> list[Path]:
@@ -56,8 +59,10 @@ def test_the_docs_hold_no_development_diary_wording():
 
 def test_the_diary_check_reports_each_hit_with_its_file_and_line(tmp_path):
     bad = tmp_path / "notes.md"
-    bad.write_text("# Notes\n\nMeasured at Stop 25 on the main job.\nfine line\nTried, not kept: a cache (issue 19).\n"
-                   "Numbers from this session.\n")
+    bad.write_text(
+        "# Notes\n\nMeasured at Stop 25 on the main job.\nfine line\nTried, not kept: a cache (issue 19).\n"
+        "Numbers from this session.\n"
+    )
     good = tmp_path / "good.md"
     good.write_text("The calculator example runs in under 10 minutes; `--main-job` is a flag name.\n")
     hits = diary_hits([bad, good], root=tmp_path)
@@ -131,7 +136,11 @@ def test_relative_links_in_the_docs_point_at_files_and_headings_that_exist():
 def test_the_link_check_reports_a_missing_file_and_a_missing_heading(tmp_path):
     (tmp_path / "other.md").write_text("# Other page\n\n## A section\n")
     page = tmp_path / "page.md"
-    page.write_text("[ok](other.md) [ok](other.md#a-section) [web](https://example.com/x.md)\n"
-                    "[gone](missing.md)\n```\n[in code](nowhere.md)\n```\n[bad anchor](other.md#no-section)\n")
+    page.write_text(
+        "[ok](other.md) [ok](other.md#a-section) [web](https://example.com/x.md)\n"
+        "[gone](missing.md)\n```\n[in code](nowhere.md)\n```\n[bad anchor](other.md#no-section)\n"
+    )
     assert broken_links([page], root=tmp_path) == [
-        "page.md:2: missing.md (no such file)", "page.md:6: other.md#no-section (no such heading)"]
+        "page.md:2: missing.md (no such file)",
+        "page.md:6: other.md#no-section (no such heading)",
+    ]

@@ -20,8 +20,14 @@ from miles.engines.testing import ServerProcess, save_tiny_checkpoint
 
 CONTROL = {
     "/update_weights_from_disk": {"model_path": "/tmp"},
-    "/init_weights_update_group": {"master_address": "10.255.255.1", "master_port": 1, "rank_offset": 1,
-                                   "world_size": 2, "group_name": "g", "backend": "gloo"},
+    "/init_weights_update_group": {
+        "master_address": "10.255.255.1",
+        "master_port": 1,
+        "rank_offset": 1,
+        "world_size": 2,
+        "group_name": "g",
+        "backend": "gloo",
+    },
     "/abort_request": {"abort_all": True},
     "/get_weights_by_name": {"name": "model.embed_tokens.weight"},
     "/load_lora_adapter": {"lora_name": "x", "lora_path": "/tmp"},
@@ -39,7 +45,9 @@ def token_file(tmp_path, monkeypatch):
 
 @pytest.fixture()
 def server(tmp_path, token_file):
-    engine = ServerProcess(save_tiny_checkpoint(tmp_path / "model"))  # `python -m miles.engines`, as `miles rollout` does
+    engine = ServerProcess(
+        save_tiny_checkpoint(tmp_path / "model")
+    )  # `python -m miles.engines`, as `miles rollout` does
     yield engine
     engine.kill()
 
@@ -77,10 +85,17 @@ async def test_a_served_engine_refuses_control_calls_without_its_token(server, t
                 refused = await raw.post(path, json=body, headers=headers)
                 assert refused.status_code == 401 and "admin token" in refused.text, (path, refused.text)
         assert (await raw.get("/health")).status_code == 200
-        gen = await raw.post("/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}})
+        gen = await raw.post(
+            "/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}
+        )
         assert gen.status_code == 200
-        before = (await raw.post("/get_weights_by_name", json={"name": "model.norm.weight"}, headers={
-            "authorization": f"Bearer {token_file.read_text().strip()}"})).json()
+        before = (
+            await raw.post(
+                "/get_weights_by_name",
+                json={"name": "model.norm.weight"},
+                headers={"authorization": f"Bearer {token_file.read_text().strip()}"},
+            )
+        ).json()
     client = SGLangClient(server.url)  # reads the token as `miles train` does
     try:
         await client.flush_cache()
@@ -89,7 +104,9 @@ async def test_a_served_engine_refuses_control_calls_without_its_token(server, t
         await client.close()
     stranger = SGLangClient(server.url, admin_key="not-the-token")
     try:
-        with pytest.raises(ConfigError, match=r"/flush_cache refused the admin token: give miles the servers' token"):
+        with pytest.raises(
+            ConfigError, match=r"/flush_cache refused the admin token: give miles the servers' token"
+        ):
             await stranger.flush_cache()
     finally:
         await stranger.close()
@@ -98,10 +115,19 @@ async def test_a_served_engine_refuses_control_calls_without_its_token(server, t
 def test_miles_train_with_the_wrong_token_is_one_line(server, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv(TOKEN_ENV, "not-the-servers-token")
     config = tmp_path / "c.yaml"
-    config.write_text(json.dumps({
-        "output_dir": str(tmp_path / "run"), "steps": 1, "env": {"id": "Calculator-v0", "num_train_tasks": 8},
-        "model": {"name": "tiny", "size": "0.1m"}, "engine": {"kind": "sglang", "urls": [server.url]},
-        "rollout": {"tasks_per_step": 1, "scheduler": {"group_size": 2}}, "eval": {"num_tasks": 1}}))
+    config.write_text(
+        json.dumps(
+            {
+                "output_dir": str(tmp_path / "run"),
+                "steps": 1,
+                "env": {"id": "Calculator-v0", "num_train_tasks": 8},
+                "model": {"name": "tiny", "size": "0.1m"},
+                "engine": {"kind": "sglang", "urls": [server.url]},
+                "rollout": {"tasks_per_step": 1, "scheduler": {"group_size": 2}},
+                "eval": {"num_tasks": 1},
+            }
+        )
+    )
     assert main(["train", "--config", str(config)]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("miles train: config error: ") and "refused the admin token" in err
@@ -139,7 +165,9 @@ async def test_an_api_key_closes_generation_too(tmp_path, token_file, monkeypatc
         monkeypatch.delenv(API_KEY_ENV)
         stranger = SGLangClient(server.url)
         try:
-            with pytest.raises(ConfigError, match="refused a call without an API key: the servers were started with"):
+            with pytest.raises(
+                ConfigError, match="refused a call without an API key: the servers were started with"
+            ):
                 await stranger.get_model_info()
         finally:
             await stranger.close()

@@ -23,17 +23,21 @@ async def engine():
 
 def reference_logprobs(model, prompt: list[int], output: list[int], temperature: float = 1.0) -> torch.Tensor:
     with torch.no_grad():
-        logits = model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1:-1].float()
+        logits = model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1 : -1].float()
     lp = torch.log_softmax(logits / temperature, dim=-1)
     return lp.gather(-1, torch.tensor(output)[:, None]).squeeze(-1)
 
 
-async def assert_greedy_like_hf(eng: EmbeddedEngine, model, prompts: list[list[int]], max_new_tokens: int) -> None:
+async def assert_greedy_like_hf(
+    eng: EmbeddedEngine, model, prompts: list[list[int]], max_new_tokens: int
+) -> None:
     """The prompts' greedy outputs on `eng`, generated concurrently, are `model.generate`'s (logprobs within 1e-4)."""
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
     results = await asyncio.gather(*(eng.generate(p, params) for p in prompts))
     for p, r in zip(prompts, results, strict=True):
-        ref = model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False)[0, len(p):].tolist()
+        ref = model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False)[
+            0, len(p) :
+        ].tolist()
         assert r.output_ids == ref
         assert torch.allclose(torch.tensor(r.output_logprobs), reference_logprobs(model, p, ref), atol=1e-4)
 
@@ -43,9 +47,13 @@ async def test_greedy_matches_hf_generate_in_a_mixed_batch(engine):
     params = SamplingParams(temperature=0.0, max_new_tokens=12)
     results = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
     for p, r in zip(prompts, results, strict=True):
-        ref = engine.model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False)[0, len(p):].tolist()
+        ref = engine.model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False)[
+            0, len(p) :
+        ].tolist()
         assert r.output_ids == ref
-        assert torch.allclose(torch.tensor(r.output_logprobs), reference_logprobs(engine.model, p, ref), atol=1e-4)
+        assert torch.allclose(
+            torch.tensor(r.output_logprobs), reference_logprobs(engine.model, p, ref), atol=1e-4
+        )
         assert r.finish_reason is FinishReason.LENGTH and r.prompt_tokens == len(p)
 
 
@@ -72,10 +80,11 @@ async def test_seed_reproducible_regardless_of_batch_company(engine):
 async def test_continuous_batching_shares_decode_steps(engine):
     params = SamplingParams(temperature=0.0, max_new_tokens=16)
     before = engine.stats["steps"]
-    long_task = asyncio.create_task(engine.generate([1, 2, 3], SamplingParams(temperature=0.0, max_new_tokens=400),
-                                                    ignore_eos=True))
+    long_task = asyncio.create_task(
+        engine.generate([1, 2, 3], SamplingParams(temperature=0.0, max_new_tokens=400), ignore_eos=True)
+    )
     while not engine.stats["decode_tokens"]:  # the long request is decoding when the others join (400 steps
-        await asyncio.sleep(0.001)            # leave them time to, however loaded the machine)
+        await asyncio.sleep(0.001)  # leave them time to, however loaded the machine)
     await asyncio.gather(*(engine.generate([4 + i, 5, 6], params) for i in range(8)))
     assert not long_task.done()
     await long_task
@@ -92,7 +101,9 @@ async def test_kv_reuse_across_turns_is_exact(engine):
         assert fresh.cached_tokens == 0
         assert cached.cached_tokens == (0 if turn == 0 else len(ctx) - 5)  # all but last output + observation
         assert cached.output_ids == fresh.output_ids
-        assert torch.allclose(torch.tensor(cached.output_logprobs), torch.tensor(fresh.output_logprobs), atol=1e-4)
+        assert torch.allclose(
+            torch.tensor(cached.output_logprobs), torch.tensor(fresh.output_logprobs), atol=1e-4
+        )
         ctx = ctx + cached.output_ids + [7, 7, 7, 7]
 
 
@@ -110,17 +121,20 @@ async def test_stop_token_and_eos():
     try:
         probe = await eng.generate([1, 2, 3], SamplingParams(temperature=0.0, max_new_tokens=8))
         stop = probe.output_ids[3]
-        r = await eng.generate([1, 2, 3], SamplingParams(temperature=0.0, max_new_tokens=8, stop_token_ids=(stop,)))
+        r = await eng.generate(
+            [1, 2, 3], SamplingParams(temperature=0.0, max_new_tokens=8, stop_token_ids=(stop,))
+        )
         assert r.finish_reason is FinishReason.STOP
-        assert r.output_ids == probe.output_ids[:probe.output_ids.index(stop) + 1]
+        assert r.output_ids == probe.output_ids[: probe.output_ids.index(stop) + 1]
     finally:
         await eng.close()
     eos_engine = EmbeddedEngine(small_qwen2(0, eos_token_id=stop))
     try:
         r = await eos_engine.generate([1, 2, 3], SamplingParams(temperature=0.0, max_new_tokens=8))
         assert r.finish_reason is FinishReason.STOP and r.output_ids[-1] == stop
-        ignored = await eos_engine.generate([1, 2, 3], SamplingParams(temperature=0.0, max_new_tokens=8),
-                                            ignore_eos=True)
+        ignored = await eos_engine.generate(
+            [1, 2, 3], SamplingParams(temperature=0.0, max_new_tokens=8), ignore_eos=True
+        )
         assert ignored.output_ids == probe.output_ids
     finally:
         await eos_engine.close()
@@ -173,7 +187,9 @@ async def test_a_kv_cache_sized_from_a_memory_fraction_is_allocated_once_and_bou
 
 def test_a_kv_cache_fraction_that_holds_nothing_names_the_fix():
     model = small_qwen2(0)
-    with pytest.raises(ValueError, match="GiB holds 1 positions per slot for 4 slots.*raise it or lower max_batch_size"):
+    with pytest.raises(
+        ValueError, match="GiB holds 1 positions per slot for 4 slots.*raise it or lower max_batch_size"
+    ):
         EmbeddedEngine(model, max_batch_size=4, kv_cache_fraction=_fraction_for(model, 1, 4))
     for bad in (0.0, 1.5):
         with pytest.raises(ValueError, match="must be in"):
@@ -189,7 +205,9 @@ async def test_requests_cancelled_then_closed_leave_no_unretrieved_errors():
     reported: list[dict] = []
     loop.set_exception_handler(lambda _loop, context: reported.append(context))
     eng = EmbeddedEngine(small_qwen2(0), max_batch_size=1)
-    tasks = [asyncio.create_task(eng.generate([1, 2 + i], SamplingParams(max_new_tokens=1500))) for i in range(3)]
+    tasks = [
+        asyncio.create_task(eng.generate([1, 2 + i], SamplingParams(max_new_tokens=1500))) for i in range(3)
+    ]
     await asyncio.sleep(0.3)
     for t in tasks:
         t.cancel()
@@ -212,7 +230,7 @@ async def test_update_weights_from_state_dict_and_disk(engine, tmp_path):
     after = await engine.generate([1, 2, 3] + before.output_ids, params, session_id="s")
     assert after.weight_version == 1 and after.cached_tokens == 0  # the session cache was flushed
     ref = other.generate(torch.tensor([[1, 2, 3] + before.output_ids]), max_new_tokens=8, do_sample=False)
-    assert after.output_ids == ref[0, 3 + len(before.output_ids):].tolist()
+    assert after.output_ids == ref[0, 3 + len(before.output_ids) :].tolist()
     small_qwen2(0).save_pretrained(tmp_path / "ckpt")
     assert await engine.update_weights(path=str(tmp_path / "ckpt")) == 2
     again = await engine.generate([1, 2, 3], params)
@@ -236,7 +254,9 @@ async def test_bad_requests_raise_named_errors(engine):
         await engine.update_weights(path="/nonexistent/folder")
     assert engine.weight_version == 0 and await engine.health()
     r = await engine.generate([1] * 2040, SamplingParams(max_new_tokens=100))
-    assert r.finish_reason is FinishReason.LENGTH and len(r.output_ids) == 2048 - 2040  # clamped to the context
+    assert (
+        r.finish_reason is FinishReason.LENGTH and len(r.output_ids) == 2048 - 2040
+    )  # clamped to the context
 
 
 async def test_from_pretrained_tiny_has_the_tiny_tokenizer_and_stops_at_its_eos():
@@ -264,14 +284,26 @@ def _arch(kind: str):
         Qwen3ForCausalLM,
     )
 
-    common = {"vocab_size": 512, "hidden_size": 48, "num_hidden_layers": 2, "intermediate_size": 96,
-              "max_position_embeddings": 512, "eos_token_id": None, "bos_token_id": None, "pad_token_id": None}
+    common = {
+        "vocab_size": 512,
+        "hidden_size": 48,
+        "num_hidden_layers": 2,
+        "intermediate_size": 96,
+        "max_position_embeddings": 512,
+        "eos_token_id": None,
+        "bos_token_id": None,
+        "pad_token_id": None,
+    }
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(3)
         if kind == "llama":  # a scaled RoPE from the model's own rotary module; 2 query heads per KV head
-            cfg = LlamaConfig(num_attention_heads=4, num_key_value_heads=2, attention_bias=True,
-                              rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
-                              **common)
+            cfg = LlamaConfig(
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                attention_bias=True,
+                rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+                **common,
+            )
             return LlamaForCausalLM(cfg).eval()
         if kind == "mistral":  # a sliding window shorter than the prompts; 4 query heads per KV head
             cfg = MistralConfig(num_attention_heads=4, num_key_value_heads=1, sliding_window=8, **common)
@@ -287,15 +319,19 @@ async def test_other_architectures_match_hf_generate(kind):
     try:
         prompts = [list(range(5, 5 + n)) for n in (3, 11, 20)]
         params = SamplingParams(temperature=0.0, max_new_tokens=10)
-        results = await asyncio.gather(*(eng.generate(p, params, session_id=f"s{i}") for i, p in enumerate(prompts)))
+        results = await asyncio.gather(
+            *(eng.generate(p, params, session_id=f"s{i}") for i, p in enumerate(prompts))
+        )
         for p, r in zip(prompts, results, strict=True):
-            ref = model.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False)[0, len(p):].tolist()
+            ref = model.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False)[0, len(p) :].tolist()
             assert r.output_ids == ref
-            assert torch.allclose(torch.tensor(r.output_logprobs), reference_logprobs(model, p, ref), atol=1e-4)
+            assert torch.allclose(
+                torch.tensor(r.output_logprobs), reference_logprobs(model, p, ref), atol=1e-4
+            )
         ctx = prompts[2] + results[2].output_ids + [9, 9]  # the next turn on the reused cache
         again = await eng.generate(ctx, params, session_id="s2")
         assert again.cached_tokens == len(ctx) - 3
-        ref = model.generate(torch.tensor([ctx]), max_new_tokens=10, do_sample=False)[0, len(ctx):].tolist()
+        ref = model.generate(torch.tensor([ctx]), max_new_tokens=10, do_sample=False)[0, len(ctx) :].tolist()
         assert again.output_ids == ref
     finally:
         await eng.close()
@@ -307,7 +343,9 @@ def test_an_unsupported_architecture_is_refused_in_one_line():
     from miles.engines.decoder import UnsupportedModelError
 
     model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64))
-    with pytest.raises(UnsupportedModelError, match="runs llama, mistral, qwen2, qwen3 models; got model_type 'gpt2'"):
+    with pytest.raises(
+        UnsupportedModelError, match="runs llama, mistral, qwen2, qwen3 models; got model_type 'gpt2'"
+    ):
         EmbeddedEngine(model)
 
 
@@ -326,12 +364,20 @@ async def test_rows_leaving_at_different_steps_keep_the_others_exact(engine):
     slots and must decode on as if alone."""
     prompts = [[(11 * i + j) % 500 + 1 for j in range(3 + 4 * i)] for i in range(8)]
     budgets = [1, 12, 3, 7, 1, 12, 5, 9]
-    results = await asyncio.gather(*(engine.generate(p, SamplingParams(temperature=0.0, max_new_tokens=n))
-                                     for p, n in zip(prompts, budgets, strict=True)))
+    results = await asyncio.gather(
+        *(
+            engine.generate(p, SamplingParams(temperature=0.0, max_new_tokens=n))
+            for p, n in zip(prompts, budgets, strict=True)
+        )
+    )
     for p, n, r in zip(prompts, budgets, results, strict=True):
-        ref = engine.model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False)[0, len(p):].tolist()
+        ref = engine.model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False)[
+            0, len(p) :
+        ].tolist()
         assert r.output_ids == ref and len(r.output_ids) == n
-        assert torch.allclose(torch.tensor(r.output_logprobs), reference_logprobs(engine.model, p, ref), atol=1e-4)
+        assert torch.allclose(
+            torch.tensor(r.output_logprobs), reference_logprobs(engine.model, p, ref), atol=1e-4
+        )
 
 
 async def test_sessions_rejoining_together_reuse_their_own_caches():
@@ -340,10 +386,16 @@ async def test_sessions_rejoining_together_reuse_their_own_caches():
     try:
         params = SamplingParams(temperature=0.0, max_new_tokens=5)
         ctxs = [[(13 * i + j) % 500 + 1 for j in range(4 + 9 * i)] for i in range(5)]
-        firsts = await asyncio.gather(*(eng.generate(c, params, session_id=f"s{i}") for i, c in enumerate(ctxs)))
-        nexts = [c + f.output_ids + [3] * (1 + 6 * i) for i, (c, f) in enumerate(zip(ctxs, firsts, strict=True))]
+        firsts = await asyncio.gather(
+            *(eng.generate(c, params, session_id=f"s{i}") for i, c in enumerate(ctxs))
+        )
+        nexts = [
+            c + f.output_ids + [3] * (1 + 6 * i) for i, (c, f) in enumerate(zip(ctxs, firsts, strict=True))
+        ]
         nexts[1] = nexts[1][:3] + [77] + nexts[1][4:]  # diverges early: reuses 3 positions
-        again = await asyncio.gather(*(eng.generate(c, params, session_id=f"s{i}") for i, c in enumerate(nexts)))
+        again = await asyncio.gather(
+            *(eng.generate(c, params, session_id=f"s{i}") for i, c in enumerate(nexts))
+        )
         fresh = await asyncio.gather(*(eng.generate(c, params) for c in nexts))
         assert [r.cached_tokens for r in again] == [3 if i == 1 else len(ctxs[i]) + 4 for i in range(5)]
         for a, f in zip(again, fresh, strict=True):
@@ -362,9 +414,11 @@ async def test_the_cache_grows_while_rows_decode():
         short, grown = await asyncio.gather(eng.generate([1, 2, 3], params), eng.generate(long, params))
         assert eng._batch.cache.capacity == 512
         for p, r in ((long, grown), ([1, 2, 3], short)):
-            ref = model.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False)[0, len(p):].tolist()
+            ref = model.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False)[0, len(p) :].tolist()
             assert r.output_ids == ref
-            assert torch.allclose(torch.tensor(r.output_logprobs), reference_logprobs(model, p, ref), atol=1e-4)
+            assert torch.allclose(
+                torch.tensor(r.output_logprobs), reference_logprobs(model, p, ref), atol=1e-4
+            )
     finally:
         await eng.close()
 
@@ -376,10 +430,15 @@ async def test_max_batch_size_queues_the_rest():
         params = SamplingParams(temperature=0.0, max_new_tokens=6)
         results = await asyncio.gather(*(eng.generate(p, params) for p in prompts))
         for p, r in zip(prompts, results, strict=True):
-            ref = eng.model.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False)[0, len(p):].tolist()
+            ref = eng.model.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False)[
+                0, len(p) :
+            ].tolist()
             assert r.output_ids == ref
-        hist = {s.labels.get("le"): s.value for s in eng.histograms.batch_size.collect()[0].samples
-                if s.name.endswith("_bucket")}
+        hist = {
+            s.labels.get("le"): s.value
+            for s in eng.histograms.batch_size.collect()[0].samples
+            if s.name.endswith("_bucket")
+        }
         assert hist["2.0"] == hist["+Inf"] > 0  # no step ever ran more than 2 rows
     finally:
         await eng.close()
@@ -390,22 +449,31 @@ async def test_after_update_weights_mid_generation_results_match_a_fresh_engine(
     fresh = EmbeddedEngine(small_qwen2(7))
     new_weights = small_qwen2(7).state_dict()
     try:
-        running = asyncio.create_task(eng.generate([1, 2, 3], SamplingParams(temperature=0.0, max_new_tokens=600),
-                                                   session_id="s"))
+        running = asyncio.create_task(
+            eng.generate([1, 2, 3], SamplingParams(temperature=0.0, max_new_tokens=600), session_id="s")
+        )
         while not eng.stats["decode_tokens"]:
             await asyncio.sleep(0.005)
         assert await eng.update_weights(state_dict=new_weights) == 1
         long = await running
         assert long.token_versions[0] == 0 and long.token_versions[-1] == 1
         prompt = [1, 2, 3] + long.output_ids[:5]
-        for turn, params in enumerate((SamplingParams(temperature=0.0, max_new_tokens=12),
-                                       SamplingParams(temperature=0.9, top_p=0.8, max_new_tokens=12, seed=5))):
-            after, ref = await asyncio.gather(eng.generate(prompt, params, session_id="s"), fresh.generate(prompt, params))
+        for turn, params in enumerate(
+            (
+                SamplingParams(temperature=0.0, max_new_tokens=12),
+                SamplingParams(temperature=0.9, top_p=0.8, max_new_tokens=12, seed=5),
+            )
+        ):
+            after, ref = await asyncio.gather(
+                eng.generate(prompt, params, session_id="s"), fresh.generate(prompt, params)
+            )
             # turn 0: the cache the session's running request built across the update is not kept;
             # turn 1 reuses turn 0's, all of it computed by the new weights
             assert after.cached_tokens == (0 if turn == 0 else len(prompt) - 1)
             assert after.output_ids == ref.output_ids
-            assert torch.allclose(torch.tensor(after.output_logprobs), torch.tensor(ref.output_logprobs), atol=1e-5)
+            assert torch.allclose(
+                torch.tensor(after.output_logprobs), torch.tensor(ref.output_logprobs), atol=1e-5
+            )
     finally:
         await eng.close()
         await fresh.close()

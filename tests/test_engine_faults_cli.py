@@ -32,17 +32,37 @@ def server(tmp_path):
 def test_a_stalled_or_dead_engine_ends_the_run_broken_and_on_time(fault, max_seconds, server, tmp_path):
     run = tmp_path / "run"
     config = tmp_path / "c.yaml"
-    config.write_text(json.dumps({
-        "output_dir": str(run), "steps": 10_000, "max_seconds": max_seconds,
-        "env": {"id": "Calculator-v0", "num_train_tasks": 16}, "model": {"name": "tiny", "size": "0.1m"},
-        "engine": {"kind": "sglang", "urls": [server.url]}, "checkpoint": {"every": 1},
-        "rollout": {"tasks_per_step": 2, "scheduler": {"group_size": 2, "progress": False,
-                                                       "session": {"sampling": {"max_new_tokens": 16}}}},
-        "eval": {"num_tasks": 2}, "health": {"no_signal_steps": 0, "grace_s": GRACE_S, "engine_failure_steps": 3}}))
+    config.write_text(
+        json.dumps(
+            {
+                "output_dir": str(run),
+                "steps": 10_000,
+                "max_seconds": max_seconds,
+                "env": {"id": "Calculator-v0", "num_train_tasks": 16},
+                "model": {"name": "tiny", "size": "0.1m"},
+                "engine": {"kind": "sglang", "urls": [server.url]},
+                "checkpoint": {"every": 1},
+                "rollout": {
+                    "tasks_per_step": 2,
+                    "scheduler": {
+                        "group_size": 2,
+                        "progress": False,
+                        "session": {"sampling": {"max_new_tokens": 16}},
+                    },
+                },
+                "eval": {"num_tasks": 2},
+                "health": {"no_signal_steps": 0, "grace_s": GRACE_S, "engine_failure_steps": 3},
+            }
+        )
+    )
     t0 = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "miles.cli", "train", "--config", str(config)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "miles.cli", "train", "--config", str(config)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.stdout is not None
     for line in proc.stdout:  # the run is training: hit the engine between steps
         if line.startswith("[step 2/"):

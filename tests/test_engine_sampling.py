@@ -40,7 +40,9 @@ def test_filter_keeps_top_k_then_smallest_nucleus(values, top_k, top_p):
     k = len(values) if top_k <= 0 else min(top_k, len(values))
     probs = torch.softmax(logits[0][order[:k]], dim=-1)
     need = 1
-    top_p = float(torch.tensor(top_p, dtype=torch.float32))  # the filter sees top_p in float32 (0.99..9 -> 1.0)
+    top_p = float(
+        torch.tensor(top_p, dtype=torch.float32)
+    )  # the filter sees top_p in float32 (0.99..9 -> 1.0)
     while need < k and (top_p >= 1.0 or probs[:need].sum().item() < top_p - 1e-6):
         need += 1
     assert need - 1 <= int(kept.sum()) <= need + 1  # ties in the sort may move the boundary by one
@@ -49,7 +51,12 @@ def test_filter_keeps_top_k_then_smallest_nucleus(values, top_k, top_p):
 
 
 @settings(max_examples=60, deadline=None)
-@given(values=logits_st, temperature=st.floats(0.05, 3.0), seed=st.integers(0, 2**63 - 1), step=st.integers(0, 4096))
+@given(
+    values=logits_st,
+    temperature=st.floats(0.05, 3.0),
+    seed=st.integers(0, 2**63 - 1),
+    step=st.integers(0, 4096),
+)
 def test_sampled_token_and_logprob(values, temperature, seed, step):
     logits = torch.tensor([values])
     row = RowSampling(temperature, key=seed_key(seed))
@@ -60,8 +67,13 @@ def test_sampled_token_and_logprob(values, temperature, seed, step):
 
 
 @settings(max_examples=80, deadline=None)
-@given(values=logits_st, top_k=st.integers(1, 10), top_p=st.floats(0.05, 1.0), key=st.integers(0, 2**32 - 1),
-       step=st.integers(0, 10_000))
+@given(
+    values=logits_st,
+    top_k=st.integers(1, 10),
+    top_p=st.floats(0.05, 1.0),
+    key=st.integers(0, 2**32 - 1),
+    step=st.integers(0, 10_000),
+)
 def test_a_filtered_out_token_is_never_drawn(values, top_k, top_p, key, step):
     logits = torch.tensor([values])
     kept = torch.isfinite(_filter_top_k_top_p(logits, torch.tensor([top_k]), torch.tensor([top_p])))[0]
@@ -72,10 +84,12 @@ def test_a_filtered_out_token_is_never_drawn(values, top_k, top_p, key, step):
 def test_a_row_draws_the_same_tokens_whatever_shares_its_batch():
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(6, 300, generator=gen)
-    rows = [RowSampling(0.8 if i else 0.0, 0.9 if i % 2 else 1.0, 20 if i % 3 == 0 else -1, key=seed_key(i))
-            for i in range(6)]
+    rows = [
+        RowSampling(0.8 if i else 0.0, 0.9 if i % 2 else 1.0, 20 if i % 3 == 0 else -1, key=seed_key(i))
+        for i in range(6)
+    ]
     together, logprobs = draw(logits, rows, [5] * 6)
-    alone = [draw(logits[i:i + 1], [rows[i]], [5]) for i in range(6)]
+    alone = [draw(logits[i : i + 1], [rows[i]], [5]) for i in range(6)]
     assert together == [a[0][0] for a in alone]
     assert logprobs == pytest.approx([a[1][0] for a in alone], abs=1e-6)
     assert together[0] == int(logits[0].argmax())  # the greedy row
@@ -87,9 +101,13 @@ def test_draws_follow_the_distribution():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5]])
     probs = torch.softmax(logits[0] / 0.7, dim=-1)
     n = 20_000
-    tensors = SamplingTensors(temperature=torch.full((n,), 0.7), top_k=torch.full((n,), -1, dtype=torch.int64),
-                              top_p=torch.ones(n), key=torch.full((n,), seed_key(3), dtype=torch.int64),
-                              step=torch.arange(n))
+    tensors = SamplingTensors(
+        temperature=torch.full((n,), 0.7),
+        top_k=torch.full((n,), -1, dtype=torch.int64),
+        top_p=torch.ones(n),
+        key=torch.full((n,), seed_key(3), dtype=torch.int64),
+        step=torch.arange(n),
+    )
     tokens, _ = sample(logits.expand(n, -1), tensors, SampleMode(greedy=False, sampled=True, filters=False))
     freq = torch.bincount(tokens, minlength=5).float() / n
     assert torch.allclose(freq, probs, atol=0.012)  # ~4 standard deviations at n=20k

@@ -24,7 +24,9 @@ SFT_CHECKPOINT = str(Path(__file__).resolve().parents[1] / "checkpoints" / "calc
 
 @pytest.fixture(scope="module")
 def served():
-    engine = EmbeddedEngine(small_qwen2(0), model_path="tiny-test", engine_id=f"served-{uuid.uuid4().hex[:8]}")
+    engine = EmbeddedEngine(
+        small_qwen2(0), model_path="tiny-test", engine_id=f"served-{uuid.uuid4().hex[:8]}"
+    )
     handle = serve_in_thread(engine)
     yield engine, handle
     handle.stop()
@@ -62,7 +64,9 @@ async def test_sessions_reuse_the_kv_cache_over_http(client):
 async def test_info_and_health_endpoints(client, served):
     assert await client.health()
     info = await client.get_model_info()
-    assert info["model_path"] == "tiny-test" and info["is_generation"] is True and info["model_type"] == "qwen2"
+    assert (
+        info["model_path"] == "tiny-test" and info["is_generation"] is True and info["model_type"] == "qwen2"
+    )
     assert info["vocab_size"] == 512 and info["tokenizer_path"] is None  # served without a tokenizer
     server = await client.get_server_info()
     assert server["context_length"] == 2048 and server["max_req_input_len"] == 2047 and "version" in server
@@ -87,7 +91,9 @@ async def test_bad_requests_get_400_and_named_errors(served, client):
     async with httpx.AsyncClient(base_url=served[1].url) as raw:
         resp = await raw.post("/generate", json={"input_ids": [1], "bogus_field": 1})
         assert resp.status_code == 400 and "bogus_field" in resp.json()["error"]["message"]
-        resp = await raw.post("/generate", json={"input_ids": [1], "sampling_params": {"frequency_penalty": 0.5}})
+        resp = await raw.post(
+            "/generate", json={"input_ids": [1], "sampling_params": {"frequency_penalty": 0.5}}
+        )
         assert resp.status_code == 400
         resp = await raw.post("/generate", content=b"not json", headers={"content-type": "application/json"})
         assert resp.status_code == 400
@@ -157,17 +163,23 @@ async def test_prometheus_metrics_count_the_served_tokens(served, client):
         after = await http.get(handle.url + "/metrics")
     assert after.headers["content-type"].startswith("text/plain")
     text = after.text
-    assert _metric(text, "miles_engine_decode_tokens_total", eid) - \
-        _metric(before, "miles_engine_decode_tokens_total", eid) >= len(out.output_ids) - 1  # 1st from prefill
-    assert _metric(text, "miles_engine_prefill_tokens_total", eid) > \
-        _metric(before, "miles_engine_prefill_tokens_total", eid)
+    assert (
+        _metric(text, "miles_engine_decode_tokens_total", eid)
+        - _metric(before, "miles_engine_decode_tokens_total", eid)
+        >= len(out.output_ids) - 1
+    )  # 1st from prefill
+    assert _metric(text, "miles_engine_prefill_tokens_total", eid) > _metric(
+        before, "miles_engine_prefill_tokens_total", eid
+    )
     assert _metric(text, "miles_engine_weight_version", eid) == engine.weight_version
     assert _metric(text, "miles_engine_running_requests", eid) == 0
 
 
 def test_model_specs_the_launcher_accepts(tmp_path):
     assert parse_model_spec("tiny").tiny_size == "3m"  # the trainer's default tiny size
-    assert parse_model_spec("tiny-0.1m").tiny_size == "0.1m" and parse_model_spec("tiny-25m").tiny_size == "25m"
+    assert (
+        parse_model_spec("tiny-0.1m").tiny_size == "0.1m" and parse_model_spec("tiny-25m").tiny_size == "25m"
+    )
     assert parse_model_spec(SFT_CHECKPOINT).folder == SFT_CHECKPOINT
     assert tokenizer_spec("tiny-1m") == "tiny" and tokenizer_spec(SFT_CHECKPOINT) == SFT_CHECKPOINT
     for bad in ("tiny-7b", "Qwen/Qwen3-8B", str(tmp_path)):  # tmp_path: a folder without config.json
@@ -202,7 +214,9 @@ async def test_a_served_checkpoint_reports_its_context_vocab_and_tokenizer():
     try:
         info = await client.get_model_info()
         assert info["model_path"] == SFT_CHECKPOINT and info["vocab_size"] == 1255
-        tokenizer = load_tokenizer(info["tokenizer_path"])  # the field names a tokenizer the policy side can load
+        tokenizer = load_tokenizer(
+            info["tokenizer_path"]
+        )  # the field names a tokenizer the policy side can load
         assert tokenizer.get_vocab() == engine.tokenizer.get_vocab()
         server = await client.get_server_info()
         assert server["context_length"] == 48 and server["max_req_input_len"] == 47
@@ -228,14 +242,26 @@ async def test_two_live_engines_with_one_id_export_one_series_the_newest():
     finally:
         await older.close()
         await newer.close()
-    lines = [x for x in text.splitlines()
-             if x.startswith("miles_engine_decode_tokens_total{") and 'engine="embedded-0",model=""' in x]
+    lines = [
+        x
+        for x in text.splitlines()
+        if x.startswith("miles_engine_decode_tokens_total{") and 'engine="embedded-0",model=""' in x
+    ]
     assert len(lines) == 1 and float(lines[0].rsplit(" ", 1)[1]) == newer.stats["decode_tokens"] > 0
 
 
-@pytest.mark.parametrize("bad", [{"temperature": float("nan")}, {"temperature": -1.0}, {"temperature": "hot"},
-                                 {"top_p": 0.0}, {"top_p": float("inf")}, {"max_new_tokens": 10**12},
-                                 {"top_k": 2**40}])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"temperature": float("nan")},
+        {"temperature": -1.0},
+        {"temperature": "hot"},
+        {"top_p": 0.0},
+        {"top_p": float("inf")},
+        {"max_new_tokens": 10**12},
+        {"top_k": 2**40},
+    ],
+)
 async def test_a_request_with_bad_sampling_fails_alone_and_the_batch_decodes_on(bad, served):
     """Sampling settings that would break a decode step (a NaN or denormal temperature, an empty top-p set, an
     absurd token budget) are refused with 400 for that request; requests decoding beside it finish."""
@@ -244,9 +270,21 @@ async def test_a_request_with_bad_sampling_fails_alone_and_the_batch_decodes_on(
     url = served[1].url
     body = {"input_ids": [1, 2, 3], "sampling_params": {"temperature": 0.9, "max_new_tokens": 40, **bad}}
     async with httpx.AsyncClient(base_url=url, timeout=60) as raw:
-        good = [asyncio.create_task(raw.post("/generate", json={"input_ids": [1, 2, 3, i], "sampling_params": {
-            "temperature": 0.9, "max_new_tokens": 40, "sampling_seed": i}})) for i in range(4)]
-        refused = await raw.post("/generate", content=json.dumps(body), headers={"content-type": "application/json"})
+        good = [
+            asyncio.create_task(
+                raw.post(
+                    "/generate",
+                    json={
+                        "input_ids": [1, 2, 3, i],
+                        "sampling_params": {"temperature": 0.9, "max_new_tokens": 40, "sampling_seed": i},
+                    },
+                )
+            )
+            for i in range(4)
+        ]
+        refused = await raw.post(
+            "/generate", content=json.dumps(body), headers={"content-type": "application/json"}
+        )
         done = await asyncio.gather(*good)
     assert refused.status_code == 400, refused.text
     assert all(r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 40 for r in done)
@@ -278,22 +316,30 @@ def test_malformed_payloads_are_400s_and_nothing_in_them_runs(tmp_path):
     (tmp_path / "corrupt" / "model.safetensors").write_bytes(struct.pack("<Q", 16) + b"{not a header}")
     (tmp_path / "lora").mkdir()
     (tmp_path / "lora" / "adapter_model.safetensors").write_bytes(struct.pack("<Q", 1 << 40) + b"{}")
-    (tmp_path / "lora" / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 8,
-                                                                       "target_modules": ["q_proj"]}))
+    (tmp_path / "lora" / "adapter_config.json").write_text(
+        json.dumps({"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]})
+    )
     engine = load_engine("tiny-0.1m")
     handle = serve_in_thread(engine)
     raw_json = {"content-type": "application/json"}
     try:
         with httpx.Client(base_url=handle.url, timeout=60) as c:
             answers = {
-                "surrogate": c.post("/generate", content=b'{"text": "a\\ud800", "sampling_params": {}}',
-                                    headers=raw_json),
+                "surrogate": c.post(
+                    "/generate", content=b'{"text": "a\\ud800", "sampling_params": {}}', headers=raw_json
+                ),
                 "surrogate prompt": c.post("/tokenize", content=b'{"prompt": "\\udfff"}', headers=raw_json),
                 "deep": c.post("/generate", content=b"[" * 100_000 + b"]" * 100_000, headers=raw_json),
-                "corrupt": c.post("/update_weights_from_disk", json={"model_path": str(tmp_path / "corrupt")}),
+                "corrupt": c.post(
+                    "/update_weights_from_disk", json={"model_path": str(tmp_path / "corrupt")}
+                ),
                 "pickle": c.post("/update_weights_from_disk", json={"model_path": str(tmp_path / "evil")}),
-                "lora": c.post("/load_lora_adapter", json={"lora_name": "x", "lora_path": str(tmp_path / "lora")}),
-                "truncate": c.post("/get_weights_by_name", json={"name": "model.norm.weight", "truncate_size": "abc"}),
+                "lora": c.post(
+                    "/load_lora_adapter", json={"lora_name": "x", "lora_path": str(tmp_path / "lora")}
+                ),
+                "truncate": c.post(
+                    "/get_weights_by_name", json={"name": "model.norm.weight", "truncate_size": "abc"}
+                ),
             }
             assert c.get("/health").status_code == 200
     finally:
@@ -309,7 +355,9 @@ async def test_a_client_that_hangs_up_gets_its_request_aborted(served, monkeypat
     """A `/generate` whose client disconnects is aborted (its rid), not decoded to its budget."""
     import miles.engines.server as server_module
 
-    monkeypatch.setattr(server_module, "DISCONNECT_POLL_S", 0.05)  # the tiny model decodes 2,000 tokens in ~1 s
+    monkeypatch.setattr(
+        server_module, "DISCONNECT_POLL_S", 0.05
+    )  # the tiny model decodes 2,000 tokens in ~1 s
     engine, handle = served
     aborted: list[str] = []
     real_abort = engine.abort
@@ -322,8 +370,14 @@ async def test_a_client_that_hangs_up_gets_its_request_aborted(served, monkeypat
     try:
         async with httpx.AsyncClient(base_url=handle.url, timeout=httpx.Timeout(0.5)) as raw:
             with pytest.raises(httpx.ReadTimeout):
-                await raw.post("/generate", json={"rid": "hung-up", "input_ids": [1, 2, 3], "sampling_params": {
-                    "max_new_tokens": 2000, "temperature": 1.0}})
+                await raw.post(
+                    "/generate",
+                    json={
+                        "rid": "hung-up",
+                        "input_ids": [1, 2, 3],
+                        "sampling_params": {"max_new_tokens": 2000, "temperature": 1.0},
+                    },
+                )
         async with asyncio.timeout(30):
             while "hung-up" not in aborted:
                 await asyncio.sleep(0.05)
@@ -340,18 +394,29 @@ async def test_joins_of_a_weight_group_that_hang_are_one_at_a_time_and_block_no_
     black_hole = socket.socket()
     black_hole.bind(("127.0.0.1", 0))
     black_hole.listen(16)  # accepts connections in the kernel, never answers
-    body = {"master_address": "127.0.0.1", "master_port": black_hole.getsockname()[1], "rank_offset": 1,
-            "world_size": 2, "backend": "gloo"}
+    body = {
+        "master_address": "127.0.0.1",
+        "master_port": black_hole.getsockname()[1],
+        "rank_offset": 1,
+        "world_size": 2,
+        "backend": "gloo",
+    }
     try:
         async with httpx.AsyncClient(base_url=handle.url, timeout=30) as raw:
-            first = asyncio.create_task(raw.post("/init_weights_update_group", json={**body, "group_name": "g1"}))
+            first = asyncio.create_task(
+                raw.post("/init_weights_update_group", json={**body, "group_name": "g1"})
+            )
             await asyncio.sleep(0.5)
             second = await raw.post("/init_weights_update_group", json={**body, "group_name": "g2"})
-            assert not second.json()["success"] and "another group is being joined" in second.json()["message"]
+            assert (
+                not second.json()["success"] and "another group is being joined" in second.json()["message"]
+            )
             for _ in range(8):  # more than the default thread pool's workers on 2 cores
                 missing = await raw.post("/update_weights_from_disk", json={"model_path": "/no/such/folder"})
                 assert missing.status_code == 400 and "does not exist" in missing.json()["message"]
-                assert (await raw.post("/get_weights_by_name", json={"name": "model.norm.weight"})).status_code == 200
+                assert (
+                    await raw.post("/get_weights_by_name", json={"name": "model.norm.weight"})
+                ).status_code == 200
             first.cancel()
     finally:
         black_hole.close()
@@ -362,7 +427,9 @@ async def _decoded_past(engine: EmbeddedEngine, tokens: int) -> None:
         await asyncio.sleep(0.01)
 
 
-async def test_pause_generation_holds_requests_in_flight_and_a_paused_sync_loads_between_their_tokens(tmp_path):
+async def test_pause_generation_holds_requests_in_flight_and_a_paused_sync_loads_between_their_tokens(
+    tmp_path,
+):
     """SGLang's `/pause_generation` (`in_place`) and `/continue_generation` on the embedded server: decoding
     stops with the requests kept, new ones wait, and a `policy: pause` sync loads while a request is in flight
     (it does not wait for it), which then finishes under the new weights."""
@@ -377,7 +444,9 @@ async def test_pause_generation_holds_requests_in_flight_and_a_paused_sync_loads
         await asyncio.wait_for(_decoded_past(engine, 5), 30)
         await client.pause_generation()
         assert engine.paused
-        later = asyncio.ensure_future(client.generate([4, 5], SamplingParams(temperature=0.0, max_new_tokens=4)))
+        later = asyncio.ensure_future(
+            client.generate([4, 5], SamplingParams(temperature=0.0, max_new_tokens=4))
+        )
         decoded = engine.stats["decode_tokens"]
         await asyncio.sleep(0.5)
         assert engine.stats["decode_tokens"] == decoded and not first.done() and not later.done()
@@ -392,7 +461,9 @@ async def test_pause_generation_holds_requests_in_flight_and_a_paused_sync_loads
 
         third = asyncio.ensure_future(client.generate([6, 7], params))  # unpaused, an update waits for it
         await asyncio.wait_for(_decoded_past(engine, engine.stats["decode_tokens"] + 5), 30)
-        update = asyncio.ensure_future(client.update_weights(path=str(tmp_path / "weights" / "v1"), version=2))
+        update = asyncio.ensure_future(
+            client.update_weights(path=str(tmp_path / "weights" / "v1"), version=2)
+        )
         done, _ = await asyncio.wait({update, third}, return_when=asyncio.FIRST_COMPLETED)
         assert done == {third} and (await third).weight_version == 1 and await update == 2
         with pytest.raises(InvalidRequestError, match="mode must be one of"):

@@ -37,7 +37,9 @@ def test_the_ground_truth_scores_1_on_every_entry_as_bfcl_itself_scores_it(env_i
 def test_a_policy_that_never_calls_a_tool_scores_0_on_every_base_entry():
     env = E.make("BFCL-MultiTurn-v0")
     for task in env.tasks:
-        result = E.run_episode(env, lambda messages: Message("assistant", "Sure, done."), options={"task": task})
+        result = E.run_episode(
+            env, lambda messages: Message("assistant", "Sure, done."), options={"task": task}
+        )
         assert result.reward == 0.0 and result.info["termination"] == "done"
         assert result.info["bfcl"]["error_type"] == "multi_turn:empty_turn_model_response"
         users = [m for m in result.messages if m.role == "user"]
@@ -49,14 +51,23 @@ def test_bad_calls_become_tool_errors_and_the_session_goes_on():
     task = env.tasks.get("multi_turn_base_0")
     messages, _ = env.reset(options={"task": task})
     assert messages == [Message("user", task.prompt)]
-    bad = Message("assistant", tool_calls=[
-        ToolCall("cd", None, "c0", raw_arguments="{folder: ", parse_error="invalid JSON: Expecting property name"),
-        ToolCall("rm_rf_everything", {"path": "/"}, "c1"),
-        ToolCall("__import__", {"name": "os"}, "c2"),
-        ToolCall("cd", {"folder": "no_such_dir"}, "c3"),
-        ToolCall("cd", {"folder": "document", "bogus": 1}, "c4"),
-        ToolCall("cd", {"folder": "document"}, "c5"),
-    ])
+    bad = Message(
+        "assistant",
+        tool_calls=[
+            ToolCall(
+                "cd",
+                None,
+                "c0",
+                raw_arguments="{folder: ",
+                parse_error="invalid JSON: Expecting property name",
+            ),
+            ToolCall("rm_rf_everything", {"path": "/"}, "c1"),
+            ToolCall("__import__", {"name": "os"}, "c2"),
+            ToolCall("cd", {"folder": "no_such_dir"}, "c3"),
+            ToolCall("cd", {"folder": "document", "bogus": 1}, "c4"),
+            ToolCall("cd", {"folder": "document"}, "c5"),
+        ],
+    )
     obs, reward, terminated, truncated, info = env.step(bad)
     assert not (terminated or truncated) and reward == 0.0
     assert [m.tool_call_id for m in obs] == ["c0", "c1", "c2", "c3", "c4", "c5"]
@@ -143,8 +154,14 @@ def test_schemas_are_json_schema_and_the_env_passes_gymnasiums_checker():
         for doc in entry["function"]:
             params = tool_schema(doc)["function"]["parameters"]
             assert params["type"] == "object"
-            assert {p["type"] for p in params["properties"].values()} <= {"string", "number", "integer",
-                                                                           "boolean", "array", "object"}
+            assert {p["type"] for p in params["properties"].values()} <= {
+                "string",
+                "number",
+                "integer",
+                "boolean",
+                "array",
+                "object",
+            }
     env = E.make("BFCL-MultiTurn-v0")
     check_env(env, skip_render_check=True)
     env.close()
@@ -161,13 +178,26 @@ def test_sft_then_grpo_on_bfcl_through_miles_then_replay_and_eval_per_category(t
 
     run = tmp_path / "run"
     cfg = tmp_path / "bfcl.yaml"
-    cfg.write_text(json.dumps({
-        "output_dir": str(run), "steps": 1, "env": {"id": "BFCL-MultiTurn-v0"},
-        "model": {"name": "tiny", "size": "0.1m", "chat_template": "compact"},
-        "rollout": {"tasks_per_step": 2, "scheduler": {"group_size": 2, "session": {
-            "max_turns": 4, "sampling": {"max_new_tokens": 16}}}},
-        "sft": {"enabled": True, "num_demos": 8, "batch_size": 8, "lr": 0.003},
-        "eval": {"num_tasks": 2, "envs": ["BFCL-MultiTurn-MissFunc-v0"]}, "health": {"no_signal_steps": 0}}))
+    cfg.write_text(
+        json.dumps(
+            {
+                "output_dir": str(run),
+                "steps": 1,
+                "env": {"id": "BFCL-MultiTurn-v0"},
+                "model": {"name": "tiny", "size": "0.1m", "chat_template": "compact"},
+                "rollout": {
+                    "tasks_per_step": 2,
+                    "scheduler": {
+                        "group_size": 2,
+                        "session": {"max_turns": 4, "sampling": {"max_new_tokens": 16}},
+                    },
+                },
+                "sft": {"enabled": True, "num_demos": 8, "batch_size": 8, "lr": 0.003},
+                "eval": {"num_tasks": 2, "envs": ["BFCL-MultiTurn-MissFunc-v0"]},
+                "health": {"no_signal_steps": 0},
+            }
+        )
+    )
     assert main(["train", "--config", str(cfg)]) == 0
     out = capsys.readouterr().out
     assert "[sft] 8 oracle demos" in out and "after RL      BFCL-MultiTurn-MissFunc-v0/greedy" in out

@@ -35,7 +35,9 @@ def test_the_exact_expected_dialogue():
     assert obs == [Message("user", "What is 3 + 4 * 2?")]
     oracle = env.oracle()
     first = oracle.act(obs)
-    assert first.tool_calls[0].name == "calculate" and first.tool_calls[0].arguments == {"expression": "3 + 4 * 2"}
+    assert first.tool_calls[0].name == "calculate" and first.tool_calls[0].arguments == {
+        "expression": "3 + 4 * 2"
+    }
     tool_obs, r, term, *_ = env.step(first)
     assert [m.content for m in tool_obs] == ["11"] and tool_obs[0].role == "tool" and not term
     final = oracle.act([*obs, first, *tool_obs])
@@ -46,27 +48,36 @@ def test_the_exact_expected_dialogue():
 
 
 def test_oracle_succeeds_on_every_task_of_several_configs():
-    for cfg in ({}, {"max_operand": 99, "num_operators": (1, 2)}, {"operators": "+-*/", "num_operators": (2, 3)}):
+    for cfg in (
+        {},
+        {"max_operand": 99, "num_operators": (1, 2)},
+        {"operators": "+-*/", "num_operators": (2, 3)},
+    ):
         env = E.make("Calculator-v0", **cfg)
         results = [E.run_episode(env, seed=s) for s in range(30)]
         assert all(r.success and r.reward == 1.0 for r in results), cfg
 
 
-@pytest.mark.parametrize("actions", [
-    ["11"],                                                     # a bare number, no tool
-    ["The answer is 11."],                                      # right text but no tool use
-    [calc("3 + 4 * 2"), "The answer is 11. Hope that helps!"],  # extra text
-    [calc("3 + 4 * 2"), "the answer is 11."],                   # wrong case
-    [calc("3 + 4 * 2"), "The answer is 12."],                   # wrong number
-    [calc("3 + 4 * 2"), "0"],
-    [calc("3 + 4 * 2"), '"0' + "</tool_call>" * 30],           # the reward hack seen in LEARNING.md
-    ["</tool_call></tool_call></tool_call>"],
-    [calc("2 + 2"), "The answer is 11."],                       # tool never returned 11
-    [Message("assistant", tool_calls=[ToolCall("calculate", None, "call_0", "{oops", "invalid JSON")]),
-     "The answer is 11."],
-    [calc("3 +"), "The answer is 11."],                          # tool error
-    [""],
-])
+@pytest.mark.parametrize(
+    "actions",
+    [
+        ["11"],  # a bare number, no tool
+        ["The answer is 11."],  # right text but no tool use
+        [calc("3 + 4 * 2"), "The answer is 11. Hope that helps!"],  # extra text
+        [calc("3 + 4 * 2"), "the answer is 11."],  # wrong case
+        [calc("3 + 4 * 2"), "The answer is 12."],  # wrong number
+        [calc("3 + 4 * 2"), "0"],
+        [calc("3 + 4 * 2"), '"0' + "</tool_call>" * 30],  # the reward hack seen in LEARNING.md
+        ["</tool_call></tool_call></tool_call>"],
+        [calc("2 + 2"), "The answer is 11."],  # tool never returned 11
+        [
+            Message("assistant", tool_calls=[ToolCall("calculate", None, "call_0", "{oops", "invalid JSON")]),
+            "The answer is 11.",
+        ],
+        [calc("3 +"), "The answer is 11."],  # tool error
+        [""],
+    ],
+)
 def test_degenerate_outputs_score_zero_on_correct(actions):
     env = E.make("Calculator-v0")
     _, r, info = play(env, actions)
@@ -85,10 +96,17 @@ def test_truncation_scores_zero_and_small_component_weights_are_configurable():
 def test_tool_errors_are_counted_and_the_episode_goes_on():
     env = E.make("Calculator-v0")
     env.reset(options={"task": TASK})
-    obs, _, term, _, info = env.step(Message("assistant", tool_calls=[
-        ToolCall("calculate", {"expression": "1/0"}, "call_0"), ToolCall("calc", {}, "call_1"),
-        ToolCall("calculate", {"expr": "1"}, "call_2"), ToolCall("calculate", {"expression": "__import__('os')"},
-                                                                "call_3")]))
+    obs, _, term, _, info = env.step(
+        Message(
+            "assistant",
+            tool_calls=[
+                ToolCall("calculate", {"expression": "1/0"}, "call_0"),
+                ToolCall("calc", {}, "call_1"),
+                ToolCall("calculate", {"expr": "1"}, "call_2"),
+                ToolCall("calculate", {"expression": "__import__('os')"}, "call_3"),
+            ],
+        )
+    )
     assert not term and "division by zero" in obs[0].content and "unknown tool" in obs[1].content
     assert info["tool_errors"]["tool_exception"] == 2 and info["tool_errors"]["unknown_tool"] == 1
     assert info["tool_errors"]["schema_violation"] == 1
@@ -128,8 +146,18 @@ def test_check_env_and_gymnasium_make():
 def test_evaluator_rejects_non_arithmetic():
     assert format_number(evaluate("3 + 4 * 2")) == "11" and format_number(evaluate("7 / 2")) == "3.5"
     assert format_number(evaluate("-(2 ** 10) // 3")) == "-342"
-    for bad in ("__import__('os').system('x')", "a + 1", "[1, 2]", "1 if 1 else 2", "9 ** 9 ** 9", "", "1/0",
-                "(" * 300 + "1" + ")" * 300, "2 ** 0.5", "'a' * 3"):
+    for bad in (
+        "__import__('os').system('x')",
+        "a + 1",
+        "[1, 2]",
+        "1 if 1 else 2",
+        "9 ** 9 ** 9",
+        "",
+        "1/0",
+        "(" * 300 + "1" + ")" * 300,
+        "2 ** 0.5",
+        "'a' * 3",
+    ):
         with pytest.raises(CalculatorError):
             evaluate(bad)
 

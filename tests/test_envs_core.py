@@ -151,11 +151,14 @@ def test_sync_api_refuses_running_loop():
 
 def test_hook_definition_errors():
     with pytest.raises(HookDefinitionError, match="asks for 'banana'"):
+
         class Bad(Env):
             @reward
             def r(self, banana) -> float:
                 return 0.0
+
     with pytest.raises(HookDefinitionError, match=r"\*args"):
+
         class Bad2(Env):
             @stop_condition
             def s(self, *args) -> bool:
@@ -193,16 +196,32 @@ def test_tool_env_errors_are_counted_and_episode_goes_on():
     assert [s["function"]["name"] for s in env.tool_schemas()] == ["add", "boom", "slow", "big"]
     params = env.tool_schemas()[0]["function"]["parameters"]
     assert list(params["properties"]) == ["x"]  # `counter` is injected: hidden from the schema
-    bad = Message("assistant", tool_calls=[
-        ToolCall(name="add", arguments=None, id="call_0", raw_arguments="{x:", parse_error="invalid JSON"),
-        call("nope", {}, 1), call("add", {"x": "three"}, 2), call("boom", {}, 3), call("slow", {}, 4),
-        call("big", {}, 5), call("add", {"x": 4}, 6)])
+    bad = Message(
+        "assistant",
+        tool_calls=[
+            ToolCall(
+                name="add", arguments=None, id="call_0", raw_arguments="{x:", parse_error="invalid JSON"
+            ),
+            call("nope", {}, 1),
+            call("add", {"x": "three"}, 2),
+            call("boom", {}, 3),
+            call("slow", {}, 4),
+            call("big", {}, 5),
+            call("add", {"x": 4}, 6),
+        ],
+    )
     obs, r, term, trunc, info = env.step(bad)
     assert not term and not trunc and r == 0.0
     assert [m.tool_call_id for m in obs] == [f"call_{i}" for i in range(7)]
     assert all(m.role == "tool" for m in obs) and obs[-1].content == "4"
-    assert info["tool_errors"] == {"invalid_json": 1, "unknown_tool": 1, "schema_violation": 1,
-                                   "tool_exception": 1, "timeout": 1, "output_truncated": 1}
+    assert info["tool_errors"] == {
+        "invalid_json": 1,
+        "unknown_tool": 1,
+        "schema_violation": 1,
+        "tool_exception": 1,
+        "timeout": 1,
+        "output_truncated": 1,
+    }
     assert "kaput" in obs[3].content and "nope" in obs[1].content
     # The episode goes on and state persists; reaching 10 fires the stop condition.
     obs, r, term, trunc, info = env.step(Message("assistant", tool_calls=[call("add", {"x": 6})]))

@@ -60,15 +60,21 @@ def test_cannot_cancel_shipped_or_refund_undelivered(env):
     env.reset(options={"task": t})
     env.step(calls(auth(t)))
     status = env.state["db"].snapshot()[req["order_id"]][0]
-    action = {"cancel": ("cancel_order", {"order_id": req["order_id"], "reason": "no longer needed"}),
-              "refund": ("refund_order", {"order_id": req["order_id"]}),
-              "change_address": ("change_address", {"order_id": req["order_id"], "address": "1 Main St"})}
+    action = {
+        "cancel": ("cancel_order", {"order_id": req["order_id"], "reason": "no longer needed"}),
+        "refund": ("refund_order", {"order_id": req["order_id"]}),
+        "change_address": ("change_address", {"order_id": req["order_id"], "address": "1 Main St"}),
+    }
     obs, *_ = env.step(calls(action[req["action"]]))
     assert "policy violation" in obs[0].content and status in obs[0].content
     assert env.state["db"].snapshot() == env.state["initial"]  # refused: nothing changed
     _, r, _, _, info = env.step("Sorry, I cannot do that.")
-    assert r == 0.0 and info["reward_components"] == {"goal": 0.0, "db_match": 1.0, "no_violations": 0.0,
-                                                      "diligence": 0.0}
+    assert r == 0.0 and info["reward_components"] == {
+        "goal": 0.0,
+        "db_match": 1.0,
+        "no_violations": 0.0,
+        "diligence": 0.0,
+    }
 
 
 def test_doing_nothing_scores_zero_even_when_the_policy_forbids_every_request(env):
@@ -103,13 +109,24 @@ def test_doing_nothing_or_too_much_fails_the_goal(env):
     assert r == 0.0
     # The requested change plus an unrequested cancellation breaks the goal state.
     orders = load_seed_data()["orders"]
-    t = task_where(env, lambda t: t.answer and any(
-        o["status"] in ("pending", "processing") and o["id"] not in t.answer
-        and o["user_id"] == next(x["user_id"] for x in orders if x["id"] == next(iter(t.answer)))
-        for o in orders))
+    t = task_where(
+        env,
+        lambda t: (
+            t.answer
+            and any(
+                o["status"] in ("pending", "processing")
+                and o["id"] not in t.answer
+                and o["user_id"] == next(x["user_id"] for x in orders if x["id"] == next(iter(t.answer)))
+                for o in orders
+            )
+        ),
+    )
     owner = next(x["user_id"] for x in orders if x["id"] == next(iter(t.answer)))
-    extra = next(o["id"] for o in orders if o["user_id"] == owner and o["status"] in ("pending", "processing")
-                 and o["id"] not in t.answer)
+    extra = next(
+        o["id"]
+        for o in orders
+        if o["user_id"] == owner and o["status"] in ("pending", "processing") and o["id"] not in t.answer
+    )
     oracle = env.oracle()
     obs, _ = env.reset(options={"task": t})
     messages = list(obs)
@@ -127,8 +144,13 @@ def test_doing_nothing_or_too_much_fails_the_goal(env):
 def test_schema_violations_are_tool_errors(env):
     t = task_where(env, lambda t: t.data["zip"] != "00000")
     env.reset(options={"task": t})
-    obs, _, term, _, info = env.step(calls(auth(t), ("cancel_order", {"order_id": "W1000", "reason": "bored"}),
-                                           ("authenticate", {"email": "x"})))
+    obs, _, term, _, info = env.step(
+        calls(
+            auth(t),
+            ("cancel_order", {"order_id": "W1000", "reason": "bored"}),
+            ("authenticate", {"email": "x"}),
+        )
+    )
     assert not term and info["tool_errors"]["schema_violation"] == 2
     assert "db" not in str(env.tool_schemas())  # the injected DB is hidden from the schema
 

@@ -102,7 +102,9 @@ def test_import_by_module_name_from_the_working_directory(tmp_path, monkeypatch)
 def test_import_by_path_and_recipe_round_trip(tmp_path):
     env_id = f"{unique('Bank')}-v0"
     name = write_env_module(tmp_path / "elsewhere", env_id)
-    recipe = EnvRecipe(env_id, {"opening": 100, "max_turns": 3}, (str(tmp_path / "elsewhere" / f"{name}.py"),))
+    recipe = EnvRecipe(
+        env_id, {"opening": 100, "max_turns": 3}, (str(tmp_path / "elsewhere" / f"{name}.py"),)
+    )
     assert EnvRecipe.from_record(recipe.to_record()) == recipe
     env = recipe.make(split="train")
     assert type(env).__module__ == name and env.max_turns == 3
@@ -118,8 +120,11 @@ def test_a_recipe_imports_its_modules_once_per_working_directory(tmp_path, monke
     env_id = f"{unique('Bank')}-v0"
     name = write_env_module(tmp_path / "mods", env_id)
     calls = []
-    monkeypatch.setattr(recipe_module, "import_user_modules", lambda names: calls.append(tuple(names)) or
-                        import_user_modules(names))
+    monkeypatch.setattr(
+        recipe_module,
+        "import_user_modules",
+        lambda names: calls.append(tuple(names)) or import_user_modules(names),
+    )
     recipe = EnvRecipe(env_id, {"opening": 5}, (f"mods/{name}.py",))
     monkeypatch.chdir(tmp_path)
     assert [recipe.make().opening for _ in range(3)] == [5, 5, 5]
@@ -135,10 +140,12 @@ def test_recipe_kwargs_are_plain_json():
     assert recipe.kwargs == {"num_operators": [1, 2]}
     assert EnvRecipe.from_record(recipe.to_record()) == recipe
     train = recipe.with_kwargs(split="train")
-    assert train == EnvRecipe("Calculator-v0", {"num_operators": [1, 2], "split": "train"}) and recipe.kwargs == {
-        "num_operators": [1, 2]}
-    assert {t.id for t in train.make().tasks.take(5)} == {t.id for t in make("Calculator-v0", split="train",
-                                                                              num_operators=(1, 2)).tasks.take(5)}
+    assert train == EnvRecipe(
+        "Calculator-v0", {"num_operators": [1, 2], "split": "train"}
+    ) and recipe.kwargs == {"num_operators": [1, 2]}
+    assert {t.id for t in train.make().tasks.take(5)} == {
+        t.id for t in make("Calculator-v0", split="train", num_operators=(1, 2)).tasks.take(5)
+    }
     with pytest.raises(ConfigError, match="env.kwargs") as err:
         EnvRecipe("Calculator-v0", {"tasks": object()})
     assert "plain JSON data" in str(err.value)
@@ -146,10 +153,16 @@ def test_recipe_kwargs_are_plain_json():
         EnvRecipe("Calculator-v0", imports="bank_env")  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize(("entry", "expect"), [
-    ("no_such_module_xyz", "cannot import 'no_such_module_xyz': no module named 'no_such_module_xyz'; run from"),
-    ("missing/dir/bank.py", "cannot import 'missing/dir/bank.py': no such file or folder"),
-])
+@pytest.mark.parametrize(
+    ("entry", "expect"),
+    [
+        (
+            "no_such_module_xyz",
+            "cannot import 'no_such_module_xyz': no module named 'no_such_module_xyz'; run from",
+        ),
+        ("missing/dir/bank.py", "cannot import 'missing/dir/bank.py': no such file or folder"),
+    ],
+)
 def test_import_failures_are_one_line_config_errors(entry, expect):
     with pytest.raises(ConfigError) as err:
         import_user_modules([entry])
@@ -162,11 +175,16 @@ def test_a_raising_user_module_is_named(tmp_path):
     with pytest.raises(ConfigError) as err:
         import_user_modules([str(tmp_path / f"{name}.py")])
     msg = str(err.value)
-    assert msg == (f"env.import: cannot import '{tmp_path / name}.py': RuntimeError: no database; "
-                   f"run `python -c 'import {name}'` to see the traceback")
+    assert msg == (
+        f"env.import: cannot import '{tmp_path / name}.py': RuntimeError: no database; "
+        f"run `python -c 'import {name}'` to see the traceback"
+    )
     dep = unique("needs_dep")
     (tmp_path / f"{dep}.py").write_text("import not_installed_dependency_xyz\n")
-    with pytest.raises(ConfigError, match="No module named 'not_installed_dependency_xyz' \\(a module it imports is missing; install it\\)"):
+    with pytest.raises(
+        ConfigError,
+        match="No module named 'not_installed_dependency_xyz' \\(a module it imports is missing; install it\\)",
+    ):
         import_user_modules([str(tmp_path / f"{dep}.py")])
 
 
@@ -184,7 +202,8 @@ def test_readme_env_module_in_a_package_folder(tmp_path):
     pkg = tmp_path / unique("userpkg")
     pkg.mkdir()
     env_id = f"{unique('Weather')}-v0"
-    (pkg / "__init__.py").write_text(textwrap.dedent(f'''
+    (pkg / "__init__.py").write_text(
+        textwrap.dedent(f'''
         from miles.envs import ToolEnv, register
         from miles.tools import tool
 
@@ -195,6 +214,7 @@ def test_readme_env_module_in_a_package_folder(tmp_path):
                 return 4
 
         register("{env_id}", Weather, tasks=[{{"prompt": "Oslo?", "answer": 4}}] * 1)
-    '''))
+    ''')
+    )
     env = EnvRecipe(env_id, imports=(str(pkg),)).make(split="all")
     assert env.tool_names == ["temp"]

@@ -25,10 +25,14 @@ def env():
 
 def test_database_has_realistic_size(tmp_path):
     conn = sqlite3.connect(build_database(tmp_path / "c.sqlite"))
-    counts = {t: conn.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0] for t in ("departments", "employees", "sales")}
+    counts = {
+        t: conn.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0]
+        for t in ("departments", "employees", "sales")
+    }
     assert counts == {"departments": 8, "employees": 240, "sales": 480}
-    orphans = conn.execute("SELECT COUNT(*) FROM sales s LEFT JOIN employees e ON s.employee_id = e.id "
-                           "WHERE e.id IS NULL").fetchone()[0]
+    orphans = conn.execute(
+        "SELECT COUNT(*) FROM sales s LEFT JOIN employees e ON s.employee_id = e.id WHERE e.id IS NULL"
+    ).fetchone()[0]
     assert orphans == 0
 
 
@@ -48,11 +52,18 @@ def test_answers_are_computed_from_the_db(env):
     assert r == 1.0
 
 
-@pytest.mark.parametrize("sql", [
-    "DELETE FROM employees", "UPDATE employees SET salary = 0", "DROP TABLE sales",
-    "INSERT INTO departments VALUES (99, 'X', 'Y', 1)", "CREATE TABLE t (x)", "PRAGMA query_only = OFF",
-    "ATTACH DATABASE ':memory:' AS other",
-])
+@pytest.mark.parametrize(
+    "sql",
+    [
+        "DELETE FROM employees",
+        "UPDATE employees SET salary = 0",
+        "DROP TABLE sales",
+        "INSERT INTO departments VALUES (99, 'X', 'Y', 1)",
+        "CREATE TABLE t (x)",
+        "PRAGMA query_only = OFF",
+        "ATTACH DATABASE ':memory:' AS other",
+    ],
+)
 def test_writes_are_rejected_and_the_db_is_unchanged(env, sql):
     env.reset(options={"task_id": "sql-count_dept-sales"})
     obs, *_ = env.step(q(sql))
@@ -78,11 +89,17 @@ def test_each_read_only_layer_refuses_writes_on_its_own(env):
 
 def test_bad_sql_and_multiple_statements_are_tool_errors(env):
     env.reset(options={"task_id": "sql-count_dept-sales"})
-    obs, _, term, _, info = env.step(Message("assistant", tool_calls=[
-        ToolCall("query", {"sql": "SELEC nonsense"}, "call_0"),
-        ToolCall("query", {"sql": "SELECT 1; SELECT 2"}, "call_1"),
-        ToolCall("query", {"sql": "SELECT * FROM nope"}, "call_2"),
-        ToolCall("query", {"sql": 5}, "call_3")]))
+    obs, _, term, _, info = env.step(
+        Message(
+            "assistant",
+            tool_calls=[
+                ToolCall("query", {"sql": "SELEC nonsense"}, "call_0"),
+                ToolCall("query", {"sql": "SELECT 1; SELECT 2"}, "call_1"),
+                ToolCall("query", {"sql": "SELECT * FROM nope"}, "call_2"),
+                ToolCall("query", {"sql": 5}, "call_3"),
+            ],
+        )
+    )
     assert not term and all(m.content.startswith("Error") for m in obs)
     assert info["tool_errors"]["tool_exception"] == 3 and info["tool_errors"]["schema_violation"] == 1
 
@@ -101,8 +118,17 @@ def test_large_results_are_capped(env):
     assert len(lines) == 52 and "more than 50 rows" in lines[-1]
 
 
-@pytest.mark.parametrize("final", ["", "67", "The answer is 66.", "The answer is sixty-seven.",
-                                   "I think the answer is 67.", "The answer is 67. Also 68."])
+@pytest.mark.parametrize(
+    "final",
+    [
+        "",
+        "67",
+        "The answer is 66.",
+        "The answer is sixty-seven.",
+        "I think the answer is 67.",
+        "The answer is 67. Also 68.",
+    ],
+)
 def test_wrong_or_malformed_answers_score_zero(env, final):
     env.reset(options={"task_id": "sql-count_dept-engineering"})
     assert env.task.answer == 67

@@ -54,6 +54,7 @@ def test_generator_is_a_pure_function_of_seed_and_index():
     t = a.take(6)[5]
     assert a.get(t.id).to_row() == t.to_row()
     import numpy as np
+
     s1 = a.sample(np.random.default_rng(1))
     assert s1.to_row() == a.sample(np.random.default_rng(1)).to_row()
     with pytest.raises(TypeError, match="no length"):
@@ -106,26 +107,69 @@ def test_a_task_file_from_the_config_trains_any_env_with_its_own_split(tmp_path,
 
     repo = Path(__file__).resolve().parents[1]
     monkeypatch.chdir(repo)
-    rows = [{"prompt": f"What is {a} + {b}?", "answer": a + b, "split": "held_out" if a == 7 else "train"}
-            for a in range(1, 9) for b in range(1, 3)]
+    rows = [
+        {"prompt": f"What is {a} + {b}?", "answer": a + b, "split": "held_out" if a == 7 else "train"}
+        for a in range(1, 9)
+        for b in range(1, 3)
+    ]
     good = tmp_path / "tasks.jsonl"
     good.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert {t.prompt for t in make("Calculator-v0", tasks=str(good), split="held_out").tasks} == {
-        "What is 7 + 1?", "What is 7 + 2?"}
-    assert main(["train", "--config", str(repo / "configs" / "calculator.yaml"), "--output-dir",
-                 str(tmp_path / "run"), "--set", f"env.tasks={good}", "--set", "steps=2", "--set",
-                 "rollout.tasks_per_step=2", "--set", "env.num_train_tasks=14", "--set", "eval.num_tasks=4"]) == 0
-    prompts = {r.initial_messages[-1]["content"] for r in read_sessions(tmp_path / "run" / "sessions.jsonl").records}
+        "What is 7 + 1?",
+        "What is 7 + 2?",
+    }
+    assert (
+        main(
+            [
+                "train",
+                "--config",
+                str(repo / "configs" / "calculator.yaml"),
+                "--output-dir",
+                str(tmp_path / "run"),
+                "--set",
+                f"env.tasks={good}",
+                "--set",
+                "steps=2",
+                "--set",
+                "rollout.tasks_per_step=2",
+                "--set",
+                "env.num_train_tasks=14",
+                "--set",
+                "eval.num_tasks=4",
+            ]
+        )
+        == 0
+    )
+    prompts = {
+        r.initial_messages[-1]["content"] for r in read_sessions(tmp_path / "run" / "sessions.jsonl").records
+    }
     assert prompts <= {r["prompt"] for r in rows if r["split"] == "train"} and prompts
-    evaluated = {r.initial_messages[-1]["content"] for r in read_sessions(tmp_path / "run" / "eval_sessions.jsonl").records}
+    evaluated = {
+        r.initial_messages[-1]["content"]
+        for r in read_sessions(tmp_path / "run" / "eval_sessions.jsonl").records
+    }
     assert evaluated == {"What is 7 + 1?", "What is 7 + 2?"}
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps(rows[0]) + "\n" + json.dumps({"promt": "typo"}) + "\n")
     capsys.readouterr()
-    for path, expected in ((bad, f"env.tasks: {bad}:2: task row bad-2 has no string 'prompt'"),
-                           (tmp_path / "missing.jsonl", "cannot read the task file"),
-                           (tmp_path / "tasks.csv", "a task file ends in .jsonl or .parquet")):
-        assert main(["train", "--config", str(repo / "configs" / "calculator.yaml"), "--output-dir",
-                     str(tmp_path / "r2"), "--set", f"env.tasks={path}"]) == 2
+    for path, expected in (
+        (bad, f"env.tasks: {bad}:2: task row bad-2 has no string 'prompt'"),
+        (tmp_path / "missing.jsonl", "cannot read the task file"),
+        (tmp_path / "tasks.csv", "a task file ends in .jsonl or .parquet"),
+    ):
+        assert (
+            main(
+                [
+                    "train",
+                    "--config",
+                    str(repo / "configs" / "calculator.yaml"),
+                    "--output-dir",
+                    str(tmp_path / "r2"),
+                    "--set",
+                    f"env.tasks={path}",
+                ]
+            )
+            == 2
+        )
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and expected in err, err

@@ -53,8 +53,10 @@ TASKS = [{"prompt": "Move 30 from alice to bob.", "answer": {"alice": 70, "bob":
 
 
 def transfer_text(amount: str) -> str:
-    return ('<tool_call>\n{"name": "transfer", "arguments": {"source": "alice", "target": "bob", "amount": '
-            f'{amount}}}}}\n</tool_call>')
+    return (
+        '<tool_call>\n{"name": "transfer", "arguments": {"source": "alice", "target": "bob", "amount": '
+        f"{amount}}}}}\n</tool_call>"
+    )
 
 
 def test_integral_float_amount_leaves_integer_balances():
@@ -65,18 +67,23 @@ def test_integral_float_amount_leaves_integer_balances():
     assert info["tool_errors"]["schema_violation"] == 0
     assert env.state["balances"] == {"alice": 70, "bob": 30}
     assert all(type(v) is int for v in env.state["balances"].values())
-    obs, _, _, _, _ = env.step('<tool_call>{"name": "balance", "arguments": {"account": "alice"}}</tool_call>')
+    obs, _, _, _, _ = env.step(
+        '<tool_call>{"name": "balance", "arguments": {"account": "alice"}}</tool_call>'
+    )
     assert obs[0].content == "70"
     _, reward_value, terminated, _, info = env.step("Done.")
     assert terminated and reward_value == 1.0 and info["success"]
 
 
-@pytest.mark.parametrize(("amount", "kind", "needle"), [
-    ("30.5", "schema_violation", "at 'amount': 30.5 is not of type 'integer'"),
-    ("true", "schema_violation", "at 'amount': True is not of type 'integer'"),
-    ("1e400", "invalid_json", "the number 1e400 is out of range"),
-    ("NaN", "invalid_json", "NaN is not valid JSON"),
-])
+@pytest.mark.parametrize(
+    ("amount", "kind", "needle"),
+    [
+        ("30.5", "schema_violation", "at 'amount': 30.5 is not of type 'integer'"),
+        ("true", "schema_violation", "at 'amount': True is not of type 'integer'"),
+        ("1e400", "invalid_json", "the number 1e400 is out of range"),
+        ("NaN", "invalid_json", "NaN is not valid JSON"),
+    ],
+)
 def test_bad_amount_is_an_error_message_and_the_episode_goes_on(amount, kind, needle):
     env = BankEnv(TASKS)
     env.reset(seed=0)
@@ -100,11 +107,13 @@ def qwen3_episode(env: CalculatorEnv) -> tuple[float, list[Message]]:
     env.reset(seed=3)
     expression, answer = env.task.data["expression"], env.task.answer
     call = json.dumps({"name": "calculate", "arguments": {"expression": expression}})
-    obs, _, _, _, _ = env.step(f"<think>\nI should not do {expression} in my head.\n</think>\n\n"
-                               f"<tool_call>\n{call}\n</tool_call>")
+    obs, _, _, _, _ = env.step(
+        f"<think>\nI should not do {expression} in my head.\n</think>\n\n<tool_call>\n{call}\n</tool_call>"
+    )
     assert obs[0].content == str(answer)
-    _, reward_value, terminated, _, _ = env.step(f"<think>\nThe tool says {answer}.\n</think>\n\n"
-                                                 f"The answer is {answer}.")
+    _, reward_value, terminated, _, _ = env.step(
+        f"<think>\nThe tool says {answer}.\n</think>\n\nThe answer is {answer}."
+    )
     assert terminated
     return reward_value, [m for m in env.messages if m.role == "assistant"]
 

@@ -14,13 +14,33 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 def test_custom_env_example_trains_a_registered_user_env(tmp_path):
     script = EXAMPLES / "custom_env.py"
     lines = script.read_text().splitlines()
-    env_block = lines[lines.index("# ---") + 1:len(lines) - lines[::-1].index("# ---") - 1]
+    env_block = lines[lines.index("# ---") + 1 : len(lines) - lines[::-1].index("# ---") - 1]
     assert 0 < len(env_block) < 50
     out = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, str(script), "--steps", "1", "--sft-demos", "8", "--eval-tasks", "2",
-         "--tasks-per-step", "2", "--group-size", "2", "--model-size", "0.1m", "--output-dir", str(out)],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        [
+            sys.executable,
+            str(script),
+            "--steps",
+            "1",
+            "--sft-demos",
+            "8",
+            "--eval-tasks",
+            "2",
+            "--tasks-per-step",
+            "2",
+            "--group-size",
+            "2",
+            "--model-size",
+            "0.1m",
+            "--output-dir",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "[sft] 8 oracle demos" in proc.stdout and "held-out success" in proc.stdout
     summary = json.loads((out / "summary.json").read_text())
@@ -31,11 +51,17 @@ def test_custom_env_example_trains_a_registered_user_env(tmp_path):
 
     # the same folder again: refused in one line, and the first run's records are untouched
     sessions = (out / "sessions.jsonl").read_bytes()
-    again = subprocess.run([sys.executable, str(script), "--steps", "1", "--output-dir", str(out)],
-                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    again = subprocess.run(
+        [sys.executable, str(script), "--steps", "1", "--output-dir", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert again.returncode == 2 and "Traceback" not in again.stderr, again.stderr[-3000:]
     assert again.stderr.strip().splitlines() == [
         f"custom_env.py: config error: output_dir: {str(out)!r} already holds a run (metrics.jsonl, sessions.jsonl, "
         "eval_sessions.jsonl, summary.json, checkpoints/); continue it with --resume, or give another --output-dir "
-        "(or remove the folder)"]
+        "(or remove the folder)"
+    ]
     assert (out / "sessions.jsonl").read_bytes() == sessions

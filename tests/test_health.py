@@ -19,11 +19,25 @@ REPO = Path(__file__).resolve().parents[1]
 MAIN_JOB = str(REPO / "configs" / "calculator.yaml")
 
 
-def _activity(sessions: int = 8, *, informative: int = 0, calls: int = 8, failures: int = 0,
-              ends: dict[str, int] | None = None, rewards: tuple[float, ...] = (0.0,)) -> StepActivity:
-    return StepActivity(sessions=sessions, groups=2, informative_groups=informative, tool_calls=calls,
-                        parse_failures=failures, terminations=ends or {"done": sessions},
-                        rewards=frozenset(rewards), has_tools=True)
+def _activity(
+    sessions: int = 8,
+    *,
+    informative: int = 0,
+    calls: int = 8,
+    failures: int = 0,
+    ends: dict[str, int] | None = None,
+    rewards: tuple[float, ...] = (0.0,),
+) -> StepActivity:
+    return StepActivity(
+        sessions=sessions,
+        groups=2,
+        informative_groups=informative,
+        tool_calls=calls,
+        parse_failures=failures,
+        terminations=ends or {"done": sessions},
+        rewards=frozenset(rewards),
+        has_tools=True,
+    )
 
 
 def test_each_cause_of_no_signal_is_named():
@@ -51,8 +65,16 @@ def test_steps_the_policy_solves_are_no_sign_of_a_broken_run():
     """Late in a good run every group may score 1 (all sessions succeed): that is a solved task, not a stuck one,
     and it never stops the run; steps that all fail still do."""
     health = RunHealth(HealthConfig(no_signal_steps=3), warn=lambda line: None)
-    solved = StepActivity(sessions=8, groups=2, informative_groups=0, tool_calls=8, parse_failures=0,
-                          rewards=frozenset({1.0}), has_tools=True, successes=8)
+    solved = StepActivity(
+        sessions=8,
+        groups=2,
+        informative_groups=0,
+        tool_calls=8,
+        parse_failures=0,
+        rewards=frozenset({1.0}),
+        has_tools=True,
+        successes=8,
+    )
     assert [health.observe(solved) for _ in range(10)] == [None] * 10
     failed = _activity(informative=0)
     verdicts = [health.observe(failed) for _ in range(3)]
@@ -64,19 +86,32 @@ def test_the_first_env_error_of_each_kind_is_one_warning():
     health = RunHealth(HealthConfig(), warn=lines.append)
     err = ErrorInfo("step", "KeyError", "'flights'\nmore")
     for _ in range(3):
-        health.observe(StepActivity(sessions=1, groups=1, informative_groups=1, tool_calls=0, parse_failures=0,
-                                   env_errors=(("train-s7", err),)))
-    assert lines == ["[warn] session train-s7 ended env_error in step: KeyError: 'flights' (later ones are counted "
-                     "in env_error_sessions)"]
+        health.observe(
+            StepActivity(
+                sessions=1,
+                groups=1,
+                informative_groups=1,
+                tool_calls=0,
+                parse_failures=0,
+                env_errors=(("train-s7", err),),
+            )
+        )
+    assert lines == [
+        "[warn] session train-s7 ended env_error in step: KeyError: 'flights' (later ones are counted "
+        "in env_error_sessions)"
+    ]
 
 
 def test_engines_failing_five_steps_in_a_row_stop_the_run_and_a_good_step_resets_the_count():
     health = RunHealth(HealthConfig(), warn=lambda line: None)
     dead = _activity(8, informative=1, ends={"engine_error": 7, "done": 1})
-    verdicts = [health.observe(a) for a in [dead] * 4 + [_activity(informative=1)] + [dead] * 4 + [_activity(0)]]
+    verdicts = [
+        health.observe(a) for a in [dead] * 4 + [_activity(informative=1)] + [dead] * 4 + [_activity(0)]
+    ]
     assert verdicts[:-1] == [None] * 9
-    assert verdicts[-1].stop and verdicts[-1].reason.startswith("the engines failed 5 steps in a row (last step: "
-                                                                "0 of 0 sessions")
+    assert verdicts[-1].stop and verdicts[-1].reason.startswith(
+        "the engines failed 5 steps in a row (last step: 0 of 0 sessions"
+    )
 
 
 def test_updates_skipped_for_a_nonfinite_gradient_three_times_in_a_row_stop_the_run():
@@ -86,21 +121,42 @@ def test_updates_skipped_for_a_nonfinite_gradient_three_times_in_a_row_stop_the_
     rows = [nan, nan, ok, nan, nan, nan]
     verdicts = [health.observe(_activity(informative=1), row) for row in rows]
     assert verdicts[:5] == [None] * 5 and verdicts[5].stop
-    assert verdicts[5].reason.startswith("the update was NaN or inf in 3 steps in a row (loss nan, grad norm nan)")
+    assert verdicts[5].reason.startswith(
+        "the update was NaN or inf in 3 steps in a row (loss nan, grad norm nan)"
+    )
 
 
 def _untrained(tmp_path: Path, *extra: str) -> list[str]:
     """The calculator example on a fresh (untrained) 0.1m model: no session ever earns a reward."""
-    return ["train", "--config", MAIN_JOB, "--output-dir", str(tmp_path / "run"), "--set", "model.init_from=null",
-            "--set", "model.size=0.1m", "--set", "steps=6", "--set", "rollout.tasks_per_step=2", "--set",
-            "eval.num_tasks=4", "--set", "health.no_signal_steps=3", *extra]
+    return [
+        "train",
+        "--config",
+        MAIN_JOB,
+        "--output-dir",
+        str(tmp_path / "run"),
+        "--set",
+        "model.init_from=null",
+        "--set",
+        "model.size=0.1m",
+        "--set",
+        "steps=6",
+        "--set",
+        "rollout.tasks_per_step=2",
+        "--set",
+        "eval.num_tasks=4",
+        "--set",
+        "health.no_signal_steps=3",
+        *extra,
+    ]
 
 
 def test_a_run_that_never_learns_stops_with_exit_3_and_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(REPO)
     assert main(_untrained(tmp_path)) == 3
     out, err = capsys.readouterr()
-    assert err.count("\n") == 1 and err.startswith("miles train: the run is broken: nothing trained in 3 steps: ")
+    assert err.count("\n") == 1 and err.startswith(
+        "miles train: the run is broken: nothing trained in 3 steps: "
+    )
     assert "held-out success" not in out and "RL gain" not in out  # no score
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["steps_done"] == 3 and summary["broken"].startswith("nothing trained in 3 steps")
@@ -121,22 +177,60 @@ def test_on_no_signal_continue_reports_once_and_runs_every_step(tmp_path, capsys
 
 def test_the_calculator_example_does_not_stop(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(REPO)
-    assert main(["train", "--config", MAIN_JOB, "--output-dir", str(tmp_path / "run"), "--set", "steps=4",
-                 "--set", "eval.num_tasks=4", "--set", "health.no_signal_steps=2"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--config",
+                MAIN_JOB,
+                "--output-dir",
+                str(tmp_path / "run"),
+                "--set",
+                "steps=4",
+                "--set",
+                "eval.num_tasks=4",
+                "--set",
+                "health.no_signal_steps=2",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "[health]" not in out and "RL gain (greedy)" in out
     assert "tool calls/session" in out and "trained " in out
 
 
-def test_sft_shows_progress_and_ends_within_the_runs_budget_with_its_weights_saved(tmp_path, capsys, monkeypatch):
+def test_sft_shows_progress_and_ends_within_the_runs_budget_with_its_weights_saved(
+    tmp_path, capsys, monkeypatch
+):
     """`miles sft` prints its steps, loss and ETA as it goes, stops at the run's `max_seconds` (its own
     `sft.max_seconds` unset, 1,000 epochs asked for) and still syncs and saves what it trained."""
     monkeypatch.chdir(REPO)
     save_to = tmp_path / "warm"
-    assert main(["sft", "--config", str(REPO / "configs" / "calculator_sft.yaml"), "--output-dir",
-                 str(tmp_path / "run"), "--set", "max_seconds=6", "--set", "sft.num_demos=64", "--set",
-                 "sft.epochs=1000", "--set", "sft.target_success=null", "--set", f"sft.save_to={save_to}",
-                 "--set", "eval.num_tasks=4"]) == 0
+    assert (
+        main(
+            [
+                "sft",
+                "--config",
+                str(REPO / "configs" / "calculator_sft.yaml"),
+                "--output-dir",
+                str(tmp_path / "run"),
+                "--set",
+                "max_seconds=6",
+                "--set",
+                "sft.num_demos=64",
+                "--set",
+                "sft.epochs=1000",
+                "--set",
+                "sft.target_success=null",
+                "--set",
+                f"sft.save_to={save_to}",
+                "--set",
+                "eval.num_tasks=4",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "[sft] building 64 oracle demonstrations" in out and "steps of 32 within " in out
     progress = [line for line in out.splitlines() if line.startswith("[sft] step ")]
@@ -154,8 +248,22 @@ def test_sigterm_checkpoints_and_says_the_run_was_stopped(tmp_path):
     import sys
 
     out = tmp_path / "run"
-    args = [sys.executable, "-m", "miles.cli", "train", "--config", MAIN_JOB, "--output-dir", str(out), "--set",
-            "eval.num_tasks=4", "--set", "steps=1000", "--set", "rollout.tasks_per_step=2"]
+    args = [
+        sys.executable,
+        "-m",
+        "miles.cli",
+        "train",
+        "--config",
+        MAIN_JOB,
+        "--output-dir",
+        str(out),
+        "--set",
+        "eval.num_tasks=4",
+        "--set",
+        "steps=1000",
+        "--set",
+        "rollout.tasks_per_step=2",
+    ]
     proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     for line in proc.stdout:

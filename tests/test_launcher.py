@@ -53,7 +53,9 @@ class Flag:
 
 def _sglang_root() -> Path:
     spec = importlib.util.find_spec("sglang")
-    assert spec is not None and spec.submodule_search_locations, "sglang sources must be installed (--no-deps)"
+    assert spec is not None and spec.submodule_search_locations, (
+        "sglang sources must be installed (--no-deps)"
+    )
     return Path(next(iter(spec.submodule_search_locations)))
 
 
@@ -77,8 +79,15 @@ def _field_flags(stmt: ast.AnnAssign) -> dict[str, Flag]:
     if not (isinstance(ann, ast.Subscript) and ast.unparse(ann.value) in ("A", "Annotated")):
         return {}
     elts = ann.slice.elts if isinstance(ann.slice, ast.Tuple) else [ann.slice]
-    meta = next((e for e in elts[1:] if (isinstance(e, ast.Constant) and isinstance(e.value, str))
-                 or (isinstance(e, ast.Call) and ast.unparse(e.func) == "Arg")), None)
+    meta = next(
+        (
+            e
+            for e in elts[1:]
+            if (isinstance(e, ast.Constant) and isinstance(e.value, str))
+            or (isinstance(e, ast.Call) and ast.unparse(e.func) == "Arg")
+        ),
+        None,
+    )
     if meta is None:  # no Arg: the field has no CLI flag (sglang's add_cli_args_from_dataclass skips it)
         return {}
     kw = {k.arg: k.value for k in meta.keywords} if isinstance(meta, ast.Call) else {}
@@ -90,7 +99,10 @@ def _field_flags(stmt: ast.AnnAssign) -> dict[str, Flag]:
         kind = "int"
     choices = _literal(kw.get("choices"))
     flag = Flag(kind, tuple(str(c) for c in choices) if isinstance(choices, list) else None)
-    names = [_literal(kw.get("cli_name")) or "--" + name.replace("_", "-"), *(_literal(kw.get("aliases")) or [])]
+    names = [
+        _literal(kw.get("cli_name")) or "--" + name.replace("_", "-"),
+        *(_literal(kw.get("aliases")) or []),
+    ]
     return {n: flag for n in names}
 
 
@@ -100,10 +112,17 @@ def sglang_server_flags() -> dict[str, Flag]:
     assembled from (`_INPUT_NAMESPACES`), plus the flags its `add_cli_args` registers by hand."""
     root = _sglang_root()
     tree = ast.parse((root / "srt/server_args.py").read_text())
-    modules = {alias.name: node.module for node in tree.body if isinstance(node, ast.ImportFrom)
-               for alias in node.names}
-    namespaces = next(n.value for n in tree.body if isinstance(n, ast.Assign)
-                      and ast.unparse(n.targets[0]) == "_INPUT_NAMESPACES")
+    modules = {
+        alias.name: node.module
+        for node in tree.body
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
+    namespaces = next(
+        n.value
+        for n in tree.body
+        if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "_INPUT_NAMESPACES"
+    )
     flags: dict[str, Flag] = {}
     for name_node in namespaces.elts:  # type: ignore[attr-defined]
         module = modules[name_node.id]
@@ -113,12 +132,18 @@ def sglang_server_flags() -> dict[str, Flag]:
             if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
                 flags.update(_field_flags(stmt))
     server_args = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "ServerArgs")
-    add_cli_args = next(n for n in server_args.body if isinstance(n, ast.FunctionDef) and n.name == "add_cli_args")
+    add_cli_args = next(
+        n for n in server_args.body if isinstance(n, ast.FunctionDef) and n.name == "add_cli_args"
+    )
     for call in ast.walk(add_cli_args):
         if isinstance(call, ast.Call) and ast.unparse(call.func) == "parser.add_argument":
             kw = {k.arg: k.value for k in call.keywords}
             action = ast.unparse(kw["action"]) if "action" in kw else ""
-            kind = "bool" if "store_true" in action or "StoreTrue" in action else _kind(kw.get("type", ast.Name("str")))
+            kind = (
+                "bool"
+                if "store_true" in action or "StoreTrue" in action
+                else _kind(kw.get("type", ast.Name("str")))
+            )
             for arg in call.args:
                 if isinstance(arg, ast.Constant) and str(arg.value).startswith("--"):
                     flags[arg.value] = Flag(kind)
@@ -132,7 +157,9 @@ def test_the_ast_reader_finds_server_args_flags():
     assert flags["--model-path"] == flags["--model"] == Flag("str")
     assert flags["--mem-fraction-static"] == Flag("float") and flags["--context-length"].kind == "int"
     assert flags["--dtype"].choices == tuple(DTYPES)  # the launcher's dtype names are SGLang's
-    assert flags["--trust-remote-code"].kind == "bool" and "--sampling-backend" in flags and "--config" in flags
+    assert (
+        flags["--trust-remote-code"].kind == "bool" and "--sampling-backend" in flags and "--config" in flags
+    )
     assert "--fp8-gemm-backend" in flags  # cli_name wins over the field name
     assert "--watermark-key" not in flags and "--tp" not in flags  # no_cli fields; not a flag at all
 
@@ -162,28 +189,62 @@ def check_sglang_command(cmd: list[str]) -> dict[str, str | None]:
 def test_the_checker_rejects_what_sglang_would():
     ok = [sys.executable, "-m", "sglang.launch_server", "--model-path", "m", "--tp-size", "2"]
     assert check_sglang_command(ok)["--tp-size"] == "2"
-    for bad in (["--tp", "2"], ["--dtype", "fp8"], ["--tp-size", "two"], ["--trust-remote-code=1"],
-                ["--tp-size", "2", "--tp-size", "4"]):
+    for bad in (
+        ["--tp", "2"],
+        ["--dtype", "fp8"],
+        ["--tp-size", "two"],
+        ["--trust-remote-code=1"],
+        ["--tp-size", "2", "--tp-size", "4"],
+    ):
         with pytest.raises((AssertionError, ValueError)):
             check_sglang_command(ok + bad)
 
 
-PASS_THROUGH = [(), ("--attention-backend", "fa3"), ("--enable-torch-compile",), ("--dp-size", "2"),
-                ("--trust-remote-code", "--chunked-prefill-size=4096")]
+PASS_THROUGH = [
+    (),
+    ("--attention-backend", "fa3"),
+    ("--enable-torch-compile",),
+    ("--dp-size", "2"),
+    ("--trust-remote-code", "--chunked-prefill-size=4096"),
+]
 
 
 @settings(max_examples=60, deadline=None)
-@given(tp=st.integers(1, 8), pp=st.integers(1, 4), dp=st.integers(1, 4),
-       context_length=st.none() | st.integers(1, 1 << 20), mem_fraction=st.none() | st.floats(0.05, 1.0),
-       max_running=st.none() | st.integers(1, 4096), dtype=st.none() | st.sampled_from(list(DTYPES)),
-       device=st.none() | st.sampled_from(["cuda", "cpu"]), host=st.sampled_from(["127.0.0.1", "0.0.0.0", "::"]),
-       port=st.integers(1024, 60000), base_gpu=st.integers(0, 8), extra=st.sampled_from(PASS_THROUGH),
-       router=st.none() | st.booleans())
-def test_every_emitted_sglang_flag_is_in_server_args(tp, pp, dp, context_length, mem_fraction, max_running, dtype,
-                                                     device, host, port, base_gpu, extra, router):
-    spec = LaunchSpec(engine="sglang", model="Qwen/Qwen3-8B", tp=tp, pp=pp, dp=dp, context_length=context_length,
-                      mem_fraction=mem_fraction, max_running_requests=max_running, dtype=dtype, device=device,
-                      host=host, port=port, base_gpu_id=base_gpu, router=router, sglang_args=extra)
+@given(
+    tp=st.integers(1, 8),
+    pp=st.integers(1, 4),
+    dp=st.integers(1, 4),
+    context_length=st.none() | st.integers(1, 1 << 20),
+    mem_fraction=st.none() | st.floats(0.05, 1.0),
+    max_running=st.none() | st.integers(1, 4096),
+    dtype=st.none() | st.sampled_from(list(DTYPES)),
+    device=st.none() | st.sampled_from(["cuda", "cpu"]),
+    host=st.sampled_from(["127.0.0.1", "0.0.0.0", "::"]),
+    port=st.integers(1024, 60000),
+    base_gpu=st.integers(0, 8),
+    extra=st.sampled_from(PASS_THROUGH),
+    router=st.none() | st.booleans(),
+)
+def test_every_emitted_sglang_flag_is_in_server_args(
+    tp, pp, dp, context_length, mem_fraction, max_running, dtype, device, host, port, base_gpu, extra, router
+):
+    spec = LaunchSpec(
+        engine="sglang",
+        model="Qwen/Qwen3-8B",
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        context_length=context_length,
+        mem_fraction=mem_fraction,
+        max_running_requests=max_running,
+        dtype=dtype,
+        device=device,
+        host=host,
+        port=port,
+        base_gpu_id=base_gpu,
+        router=router,
+        sglang_args=extra,
+    )
     plan = plan_launch(spec)
     assert len(plan.servers) == dp
     gpus: list[set[int]] = []
@@ -219,13 +280,37 @@ def _one_line(text: str) -> str:
 
 def test_dry_run_prints_the_seed_quick_start_commands(capsys):
     # works without SGLang's CUDA kernels (absent on this host)
-    assert main(["rollout", "--engine", "sglang", "--model", "Qwen/Qwen3-8B", "--tp", "8", "--pp", "4", "--dp", "2",
-                 "--host", "0.0.0.0:30001", "--dry-run", "--", "--attention-backend", "fa3"]) == 0
+    assert (
+        main(
+            [
+                "rollout",
+                "--engine",
+                "sglang",
+                "--model",
+                "Qwen/Qwen3-8B",
+                "--tp",
+                "8",
+                "--pp",
+                "4",
+                "--dp",
+                "2",
+                "--host",
+                "0.0.0.0:30001",
+                "--dry-run",
+                "--",
+                "--attention-backend",
+                "fa3",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     cmds = [line.split() for line in out.splitlines() if line and not line.startswith("#")]
     assert len(cmds) == 3
     servers = [check_sglang_command(c) for c in cmds[:2]]
-    assert [s["--port"] for s in servers] == ["30001", "30002"] and all(s["--host"] == "0.0.0.0" for s in servers)
+    assert [s["--port"] for s in servers] == ["30001", "30002"] and all(
+        s["--host"] == "0.0.0.0" for s in servers
+    )
     assert [s["--base-gpu-id"] for s in servers] == ["0", "32"]
     assert cmds[2][1:3] == ["-m", "sglang_router.launch_router"] and "--port" in cmds[2]
     assert cmds[2][cmds[2].index("--port") + 1] == "30003"
@@ -233,9 +318,28 @@ def test_dry_run_prints_the_seed_quick_start_commands(capsys):
 
 
 def test_embedded_dry_run_and_the_host_port_form(capsys):
-    assert main(["rollout", "--dp", "2", "--host", "127.0.0.1:31000", "--device", "cuda", "--base-gpu-id", "2",
-                 "--context-length", "512", "--dry-run"]) == 0
-    cmds = [line.split() for line in capsys.readouterr().out.splitlines() if line and not line.startswith("#")]
+    assert (
+        main(
+            [
+                "rollout",
+                "--dp",
+                "2",
+                "--host",
+                "127.0.0.1:31000",
+                "--device",
+                "cuda",
+                "--base-gpu-id",
+                "2",
+                "--context-length",
+                "512",
+                "--dry-run",
+            ]
+        )
+        == 0
+    )
+    cmds = [
+        line.split() for line in capsys.readouterr().out.splitlines() if line and not line.startswith("#")
+    ]
     assert [c[1:3] for c in cmds] == [["-m", "miles.engines"]] * 2 + [["-m", "sglang_router.launch_router"]]
     for i, cmd in enumerate(cmds[:2]):
         args = dict(zip(cmd[3::2], cmd[4::2], strict=True))
@@ -244,7 +348,9 @@ def test_embedded_dry_run_and_the_host_port_form(capsys):
 
 
 def test_missing_sglang_is_one_line_naming_what_to_install(capsys):
-    assert importlib.util.find_spec("sgl_kernel") is None  # this CPU host has sglang's sources, not its kernels
+    assert (
+        importlib.util.find_spec("sgl_kernel") is None
+    )  # this CPU host has sglang's sources, not its kernels
     assert main(["rollout", "--engine", "sglang", "--model", "Qwen/Qwen3-8B"]) == 2
     captured = capsys.readouterr()
     line = _one_line(captured.err)
@@ -267,29 +373,36 @@ def test_missing_requirement_checks_the_package_its_launcher_and_kernels(tmp_pat
     assert "sgl_kernel" in missing_requirement(spec, finder("sgl_kernel"))
     assert missing_requirement(spec, finder("nothing")) is None
     assert "sglang-router" in missing_requirement(spec, finder("sglang_router"))
-    assert missing_requirement(LaunchSpec(engine="sglang", model="org/model", router=False),
-                               finder("sglang_router")) is None
+    assert (
+        missing_requirement(
+            LaunchSpec(engine="sglang", model="org/model", router=False), finder("sglang_router")
+        )
+        is None
+    )
 
 
-@pytest.mark.parametrize(("argv", "names"), [
-    (["--tp", "2"], "--tp"),
-    (["--pp", "2", "--dp", "2"], "--pp"),
-    (["--mem-fraction", "0.8"], "--mem-fraction"),
-    (["--model", "no/such/folder"], "--model"),
-    (["--model", "tiny-7b"], "--model"),
-    (["--engine", "sglang", "--model", "tiny"], "--model"),
-    (["--engine", "sglang", "--model", "m", "--", "--tp-size", "2"], "--tp"),
-    (["--engine", "sglang", "--model", "m", "--", "--port=4"], "--port"),
-    (["--engine", "sglang", "--model", "m", "--mem-fraction", "1.5"], "--mem-fraction"),
-    (["--", "--attention-backend", "fa3"], "--engine sglang"),
-    (["--dp", "0"], "--dp"),
-    (["--dtype", "fp8"], "--dtype"),
-    (["--host", "0.0.0.0:30001", "--port", "30002"], "--port"),
-    (["--host", "0.0.0.0:http"], "--host"),
-    (["--dp", "2", "--router-port", "30002"], "--router-port"),
-    (["--port", "65535", "--dp", "2"], "--port"),
-    (["--router-policy", "fastest"], "--router-policy"),
-])
+@pytest.mark.parametrize(
+    ("argv", "names"),
+    [
+        (["--tp", "2"], "--tp"),
+        (["--pp", "2", "--dp", "2"], "--pp"),
+        (["--mem-fraction", "0.8"], "--mem-fraction"),
+        (["--model", "no/such/folder"], "--model"),
+        (["--model", "tiny-7b"], "--model"),
+        (["--engine", "sglang", "--model", "tiny"], "--model"),
+        (["--engine", "sglang", "--model", "m", "--", "--tp-size", "2"], "--tp"),
+        (["--engine", "sglang", "--model", "m", "--", "--port=4"], "--port"),
+        (["--engine", "sglang", "--model", "m", "--mem-fraction", "1.5"], "--mem-fraction"),
+        (["--", "--attention-backend", "fa3"], "--engine sglang"),
+        (["--dp", "0"], "--dp"),
+        (["--dtype", "fp8"], "--dtype"),
+        (["--host", "0.0.0.0:30001", "--port", "30002"], "--port"),
+        (["--host", "0.0.0.0:http"], "--host"),
+        (["--dp", "2", "--router-port", "30002"], "--router-port"),
+        (["--port", "65535", "--dp", "2"], "--port"),
+        (["--router-policy", "fastest"], "--router-policy"),
+    ],
+)
 def test_bad_combinations_exit_2_with_one_line(argv, names, capsys):
     assert main(["rollout", *argv, "--dry-run"]) == 2
     line = _one_line(capsys.readouterr().err)
@@ -297,7 +410,9 @@ def test_bad_combinations_exit_2_with_one_line(argv, names, capsys):
 
 
 @settings(max_examples=100, deadline=None)
-@given(host=st.sampled_from(["0.0.0.0", "127.0.0.1", "node-3.cluster", "10.1.2.3"]), port=st.integers(1, 65535))
+@given(
+    host=st.sampled_from(["0.0.0.0", "127.0.0.1", "node-3.cluster", "10.1.2.3"]), port=st.integers(1, 65535)
+)
 def test_host_port_forms(host, port):
     assert split_host_port(f"{host}:{port}") == (host, port)
     assert split_host_port(host) == (host, None)
@@ -307,8 +422,10 @@ def test_host_port_forms(host, port):
 
 def test_a_server_that_never_gets_healthy_fails_with_its_last_log_lines(tmp_path):
     log = tmp_path / "server.log"
-    proc = spawn([sys.executable, "-c", "print('loading shard 3 of 7', flush=True); import time; time.sleep(60)"],
-                 log_path=log)
+    proc = spawn(
+        [sys.executable, "-c", "print('loading shard 3 of 7', flush=True); import time; time.sleep(60)"],
+        log_path=log,
+    )
     child = _Child("server 0", f"http://127.0.0.1:{free_port()}", proc, log)
     try:
         deadline = time.monotonic() + 60  # the child's Python has started and logged (a busy box is slow to)
@@ -324,8 +441,10 @@ def test_a_server_that_never_gets_healthy_fails_with_its_last_log_lines(tmp_path
 
 def test_stop_ends_the_whole_process_group(tmp_path):
     pid_file = tmp_path / "grandchild.pid"
-    code = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; "
-            f"time.sleep(60)']); open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(60)")
+    code = (
+        "import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; "
+        f"time.sleep(60)']); open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(60)"
+    )
     proc = spawn([sys.executable, "-c", code])
     deadline = time.monotonic() + 30
     while not pid_file.is_file() or not pid_file.read_text():
@@ -386,17 +505,32 @@ class Launcher(RolloutProcess):
 @pytest.mark.slow
 def test_two_embedded_servers_behind_the_real_router_and_sigterm_leaves_no_child(tmp_path):
     port = free_ports(3)  # two servers, then the router on the next port
-    launcher = Launcher("--engine", "embedded", "--dp", "2", "--model", "tiny-0.1m", "--port", str(port),
-                        "--log-dir", str(tmp_path))
+    launcher = Launcher(
+        "--engine",
+        "embedded",
+        "--dp",
+        "2",
+        "--model",
+        "tiny-0.1m",
+        "--port",
+        str(port),
+        "--log-dir",
+        str(tmp_path),
+    )
     try:
         engine = launcher.ready()
-        assert engine == {"kind": "router", "urls": [f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}"]}
+        assert engine == {
+            "kind": "router",
+            "urls": [f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}"],
+        }
         router_url = next(x for x in launcher.lines if "use the router:" in x).rsplit(" ", 1)[1].strip()
         children = launcher.children()
         assert len(children) == 3  # two servers and the router
         with httpx.Client(timeout=60) as http:
-            out = http.post(f"{router_url}/generate", json={
-                "input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 6, "temperature": 0.0}}).json()
+            out = http.post(
+                f"{router_url}/generate",
+                json={"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 6, "temperature": 0.0}},
+            ).json()
             assert len(out["output_ids"]) == 6 and out["meta_info"]["prompt_tokens"] == 3
             workers = {w["url"] for w in http.get(f"{router_url}/workers").json()["workers"]}
             assert workers == set(engine["urls"])
@@ -417,7 +551,9 @@ def test_two_embedded_servers_behind_the_real_router_and_sigterm_leaves_no_child
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
 def test_the_single_server_form_serves_and_no_child_outlives_the_launcher(sig, tmp_path):
     port = free_port()
-    launcher = Launcher("--model", "tiny", "--port", str(port), "--context-length", "64", "--log-dir", str(tmp_path))
+    launcher = Launcher(
+        "--model", "tiny", "--port", str(port), "--context-length", "64", "--log-dir", str(tmp_path)
+    )
     try:
         assert launcher.ready() == {"kind": "sglang", "urls": [f"http://127.0.0.1:{port}"]}
         children = launcher.children()
@@ -425,10 +561,22 @@ def test_the_single_server_form_serves_and_no_child_outlives_the_launcher(sig, t
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as http:
             info = http.get("/get_server_info").json()
             assert info["context_length"] == 64 and info["max_req_input_len"] == 63
-            too_long = http.post("/generate", json={"input_ids": [1] * 64, "sampling_params": {"max_new_tokens": 1}})
+            too_long = http.post(
+                "/generate", json={"input_ids": [1] * 64, "sampling_params": {"max_new_tokens": 1}}
+            )
             assert too_long.status_code == 400
-            assert len(http.post("/generate", json={"input_ids": [1] * 60, "sampling_params": {
-                "max_new_tokens": 8, "temperature": 0.0}}).json()["output_ids"]) <= 4  # 64 - 60
+            assert (
+                len(
+                    http.post(
+                        "/generate",
+                        json={
+                            "input_ids": [1] * 60,
+                            "sampling_params": {"max_new_tokens": 8, "temperature": 0.0},
+                        },
+                    ).json()["output_ids"]
+                )
+                <= 4
+            )  # 64 - 60
         code, _ = launcher.finish(sig)
         assert code == (-signal.SIGKILL if sig == signal.SIGKILL else 0)
         _wait_gone(children)  # SIGKILL: the kernel's parent-death signal stops the server
@@ -441,9 +589,13 @@ def test_a_server_that_crashes_at_startup_is_reported_with_its_log(tmp_path):
     model = tmp_path / "broken-model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"model_type": "no-such-architecture"}))
-    launcher = Launcher("--model", str(model), "--port", str(free_port()), "--log-dir", str(tmp_path / "logs"))
+    launcher = Launcher(
+        "--model", str(model), "--port", str(free_port()), "--log-dir", str(tmp_path / "logs")
+    )
     out, err = launcher.proc.communicate(timeout=120)
     assert launcher.proc.returncode == 1
     assert "server 0" in err and "exited with code" in err and "no-such-architecture" in err
-    assert "Traceback" not in err.split("last lines of", 1)[0]  # the launcher's own message is not a traceback
+    assert (
+        "Traceback" not in err.split("last lines of", 1)[0]
+    )  # the launcher's own message is not a traceback
     assert "stopped every server" in out

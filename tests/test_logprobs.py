@@ -25,12 +25,20 @@ def _case(n: int, h: int, v: int, seed: int, dtype=torch.float64):
 
 def _reference(hidden, weight, ids, starts, temperature):
     logits = hidden @ weight.t()
-    return shifted_token_logprobs(logits, ids, starts, temperature), shifted_entropy(logits, starts, temperature)
+    return shifted_token_logprobs(logits, ids, starts, temperature), shifted_entropy(
+        logits, starts, temperature
+    )
 
 
 @settings(max_examples=25, deadline=None)
-@given(n=st.integers(1, 40), h=st.integers(1, 9), v=st.integers(2, 30), chunk=st.sampled_from([None, 1, 3, 7]),
-       temperature=st.sampled_from([1.0, 0.6, 1.7]), seed=st.integers(0, 2**16))
+@given(
+    n=st.integers(1, 40),
+    h=st.integers(1, 9),
+    v=st.integers(2, 30),
+    chunk=st.sampled_from([None, 1, 3, 7]),
+    temperature=st.sampled_from([1.0, 0.6, 1.7]),
+    seed=st.integers(0, 2**16),
+)
 def test_values_and_gradients_equal_the_full_logits_path(n, h, v, chunk, temperature, seed):
     hidden, weight, ids, starts = _case(n, h, v, seed)
     a = torch.randn(n, dtype=torch.float64, generator=torch.Generator().manual_seed(seed + 1))
@@ -39,7 +47,9 @@ def test_values_and_gradients_equal_the_full_logits_path(n, h, v, chunk, tempera
     for fused in (True, False):
         x, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
         if fused:
-            lp, ent = token_logprobs_from_hidden(x, w, ids, starts, temperature, entropy=True, chunk_tokens=chunk)
+            lp, ent = token_logprobs_from_hidden(
+                x, w, ids, starts, temperature, entropy=True, chunk_tokens=chunk
+            )
         else:
             lp, ent = _reference(x, w, ids, starts, temperature)
             lp, ent = lp.double(), ent.double()
@@ -113,10 +123,19 @@ def _vocab_parallel_worker(rank: int, world: int, port: int, out: str) -> None:
     try:
         hidden, weight, ids, starts = _case(17, 5, 13, seed=8)
         padded = torch.cat([weight, torch.zeros(3, 5, dtype=weight.dtype)])  # 16 rows, 8 per rank, 13 real
-        shard = padded[rank * 8:(rank + 1) * 8].clone().requires_grad_()
+        shard = padded[rank * 8 : (rank + 1) * 8].clone().requires_grad_()
         x = hidden.clone().requires_grad_()
-        lp, ent = token_logprobs_from_hidden(x, shard, ids, starts, 0.9, entropy=True, vocab_start=rank * 8,
-                                             vocab_size=13, group=torch.distributed.group.WORLD)
+        lp, ent = token_logprobs_from_hidden(
+            x,
+            shard,
+            ids,
+            starts,
+            0.9,
+            entropy=True,
+            vocab_start=rank * 8,
+            vocab_size=13,
+            group=torch.distributed.group.WORLD,
+        )
         (lp.sum() + 0.5 * ent.sum()).backward()
         grad_x = x.grad.clone()
         torch.distributed.all_reduce(grad_x)  # a column-parallel head sums its input gradient over ranks

@@ -44,7 +44,9 @@ def test_mixed_rows_prefill_and_decode_as_peft(served, rows, seed):
         last = torch.arange(n) * prompt + prompt - 1
         prefill = decoder.forward(cache, ids[:, :prompt], positions, 0, prompt, last=last)
         step = decoder.forward(cache, ids[:, prompt:], torch.full((n, 1), prompt), 0, prompt + 1)
-    assert torch.allclose(prefill, expect[:, prompt - 1], atol=1e-5), float((prefill - expect[:, prompt - 1]).abs().max())
+    assert torch.allclose(prefill, expect[:, prompt - 1], atol=1e-5), float(
+        (prefill - expect[:, prompt - 1]).abs().max()
+    )
     assert torch.allclose(step, expect[:, prompt], atol=1e-5), float((step - expect[:, prompt]).abs().max())
 
 
@@ -56,8 +58,9 @@ def test_base_rows_run_the_plain_forward(served):
     with torch.inference_mode(), peft_model.disable_adapter():
         expect = peft_model(input_ids=ids).logits[:, -1]
     with torch.inference_mode():
-        got = decoder.forward(decoder.new_cache(2, 8), ids, torch.arange(5).repeat(2, 1), 0, 5,
-                              last=torch.tensor([4, 9]))
+        got = decoder.forward(
+            decoder.new_cache(2, 8), ids, torch.arange(5).repeat(2, 1), 0, 5, last=torch.tensor([4, 9])
+        )
     assert torch.allclose(got, expect, atol=1e-5)
 
 
@@ -65,7 +68,9 @@ def test_a_new_version_replaces_the_old_in_its_slot_and_unload_frees_it():
     base, peft_model = peft_model_with_adapters()
     bank = LoraDecoder(copy.deepcopy(base), max_slots=2, max_adapters=1, max_rank=8).bank
     first = bank.load("terse", adapter_weights(peft_model, "terse"), 0)
-    again = bank.load("terse", adapter_weights(peft_model, "qv"), 1)  # another rank and other targets, same slot
+    again = bank.load(
+        "terse", adapter_weights(peft_model, "qv"), 1
+    )  # another rank and other targets, same slot
     assert (first.slot, again.slot, again.version) == (1, 1, 1)
     qkv = next(p for p in bank.projections.values() if p.parts[0][0].endswith("layers.0.self_attn.q_proj"))
     assert float(qkv.a[1, 8:16].abs().sum()) == 0.0  # the old version's k_proj rows are gone

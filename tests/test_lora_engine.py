@@ -56,7 +56,7 @@ def _peft_greedy(peft_model, prompt: list[int], adapter: str | None, n: int) -> 
                 peft_model.set_adapter(adapter)
                 logits = peft_model(input_ids=x).logits
             ids.append(int(logits[0, -1].argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 async def test_rows_of_different_adapters_decode_in_the_same_steps_as_peft_computes_them(models):
@@ -64,9 +64,14 @@ async def test_rows_of_different_adapters_decode_in_the_same_steps_as_peft_compu
     rows = [None, "terse", "verbose", "qv", "terse", None]
     lengths = [12, 4, 9, 6, 12, 3]  # rows leave mid-batch and the others move into their slots
     try:
-        results = await asyncio.gather(*(engine.generate(_prompt(i), SamplingParams(temperature=0.0, max_new_tokens=n),
-                                                         adapter=a, ignore_eos=True)
-                                         for i, (a, n) in enumerate(zip(rows, lengths, strict=True))))
+        results = await asyncio.gather(
+            *(
+                engine.generate(
+                    _prompt(i), SamplingParams(temperature=0.0, max_new_tokens=n), adapter=a, ignore_eos=True
+                )
+                for i, (a, n) in enumerate(zip(rows, lengths, strict=True))
+            )
+        )
     finally:
         await engine.close()
     for i, (adapter, result) in enumerate(zip(rows, results, strict=True)):
@@ -95,6 +100,7 @@ async def test_a_sessions_cache_is_reused_only_under_the_same_adapter_load(model
     engine = await _engine(models)
     one = SamplingParams(temperature=0.0, max_new_tokens=3)
     try:
+
         async def turn(sid: str, adapter: str, history: list[int]) -> tuple[list[int], int]:
             result = await engine.generate(history, one, session_id=sid, adapter=adapter, ignore_eos=True)
             return history + result.output_ids + _prompt(len(history), 2), result.cached_tokens
@@ -103,7 +109,9 @@ async def test_a_sessions_cache_is_reused_only_under_the_same_adapter_load(model
         verbose, _ = await turn("s-verbose", "verbose", _prompt(2))
         terse, cached = await turn("s-terse", "terse", terse)
         assert cached > 0
-        await engine.update_adapter("terse", weights=adapter_weights(models[1], "terse"))  # same weights, new load
+        await engine.update_adapter(
+            "terse", weights=adapter_weights(models[1], "terse")
+        )  # same weights, new load
         terse, cached = await turn("s-terse", "terse", terse)
         assert cached == 0
         verbose, cached = await turn("s-verbose", "verbose", verbose)  # another adapter's cache is untouched
@@ -136,18 +144,25 @@ async def test_an_adapter_update_drains_nothing_and_lands_between_decode_steps(m
 async def test_unload_waits_for_the_adapters_requests_and_refuses_new_ones(models):
     engine = await _engine(models)
     try:
-        task = asyncio.create_task(engine.generate(_prompt(4), SamplingParams(temperature=0.0, max_new_tokens=400),
-                                                   adapter="qv", ignore_eos=True))
+        task = asyncio.create_task(
+            engine.generate(
+                _prompt(4), SamplingParams(temperature=0.0, max_new_tokens=400), adapter="qv", ignore_eos=True
+            )
+        )
         while engine.stats["decode_tokens"] < 5:
             await asyncio.sleep(0.001)
         unload = asyncio.create_task(engine.unload_adapter("qv"))
         await asyncio.sleep(0)
-        with pytest.raises(AdapterError, match=r"no LoRA adapter 'qv' is loaded \(loaded: \['terse', 'verbose'\]\)"):
+        with pytest.raises(
+            AdapterError, match=r"no LoRA adapter 'qv' is loaded \(loaded: \['terse', 'verbose'\]\)"
+        ):
             await engine.generate(_prompt(4), GREEDY, adapter="qv")
         assert len((await task).output_ids) == 400
         await unload
         assert sorted(engine.adapter_sources) == ["terse", "verbose"] and engine.adapter_version("qv") is None
-        assert await engine.update_adapter("qv", weights=adapter_weights(models[1], "qv")) == 0  # a free slot again
+        assert (
+            await engine.update_adapter("qv", weights=adapter_weights(models[1], "qv")) == 0
+        )  # a free slot again
     finally:
         await engine.close()
 
@@ -199,11 +214,15 @@ async def test_the_client_loads_versions_through_the_server_and_unloads_old_ones
         with pytest.raises(InvalidRequestError, match="PEFT folder"):
             await client.update_adapter("calc", weights=adapter_weights(peft_model, "qv"))
         async with httpx.AsyncClient(base_url=server.url) as raw:
-            again = await raw.post("/load_lora_adapter", json=wire.load_lora_body("calc@v1", str(folders["qv"])))
+            again = await raw.post(
+                "/load_lora_adapter", json=wire.load_lora_body("calc@v1", str(folders["qv"]))
+            )
             assert again.status_code == 400 and "already loaded" in again.json()["error_message"]
             gone = await raw.post("/unload_lora_adapter", json=wire.unload_lora_body("nope"))
             assert gone.status_code == 400 and "does not exist" in gone.json()["error_message"]
-            bad = await raw.post("/load_lora_adapter", json=wire.load_lora_body("x", str(tmp_path / "missing")))
+            bad = await raw.post(
+                "/load_lora_adapter", json=wire.load_lora_body("x", str(tmp_path / "missing"))
+            )
             assert bad.status_code == 400 and not bad.json()["success"]
     finally:
         await client.close()  # waits for the background unload of calc@v0
@@ -220,9 +239,11 @@ async def test_weight_sync_pushes_one_adapter_in_process_and_from_disk(models, t
     client = SGLangClient(server.url)
     try:
         local = WeightSync([engine], method="in_process")
-        reports = [await local.push_adapter("terse", adapter_weights(peft_model, "terse")),
-                   await local.push_adapter("verbose", adapter_weights(peft_model, "verbose")),
-                   await local.push_adapter("terse", adapter_weights(peft_model, "terse"))]
+        reports = [
+            await local.push_adapter("terse", adapter_weights(peft_model, "terse")),
+            await local.push_adapter("verbose", adapter_weights(peft_model, "verbose")),
+            await local.push_adapter("terse", adapter_weights(peft_model, "terse")),
+        ]
         assert [(r.policy_id, r.version) for r in reports] == [("terse", 0), ("verbose", 0), ("terse", 1)]
         assert engine.adapter_version("terse") == 1 and engine.adapter_version("verbose") == 0
         assert engine.weight_version == 0 and all(r.drain_seconds == 0 for r in reports)
@@ -254,11 +275,14 @@ async def test_adapters_through_the_real_sglang_router(models, tmp_path):
         folder = adapter_weights(peft_model, "verbose").save(tmp_path / "verbose")
         assert await router.update_adapter("calc", path=str(folder)) == 0
         assert [sorted(e.adapter_sources) for e in engines] == [["calc@v0"], ["calc@v0"]]
-        results = await asyncio.gather(*(router.generate(_prompt(i), GREEDY, session_id=f"s{i}", adapter="calc")
-                                         for i in range(4)))
+        results = await asyncio.gather(
+            *(router.generate(_prompt(i), GREEDY, session_id=f"s{i}", adapter="calc") for i in range(4))
+        )
         for i, result in enumerate(results):
             assert result.weight_version == 0
-            assert result.output_ids == _peft_greedy(peft_model, _prompt(i), "verbose", len(result.output_ids))
+            assert result.output_ids == _peft_greedy(
+                peft_model, _prompt(i), "verbose", len(result.output_ids)
+            )
         assert await router.update_adapter("calc", path=str(folder)) == 1
         assert (await router.generate(_prompt(0), GREEDY, adapter="calc")).weight_version == 1
     finally:

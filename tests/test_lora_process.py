@@ -31,11 +31,18 @@ RANKS = {"calc-terse": 4, "calc-verbose": 8, "orders": 2}
 
 
 def _config(tmp_path: Path, **adapter: object) -> TrainConfig:
-    return from_dict(TrainConfig, {
-        "output_dir": str(tmp_path), "model": {"name": "tiny", "size": "0.1m"},
-        "trainer": {"lr": 2e-2, "weight_decay": 0.1, "max_grad_norm": 0.05},
-        "adapters": [{"name": n, "lora": {"rank": RANKS[n], "alpha": 2.0 * RANKS[n]}, "seed": 10 + i, **adapter}
-                     for i, n in enumerate(NAMES)]})
+    return from_dict(
+        TrainConfig,
+        {
+            "output_dir": str(tmp_path),
+            "model": {"name": "tiny", "size": "0.1m"},
+            "trainer": {"lr": 2e-2, "weight_decay": 0.1, "max_grad_norm": 0.05},
+            "adapters": [
+                {"name": n, "lora": {"rank": RANKS[n], "alpha": 2.0 * RANKS[n]}, "seed": 10 + i, **adapter}
+                for i, n in enumerate(NAMES)
+            ],
+        },
+    )
 
 
 @pytest.fixture
@@ -56,8 +63,9 @@ def test_updates_in_the_trainer_process_equal_updates_here(tmp_path, remote):
                 batch = TrajectoryBatch.from_trajectories(mine)
                 there, here = remote.train_adapter(name, batch, threads=1), local.train_adapter(name, batch)
                 assert there.keys() == here.keys()
-                assert {k: v for k, v in there.items() if not k.endswith("time_s")} == \
-                       {k: v for k, v in here.items() if not k.endswith("time_s")}
+                assert {k: v for k, v in there.items() if not k.endswith("time_s")} == {
+                    k: v for k, v in here.items() if not k.endswith("time_s")
+                }
                 trained.append(name)
         assert remote.end_step(tuple(trained)) == local.end_step(tuple(trained))
     assert remote.step == local.step == len(PLAN)
@@ -72,8 +80,9 @@ def test_updates_in_the_trainer_process_equal_updates_here(tmp_path, remote):
 def test_an_error_in_the_trainer_process_comes_back_with_its_type_and_trace(remote):
     with pytest.raises(KeyError, match="no adapter 'nope'") as info:
         remote.adapter_weights("nope")
-    assert any("raised in the trainer process" in note and "adapter_weights" in note
-               for note in info.value.__notes__)
+    assert any(
+        "raised in the trainer process" in note and "adapter_weights" in note for note in info.value.__notes__
+    )
     with pytest.raises(TypeError, match="pickle"):  # a result that cannot cross the pipe
         remote.process.call("_active", NAMES[0])
     os.kill(remote.process.pid, signal.SIGINT)  # Ctrl-C reaches the process group; the run ends this process
@@ -99,7 +108,9 @@ def test_a_setup_mistake_in_the_trainer_process_is_one_line(tmp_path, capsys):
     assert cli_main(["train", "--config", str(path)]) == 2
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("miles train:")]
-    assert len(lines) == 1 and lines[0].startswith("miles train: config error: adapters[mul].lora.target_modules:"), err
+    assert len(lines) == 1 and lines[0].startswith(
+        "miles train: config error: adapters[mul].lora.target_modules:"
+    ), err
     assert "Traceback" not in err
 
 
@@ -107,22 +118,52 @@ def test_a_script_that_starts_a_run_when_imported_is_told_to_guard_it(tmp_path):
     """The trainer process imports the user's script again (spawn); a script that calls `miles train` at its
     top level gets one line naming the `__main__` guard, not advice to resume."""
     script = tmp_path / "unguarded.py"
-    script.write_text("import sys\nfrom miles.cli import main\n"
-                      f"sys.exit(main(['train', '--config', {str(ROOT / 'configs' / 'multi_lora.yaml')!r}, "
-                      f"'--output-dir', {str(tmp_path / 'run')!r}, '--set', 'steps=1']))\n")
-    proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    script.write_text(
+        "import sys\nfrom miles.cli import main\n"
+        f"sys.exit(main(['train', '--config', {str(ROOT / 'configs' / 'multi_lora.yaml')!r}, "
+        f"'--output-dir', {str(tmp_path / 'run')!r}, '--set', 'steps=1']))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     lines = [line for line in proc.stderr.splitlines() if line.startswith("miles train: the trainer process")]
     assert proc.returncode == 1 and len(lines) == 1, proc.stderr[-3000:]
-    assert "while starting" in lines[0] and 'if __name__ == "__main__":' in lines[0] and "--resume" not in lines[0]
+    assert (
+        "while starting" in lines[0]
+        and 'if __name__ == "__main__":' in lines[0]
+        and "--resume" not in lines[0]
+    )
 
 
 def _train(out: Path, *sets: str, resume: bool = False) -> subprocess.Popen[str]:
-    args = [sys.executable, "-m", "miles.cli", "train", "--config", str(ROOT / "configs" / "multi_lora.yaml"),
-            "--output-dir", str(out), "--set", "max_seconds=null", "--set", "eval.num_tasks=4",
-            *(x for s in sets for x in ("--set", s))]
-    return subprocess.Popen([*args, *(["--resume"] if resume else [])], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    args = [
+        sys.executable,
+        "-m",
+        "miles.cli",
+        "train",
+        "--config",
+        str(ROOT / "configs" / "multi_lora.yaml"),
+        "--output-dir",
+        str(out),
+        "--set",
+        "max_seconds=null",
+        "--set",
+        "eval.num_tasks=4",
+        *(x for s in sets for x in ("--set", s)),
+    ]
+    return subprocess.Popen(
+        [*args, *(["--resume"] if resume else [])],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
 
 
 def _rows(out: Path) -> list[dict]:
@@ -151,7 +192,9 @@ def test_a_killed_trainer_process_stops_the_run_in_one_line_and_resume_loses_no_
             proc.kill()
     assert proc.returncode == 1, err[-3000:]
     lines = [line for line in err.splitlines() if line.startswith("miles train:")]
-    assert len(lines) == 1 and "the trainer process exited (exit code -9)" in lines[0] and "--resume" in lines[0]
+    assert (
+        len(lines) == 1 and "the trainer process exited (exit code -9)" in lines[0] and "--resume" in lines[0]
+    )
     assert "Traceback" not in err
     assert 2 <= len(_rows(out)) < 6
 

@@ -12,7 +12,11 @@ from miles.tiny import make_tiny_model
 
 VOCAB = 64
 RANKS = {"terse": 4, "verbose": 8, "qv": 2}
-TARGETS = {"terse": list(DEFAULT_TARGET_MODULES), "verbose": list(DEFAULT_TARGET_MODULES), "qv": ["q_proj", "v_proj"]}
+TARGETS = {
+    "terse": list(DEFAULT_TARGET_MODULES),
+    "verbose": list(DEFAULT_TARGET_MODULES),
+    "qv": ["q_proj", "v_proj"],
+}
 
 
 def peft_model_with_adapters(vocab: int = VOCAB, size: str = "0.1m"):
@@ -40,6 +44,11 @@ def adapter_weights(model, name: str) -> AdapterWeights:
     from peft import get_peft_model_state_dict
 
     cfg = model.peft_config[name]
-    return AdapterWeights(rank=cfg.r, alpha=cfg.lora_alpha, target_modules=tuple(cfg.target_modules),
-                          tensors={k: v.detach().clone() for k, v in
-                                   get_peft_model_state_dict(model, adapter_name=name).items()})
+    return AdapterWeights(
+        rank=cfg.r,
+        alpha=cfg.lora_alpha,
+        target_modules=tuple(cfg.target_modules),
+        tensors={
+            k: v.detach().clone() for k, v in get_peft_model_state_dict(model, adapter_name=name).items()
+        },
+    )

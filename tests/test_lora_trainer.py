@@ -32,18 +32,33 @@ def _base() -> torch.nn.Module:
 
 def _specs(names=NAMES) -> list[AdapterSpec]:
     ranks = {"calc-terse": 4, "calc-verbose": 8, "orders": 2}
-    return [AdapterSpec(n, LoraSpec(rank=ranks[n], alpha=2.0 * ranks[n]), dataclasses.replace(TRAINER, lr=TRAINER.lr
-                        * (1 + i)), seed=10 + i) for i, n in enumerate(NAMES) if n in names]
+    return [
+        AdapterSpec(
+            n,
+            LoraSpec(rank=ranks[n], alpha=2.0 * ranks[n]),
+            dataclasses.replace(TRAINER, lr=TRAINER.lr * (1 + i)),
+            seed=10 + i,
+        )
+        for i, n in enumerate(NAMES)
+        if n in names
+    ]
 
 
 def _group(gen: torch.Generator, policy: str, gid: str, size: int = 3) -> list[Trajectory]:
     out = []
     for k in range(size):
-        prompt = torch.randint(0, VOCAB, (int(torch.randint(3, 7, (1,), generator=gen)),), generator=gen).tolist()
-        answer = torch.randint(0, VOCAB, (int(torch.randint(2, 6, (1,), generator=gen)),), generator=gen).tolist()
+        prompt = torch.randint(
+            0, VOCAB, (int(torch.randint(3, 7, (1,), generator=gen)),), generator=gen
+        ).tolist()
+        answer = torch.randint(
+            0, VOCAB, (int(torch.randint(2, 6, (1,), generator=gen)),), generator=gen
+        ).tolist()
         lps = (-torch.rand(len(answer), generator=gen) * 3).tolist()
-        t = Trajectory(meta=TrajectoryMeta(group_id=gid, policy_id=policy, sample_index=k,
-                                           sampling_params={"temperature": 1.0}))
+        t = Trajectory(
+            meta=TrajectoryMeta(
+                group_id=gid, policy_id=policy, sample_index=k, sampling_params={"temperature": 1.0}
+            )
+        )
         t.append(prompt, role="user", generated=False)
         t.append(answer, role="assistant", generated=True, logprobs=lps)
         t.reward = float(torch.rand(1, generator=gen))
@@ -54,10 +69,14 @@ def _group(gen: torch.Generator, policy: str, gid: str, size: int = 3) -> list[T
 def _steps(plan: list[list[str]], seed: int = 0) -> list[list[Trajectory]]:
     """Each step: one group per entry of its policy list (a policy may appear several times or not at all)."""
     gen = torch.Generator().manual_seed(seed)
-    return [[t for j, p in enumerate(step) for t in _group(gen, p, f"s{i}-g{j}")] for i, step in enumerate(plan)]
+    return [
+        [t for j, p in enumerate(step) for t in _group(gen, p, f"s{i}-g{j}")] for i, step in enumerate(plan)
+    ]
 
 
-def _train(names, steps: list[list[Trajectory]], algorithm: AlgorithmConfig | None = None) -> MultiLoraTrainer:
+def _train(
+    names, steps: list[list[Trajectory]], algorithm: AlgorithmConfig | None = None
+) -> MultiLoraTrainer:
     trainer = MultiLoraTrainer(_base(), _specs(names), OPTIONS, algorithm)
     for trajs in steps:
         mine = [t for t in trajs if t.meta.policy_id in names]
@@ -86,8 +105,10 @@ def test_three_adapters_together_end_as_each_alone():
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(plan=st.lists(st.lists(st.sampled_from(NAMES), min_size=1, max_size=4), min_size=1, max_size=3),
-       seed=st.integers(0, 100))
+@given(
+    plan=st.lists(st.lists(st.sampled_from(NAMES), min_size=1, max_size=4), min_size=1, max_size=3),
+    seed=st.integers(0, 100),
+)
 def test_equivalence_holds_for_any_mix_of_groups(plan, seed):
     steps = _steps(plan, seed)
     together = _train(NAMES, steps)
@@ -104,7 +125,9 @@ def test_a_step_touches_only_the_adapters_in_it_and_never_the_base():
     before = {n: trainer.adapter_weights(n) for n in NAMES}
     metrics = trainer.train_step(TrajectoryBatch.from_trajectories(_steps([["calc-verbose"]])[0]))
     assert trainer.last_trained == ("calc-verbose",)
-    assert metrics["adapters_trained"] == 1 and "calc-verbose/loss" in metrics and "orders/loss" not in metrics
+    assert (
+        metrics["adapters_trained"] == 1 and "calc-verbose/loss" in metrics and "orders/loss" not in metrics
+    )
     for name in ("calc-terse", "orders"):
         assert _max_diff(before[name], trainer.adapter_weights(name)) == 0.0
         assert not trainer.trainers[name].optimizer.state  # no moments, no weight decay, no schedule step
@@ -121,8 +144,13 @@ def test_kl_reference_is_the_base_and_equivalence_holds_with_it():
     algorithm = AlgorithmConfig(loss=LossConfig(kl_coef=0.1), num_mini_batches=2)
     steps = _steps(PLAN[:2])
     together = _train(NAMES, steps, algorithm)
-    assert _max_diff(together.adapter_weights("orders"), _train(("orders",), steps, algorithm)
-                     .adapter_weights("orders")) <= 1e-5
+    assert (
+        _max_diff(
+            together.adapter_weights("orders"),
+            _train(("orders",), steps, algorithm).adapter_weights("orders"),
+        )
+        <= 1e-5
+    )
 
 
 def test_batches_of_unknown_policies_are_refused_by_name():
@@ -140,7 +168,9 @@ def test_logprobs_follow_each_sequences_policy():
     for i, t in enumerate(trajs):
         alone = TrajectoryBatch.from_trajectories([t])
         if t.meta.policy_id == BASE_POLICY:
-            ref = MultiLoraTrainer(_base(), _specs(("orders",)), OPTIONS)  # a fresh adapter is the base (B = 0)
+            ref = MultiLoraTrainer(
+                _base(), _specs(("orders",)), OPTIONS
+            )  # a fresh adapter is the base (B = 0)
             expect = ref.compute_logprobs(dataclasses.replace(alone, policy_ids=("orders",)), temperature=1.0)
         else:
             expect = trainer.compute_logprobs(alone, temperature=1.0)
@@ -159,7 +189,9 @@ def test_peft_loads_the_adapter_files_and_computes_the_same_logits(tmp_path):
         base = type(_base()).from_pretrained(tmp_path / "export")
         loaded = PeftModel.from_pretrained(base, tmp_path / "export" / "adapters" / name).eval()
         assert torch.allclose(loaded(input_ids=ids).logits, expect, atol=1e-5)
-        assert AdapterWeights.load(tmp_path / "export" / "adapters" / name).rank == trainer.specs[name].lora.rank
+        assert (
+            AdapterWeights.load(tmp_path / "export" / "adapters" / name).rank == trainer.specs[name].lora.rank
+        )
 
 
 def test_checkpoint_round_trip_continues_identically(tmp_path):

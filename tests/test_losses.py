@@ -18,14 +18,18 @@ def _inputs(log_ratios, adv, *, mask=None, seq=None, rollout_shift=None, ref=Non
     """Current logprobs get `requires_grad`; old = current - log_ratio."""
     n = len(log_ratios)
     lp = torch.full((n,), -1.0, dtype=torch.float64, requires_grad=True)
-    old = (lp.detach() - torch.tensor(log_ratios, dtype=torch.float64))
+    old = lp.detach() - torch.tensor(log_ratios, dtype=torch.float64)
     rollout = None if rollout_shift is None else old - torch.tensor(rollout_shift, dtype=torch.float64)
     return LossInputs(
-        logprobs=lp, old_logprobs=old, advantages=torch.tensor(adv, dtype=torch.float64),
+        logprobs=lp,
+        old_logprobs=old,
+        advantages=torch.tensor(adv, dtype=torch.float64),
         loss_mask=torch.tensor(mask or [1.0] * n, dtype=torch.float64),
-        seq_index=torch.tensor(seq or [0] * n), rollout_logprobs=rollout,
+        seq_index=torch.tensor(seq or [0] * n),
+        rollout_logprobs=rollout,
         ref_logprobs=None if ref is None else torch.tensor(ref, dtype=torch.float64),
-        entropy=None if entropy is None else torch.tensor(entropy, dtype=torch.float64))
+        entropy=None if entropy is None else torch.tensor(entropy, dtype=torch.float64),
+    )
 
 
 def _metrics(out):
@@ -82,7 +86,9 @@ def test_aggregation_modes_by_hand():
     assert float(aggregate(values, mask, seq, "token-mean")) == pytest.approx(7 / 3)
     assert float(aggregate(values, mask, seq, "seq-mean-token-sum")) == pytest.approx((3 + 4) / 2)
     assert float(aggregate(values, mask, seq, "seq-mean-token-mean")) == pytest.approx((1.5 + 4) / 2)
-    assert float(aggregate(values, mask, seq, "seq-mean-token-sum-norm", norm_length=4)) == pytest.approx(7 / 8)
+    assert float(aggregate(values, mask, seq, "seq-mean-token-sum-norm", norm_length=4)) == pytest.approx(
+        7 / 8
+    )
     # global denominators (gradient accumulation): 10 tokens, 5 sequences in the whole mini-batch
     assert float(aggregate(values, mask, seq, "token-mean", num_tokens=10)) == pytest.approx(0.7)
     assert float(aggregate(values, mask, seq, "seq-mean-token-mean", num_seqs=5)) == pytest.approx(5.5 / 5)
@@ -92,8 +98,12 @@ def test_policy_loss_aggregation_on_policy():
     # on-policy ratio 1 -> per-token loss is -A; seq 0 has A=1 on 2 tokens, seq 1 has A=-3 on 1 token
     x = _inputs([0.0, 0.0, 0.0], [1.0, 1.0, -3.0], seq=[0, 0, 1])
     assert policy_loss(x, LossConfig(aggregation="token-mean")).loss.item() == pytest.approx((-2 + 3) / 3)
-    assert policy_loss(x, LossConfig(aggregation="seq-mean-token-sum")).loss.item() == pytest.approx((-2 + 3) / 2)
-    assert policy_loss(x, LossConfig(aggregation="seq-mean-token-mean")).loss.item() == pytest.approx((-1 + 3) / 2)
+    assert policy_loss(x, LossConfig(aggregation="seq-mean-token-sum")).loss.item() == pytest.approx(
+        (-2 + 3) / 2
+    )
+    assert policy_loss(x, LossConfig(aggregation="seq-mean-token-mean")).loss.item() == pytest.approx(
+        (-1 + 3) / 2
+    )
 
 
 def test_gspo_sequence_ratio_is_geometric_mean():
@@ -144,7 +154,9 @@ def test_icepop_masks_tokens_outside_the_band():
 def test_the_ratio_against_the_rollout_policy_clips_tokens_that_already_moved():
     # one optimizer step: old == current (ratio 1 against the proximal policy); since the rollout the tokens'
     # probabilities moved by factors 1.5, 0.5, 1.1, 0.7 (advantages +1, +1, -1, -1)
-    x = _inputs([0.0] * 4, [1, 1, -1, -1], rollout_shift=[math.log(1.5), math.log(0.5), math.log(1.1), math.log(0.7)])
+    x = _inputs(
+        [0.0] * 4, [1, 1, -1, -1], rollout_shift=[math.log(1.5), math.log(0.5), math.log(1.1), math.log(0.7)]
+    )
     out = policy_loss(x, LossConfig(ratio_to="rollout"))
     assert out.loss.item() == pytest.approx((-1.2 - 0.5 + 1.1 + 0.8) / 4)
     out.loss.backward()
@@ -154,7 +166,9 @@ def test_the_ratio_against_the_rollout_policy_clips_tokens_that_already_moved():
     rs = np.array([1.5, 0.5, 1.1, 0.7])
     assert m["approx_kl"] == pytest.approx(float(np.mean(rs - 1 - np.log(rs))))
     # against the proximal policy the same tokens all count, each with weight 1
-    x = _inputs([0.0] * 4, [1, 1, -1, -1], rollout_shift=[math.log(1.5), math.log(0.5), math.log(1.1), math.log(0.7)])
+    x = _inputs(
+        [0.0] * 4, [1, 1, -1, -1], rollout_shift=[math.log(1.5), math.log(0.5), math.log(1.1), math.log(0.7)]
+    )
     policy_loss(x, LossConfig()).loss.backward()
     assert x.logprobs.grad.tolist() == pytest.approx([-0.25, -0.25, 0.25, 0.25])
 
@@ -229,17 +243,20 @@ def test_logprob_mismatch_metric():
     assert m["mismatch_k1"] == pytest.approx((-0.5 + 1.0) / 2)
 
 
-@pytest.mark.parametrize("kwargs,key", [
-    ({"eps_clip_low": 1.0}, "eps_clip_low"),
-    ({"dual_clip_c": 1.0}, "dual_clip_c"),
-    ({"aggregation": "sum"}, "aggregation"),
-    ({"aggregation": "seq-mean-token-sum-norm"}, "norm_length"),
-    ({"icepop": (2.0, 1.0)}, "icepop"),
-    ({"policy_loss": "dpo"}, "policy_loss"),
-    ({"tis_cap": 0.0}, "tis_cap"),
-    ({"kl_estimator": "k2"}, "kl_estimator"),
-    ({"ratio_to": "behaviour"}, "ratio_to"),
-])
+@pytest.mark.parametrize(
+    "kwargs,key",
+    [
+        ({"eps_clip_low": 1.0}, "eps_clip_low"),
+        ({"dual_clip_c": 1.0}, "dual_clip_c"),
+        ({"aggregation": "sum"}, "aggregation"),
+        ({"aggregation": "seq-mean-token-sum-norm"}, "norm_length"),
+        ({"icepop": (2.0, 1.0)}, "icepop"),
+        ({"policy_loss": "dpo"}, "policy_loss"),
+        ({"tis_cap": 0.0}, "tis_cap"),
+        ({"kl_estimator": "k2"}, "kl_estimator"),
+        ({"ratio_to": "behaviour"}, "ratio_to"),
+    ],
+)
 def test_loss_config_validation_names_the_key(kwargs, key):
     with pytest.raises(ConfigError) as e:
         LossConfig(**kwargs)
@@ -253,7 +270,9 @@ def test_several_optimizer_steps_recompute_old_logprobs_only_for_a_proximal_rati
 
     def step(**kwargs):
         algo = AlgorithmConfig(loss=LossConfig(ratio_to=ratio_to), **kwargs)
-        return RLStep(batch=None, temperature=1.0, token_counts=None, adv_seq=None, adv_tok=None, algorithm=algo)
+        return RLStep(
+            batch=None, temperature=1.0, token_counts=None, adv_seq=None, adv_tok=None, algorithm=algo
+        )
 
     assert step(num_mini_batches=2).needs_old_logprobs is forward_pass
     assert step(ppo_epochs=2).needs_old_logprobs is forward_pass
@@ -275,6 +294,8 @@ def test_the_mismatch_tail_and_its_split_by_model_turn():
     assert m["ratio_outside_10pct"] == pytest.approx(4 / 7)  # 0.05 and the two zeros stay inside
     assert m["ratio_outside_2x"] == pytest.approx(2 / 7)  # |log| > log 2 = 0.693: 1.0 and -0.9
     assert m["log_ratio_abs_max"] == pytest.approx(1.0)
-    assert m["mismatch_abs_turn0"] == pytest.approx(0.125) and m["log_ratio_abs_max_turn0"] == pytest.approx(0.2)
+    assert m["mismatch_abs_turn0"] == pytest.approx(0.125) and m["log_ratio_abs_max_turn0"] == pytest.approx(
+        0.2
+    )
     assert m["mismatch_abs_turn1"] == 0.0 and m["mismatch_abs_turn2"] == pytest.approx(1.0)
     assert m["mismatch_abs_turn3plus"] == pytest.approx((0.0 + 0.9 + 0.3) / 3)

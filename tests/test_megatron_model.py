@@ -17,9 +17,16 @@ warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
 
 
 def make_hf(family: str, *, heads: int = 4, kv: int = 2, tied: bool = False, vocab: int = 300):
-    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=heads, num_key_value_heads=kv, tie_word_embeddings=tied,
-                  rope_parameters={"rope_theta": 1e6, "rope_type": "default"})
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        tie_word_embeddings=tied,
+        rope_parameters={"rope_theta": 1e6, "rope_type": "default"},
+    )
     torch.manual_seed(0)
     if family == "qwen2":
         return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common)).eval()
@@ -28,8 +35,9 @@ def make_hf(family: str, *, heads: int = 4, kv: int = 2, tied: bool = False, voc
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)).eval()
 
 
-@pytest.mark.parametrize("family,heads,kv,tp", [("qwen2", 4, 2, 2), ("qwen3", 8, 4, 4), ("llama", 4, 4, 2),
-                                                ("qwen2", 6, 2, 1)])
+@pytest.mark.parametrize(
+    "family,heads,kv,tp", [("qwen2", 4, 2, 2), ("qwen3", 8, 4, 4), ("llama", 4, 4, 2), ("qwen2", 6, 2, 1)]
+)
 def test_conversion_round_trip_is_bit_identical(family, heads, kv, tp):
     hf = make_hf(family, heads=heads, kv=kv)
     sd = hf.state_dict()
@@ -37,10 +45,16 @@ def test_conversion_round_trip_is_bit_identical(family, heads, kv, tp):
     stages = [[0], [1]]  # two pipeline stages, one layer each
     merged: dict[str, torch.Tensor] = {}
     for p, layers in enumerate(stages):
-        shards = [hf_to_megatron(sd, layout, tp_size=tp, tp_rank=r, layers=layers, first_stage=p == 0,
-                                 last_stage=p == 1) for r in range(tp)]
-        assert shards[0]["embedding.word_embeddings.weight" if p == 0 else "output_layer.weight"].shape[0] == \
-            layout.padded_vocab_size // tp
+        shards = [
+            hf_to_megatron(
+                sd, layout, tp_size=tp, tp_rank=r, layers=layers, first_stage=p == 0, last_stage=p == 1
+            )
+            for r in range(tp)
+        ]
+        assert (
+            shards[0]["embedding.word_embeddings.weight" if p == 0 else "output_layer.weight"].shape[0]
+            == layout.padded_vocab_size // tp
+        )
         merged.update(megatron_to_hf(shards, layout, layers=layers))
     assert sorted(merged) == sorted(sd)
     for name, t in sd.items():
@@ -52,10 +66,12 @@ def test_qkv_shards_hold_whole_query_groups():
     sd = hf.state_dict()
     layout = layout_from_hf(hf.config, tp_size=2)
     d = layout.head_dim
-    shard1 = hf_to_megatron(sd, layout, tp_size=2, tp_rank=1)["decoder.layers.0.self_attention.linear_qkv.weight"]
+    shard1 = hf_to_megatron(sd, layout, tp_size=2, tp_rank=1)[
+        "decoder.layers.0.self_attention.linear_qkv.weight"
+    ]
     q, k, v = (sd[f"model.layers.0.self_attn.{n}_proj.weight"] for n in "qkv")
     # rank 1 holds query group 1: its two query heads, then its key head, then its value head
-    expected = torch.cat([q[2 * d:4 * d], k[d:2 * d], v[d:2 * d]])
+    expected = torch.cat([q[2 * d : 4 * d], k[d : 2 * d], v[d : 2 * d]])
     assert torch.equal(shard1, expected)
 
 
@@ -118,8 +134,9 @@ def test_gpt_model_matches_hf_logits(megatron_single_process, family, tied, atte
         torch.testing.assert_close(out[..., :300], ref, rtol=1e-5, atol=1e-5)
         if attention == "sdpa":  # two sequences packed into one row restart RoPE and attention
             cu = torch.tensor([0, 13, 21], dtype=torch.int32)
-            packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=13,
-                                     max_seqlen_kv=13)
+            packed = PackedSeqParams(
+                qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=13, max_seqlen_kv=13
+            )
             out = model(ids, None, None, packed_seq_params=packed)[0, :, :300]
             torch.testing.assert_close(out[:13], hf(ids[:, :13]).logits[0], rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(out[13:], hf(ids[:, 13:]).logits[0], rtol=1e-5, atol=1e-5)
@@ -159,7 +176,10 @@ def test_fused_head_logprobs_match_the_model_logits(megatron_single_process, fam
             lp, ent = head_logprobs(model, hidden[0], ids[0], starts, 300, 0.7, entropy=True)
         else:
             logits = model(ids, positions, None)[0, :, :300]
-            lp, ent = shifted_token_logprobs(logits, ids[0], starts, 0.7), shifted_entropy(logits, starts, 0.7)
+            lp, ent = (
+                shifted_token_logprobs(logits, ids[0], starts, 0.7),
+                shifted_entropy(logits, starts, 0.7),
+            )
         (lp.sum() + 0.3 * ent.sum()).backward()
         grads.append((lp.detach(), ent.detach(), *(p.grad.clone() for p in model.parameters())))
     for got, want in zip(*grads, strict=True):
@@ -192,8 +212,18 @@ def test_torchrun_launch_helpers(monkeypatch):
         monkeypatch.delenv(key, raising=False)
     assert not launch.in_torchrun_worker()
     cmd = launch.torchrun_command(["-m", "miles.cli", "train", "--tp", "2"], 2, master_port=29999)
-    assert cmd[1:] == ["-m", "miles.trainers.launch", "--master-port=29999", "--nproc-per-node", "2", "-m",
-                       "miles.cli", "train", "--tp", "2"]
+    assert cmd[1:] == [
+        "-m",
+        "miles.trainers.launch",
+        "--master-port=29999",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "miles.cli",
+        "train",
+        "--tp",
+        "2",
+    ]
     assert launch.relaunch_under_torchrun(1, ["train"]) is None  # one rank: stay in-process
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")

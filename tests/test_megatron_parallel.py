@@ -29,14 +29,22 @@ TRAIN = dict(lr=1e-3, micro_batch_tokens=48, max_grad_norm=1.0, weight_decay=0.0
 
 def make_hf(family: str) -> transformers.PreTrainedModel:
     """A tiny random model of `family`; vocab 300 is padded to 384/512 in Megatron (exercises the padding)."""
-    common = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, rope_parameters={"rope_theta": 50000.0, "rope_type": "default"})
+    common = dict(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_parameters={"rope_theta": 50000.0, "rope_type": "default"},
+    )
     torch.manual_seed(0)
     if family == "qwen2":
         return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common, tie_word_embeddings=True))
     if family == "qwen3":
-        return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=16,
-                                                                      tie_word_embeddings=False))
+        return transformers.Qwen3ForCausalLM(
+            transformers.Qwen3Config(**common, head_dim=16, tie_word_embeddings=False)
+        )
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, tie_word_embeddings=False))
 
 
@@ -48,9 +56,15 @@ def make_batch(seed: int = 1, n: int = 6) -> TrajectoryBatch:
         length, prompt = 9 + 4 * i, 3 + i % 3
         ids = torch.randint(0, 300, (length,), generator=g).tolist()
         lps = [0.0] * prompt + (-torch.rand(length - prompt, generator=g) * 3).tolist()
-        trajs.append(Trajectory(token_ids=ids, loss_mask=[0] * prompt + [1] * (length - prompt),
-                                rollout_logprobs=lps, reward=float((i * 7) % 3),
-                                meta=TrajectoryMeta(group_id=str(i % 2))))
+        trajs.append(
+            Trajectory(
+                token_ids=ids,
+                loss_mask=[0] * prompt + [1] * (length - prompt),
+                rollout_logprobs=lps,
+                reward=float((i * 7) % 3),
+                meta=TrajectoryMeta(group_id=str(i % 2)),
+            )
+        )
     return TrajectoryBatch.from_trajectories(trajs)
 
 
@@ -58,9 +72,19 @@ def _algorithm(name: str):
     from miles.trainers.losses import LossConfig
     from miles.trainers.trainer_config import AlgorithmConfig
 
-    if name == "gspo-kl-2mini":  # two optimizer steps, old and reference logprobs from forward-only passes, TIS
-        return AlgorithmConfig(loss=LossConfig(policy_loss="gspo", aggregation="seq-mean-token-mean",
-                                               tis_cap=2.0, kl_coef=0.2, kl_estimator="k1"), num_mini_batches=2)
+    if (
+        name == "gspo-kl-2mini"
+    ):  # two optimizer steps, old and reference logprobs from forward-only passes, TIS
+        return AlgorithmConfig(
+            loss=LossConfig(
+                policy_loss="gspo",
+                aggregation="seq-mean-token-mean",
+                tis_cap=2.0,
+                kl_coef=0.2,
+                kl_estimator="k1",
+            ),
+            num_mini_batches=2,
+        )
     if name == "kl-2mini":  # a frozen reference; after the first optimizer step the policy has left it
         return AlgorithmConfig(loss=LossConfig(kl_coef=0.5, entropy_coef=0.01), num_mini_batches=2)
     return AlgorithmConfig(loss=LossConfig(entropy_coef=0.01))
@@ -76,9 +100,9 @@ def megatron_step(family: str, tp: int, pp: int, alg: str):
     ref = {k: v.clone() for k, v in hf.state_dict().items()}
     trainer = MegatronTrainer(hf, MegatronTrainerConfig(tp=tp, pp=pp, **TRAIN), _algorithm(alg))
     exported = trainer.hf_state_dict(cpu=True)
-    roundtrip = sorted(exported) == sorted(k for k in ref if not (k == "lm_head.weight" and
-                                                                  hf.config.tie_word_embeddings)) and \
-        all(torch.equal(exported[k], ref[k]) for k in exported)
+    roundtrip = sorted(exported) == sorted(
+        k for k in ref if not (k == "lm_head.weight" and hf.config.tie_word_embeddings)
+    ) and all(torch.equal(exported[k], ref[k]) for k in exported)
     metrics = trainer.train_step(make_batch())
     return roundtrip, metrics, trainer.hf_state_dict(cpu=True), trainer.info.dp_size
 
@@ -94,8 +118,7 @@ def _worker() -> None:
     roundtrip, metrics, updated, dp = megatron_step(family, tp, pp, alg)
     if int(os.environ["RANK"]) == 0:
         save_file({k: v.contiguous() for k, v in updated.items()}, str(out / "weights.safetensors"))
-        (out / "result.json").write_text(json.dumps({"roundtrip": roundtrip, "metrics": metrics,
-                                                     "dp": dp}))
+        (out / "result.json").write_text(json.dumps({"roundtrip": roundtrip, "metrics": metrics, "dp": dp}))
     destroy_parallel()  # a gloo group left to the interpreter's exit can abort a rank (SIGABRT, CI flake)
 
 
@@ -115,11 +138,11 @@ def run_torch(family: str, alg: str = "ppo"):
 
     hf = make_hf(family)
     before = {k: v.clone() for k, v in hf.state_dict().items()}
-    trainer = TorchTrainer(copy.deepcopy(hf), TorchTrainerConfig(**TRAIN, device="cpu", precision="fp32"),
-                           _algorithm(alg))
+    trainer = TorchTrainer(
+        copy.deepcopy(hf), TorchTrainerConfig(**TRAIN, device="cpu", precision="fp32"), _algorithm(alg)
+    )
     metrics = trainer.train_step(make_batch())
     return metrics, trainer.hf_state_dict(cpu=True), before
-
 
 
 def assert_same_step(result, weights, family: str, alg: str = "ppo") -> None:
@@ -140,8 +163,13 @@ def assert_same_step(result, weights, family: str, alg: str = "ppo") -> None:
             continue
         assert (ref - before[name]).abs().max() > 0 or name.endswith("norm.weight"), f"{name} did not move"
         # atol: two float32 ulps at 1.0 (norm weights sit near 1, their updates are ~1e-5).
-        torch.testing.assert_close(weights[name] - before[name], ref - before[name], rtol=1e-3, atol=2.4e-7,
-                                   msg=lambda m, n=name: f"update of {n}: {m}")
+        torch.testing.assert_close(
+            weights[name] - before[name],
+            ref - before[name],
+            rtol=1e-3,
+            atol=2.4e-7,
+            msg=lambda m, n=name: f"update of {n}: {m}",
+        )
 
 
 @pytest.mark.slow

@@ -23,11 +23,15 @@ from safetensors.torch import load_file
 from miles.trajectory import Trajectory, TrajectoryBatch, TrajectoryMeta
 
 CONFIG = {
-    "seed": 0, "steps": 2, "backend": "torch",
+    "seed": 0,
+    "steps": 2,
+    "backend": "torch",
     "env": {"id": "Calculator-v0", "num_train_tasks": 64},
     "model": {"name": "tiny", "size": "0.1m"},
-    "rollout": {"tasks_per_step": 2, "scheduler": {"group_size": 4, "session": {
-        "sampling": {"temperature": 1.0, "max_new_tokens": 40}}}},
+    "rollout": {
+        "tasks_per_step": 2,
+        "scheduler": {"group_size": 4, "session": {"sampling": {"temperature": 1.0, "max_new_tokens": 40}}},
+    },
     "algorithm": {"loss": {"entropy_coef": 0.01}},
     "trainer": {"lr": 1e-3, "micro_batch_tokens": 2048},
     "sft": {"enabled": True, "num_demos": 8, "batch_size": 4},
@@ -42,7 +46,9 @@ def write_config(tmp_path: Path) -> Path:
 
 
 def rows(run_dir: Path, kind: str) -> list[dict]:
-    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind]
+    return [
+        r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind
+    ]
 
 
 def initial_weights() -> dict[str, torch.Tensor]:
@@ -90,8 +96,9 @@ def test_megatron_train_in_process_syncs_every_update_and_resumes(tmp_path, mega
     from miles.trainers.run import config_from_args
 
     config, out = write_config(tmp_path), tmp_path / "run"
-    args = build_parser().parse_args(["train", "--config", str(config), "--backend", "megatron",
-                                      "--output-dir", str(out)])
+    args = build_parser().parse_args(
+        ["train", "--config", str(config), "--backend", "megatron", "--output-dir", str(out)]
+    )
     loop = TrainLoop(config_from_args(args))
     asyncio.run(loop.run())
     assert isinstance(loop.trainer, MegatronTrainer)
@@ -104,8 +111,23 @@ def test_megatron_train_in_process_syncs_every_update_and_resumes(tmp_path, mega
         torch.testing.assert_close(engine_sd[name], tensor, rtol=0, atol=0, msg=name)
 
     # --resume continues from the step-2 checkpoint for one more step (through the CLI, in-process).
-    assert main(["train", "--config", str(config), "--backend", "megatron", "--output-dir", str(out),
-                 "--resume", "--set", "steps=3"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--config",
+                str(config),
+                "--backend",
+                "megatron",
+                "--output-dir",
+                str(out),
+                "--resume",
+                "--set",
+                "steps=3",
+            ]
+        )
+        == 0
+    )
     train = rows(out, "train")
     assert [r["step"] for r in train] == [0, 1, 2]
     assert (out / "checkpoints" / "step_00000003").is_dir()
@@ -118,8 +140,15 @@ def _batch(seed: int) -> TrajectoryBatch:
         length, prompt = 10 + 3 * i, 4
         ids = torch.randint(0, 100, (length,), generator=g).tolist()
         lps = [0.0] * prompt + (-torch.rand(length - prompt, generator=g) * 2).tolist()
-        trajs.append(Trajectory(token_ids=ids, loss_mask=[0] * prompt + [1] * (length - prompt),
-                                rollout_logprobs=lps, reward=float(i % 2), meta=TrajectoryMeta(group_id="g")))
+        trajs.append(
+            Trajectory(
+                token_ids=ids,
+                loss_mask=[0] * prompt + [1] * (length - prompt),
+                rollout_logprobs=lps,
+                reward=float(i % 2),
+                meta=TrajectoryMeta(group_id="g"),
+            )
+        )
     return TrajectoryBatch.from_trajectories(trajs)
 
 
@@ -165,14 +194,31 @@ def test_train_config_maps_to_megatron_trainer_config():
     from miles.trainers.factory import megatron_trainer_config, world_size_of
     from miles.trainers.train_config import load_train_config
 
-    cfg = load_train_config(None, ["backend=megatron", "parallel.tp=2", "parallel.pp=2", "parallel.dp=3",
-                                   "trainer.lr=0.002", "trainer.warmup_steps=5", "trainer.max_grad_norm=0.5",
-                                   "seed=11", "megatron.attention=local", "megatron.distributed_optimizer=false",
-                                   "megatron.recompute=full", "megatron.vocab_divisible_by=64"])
+    cfg = load_train_config(
+        None,
+        [
+            "backend=megatron",
+            "parallel.tp=2",
+            "parallel.pp=2",
+            "parallel.dp=3",
+            "trainer.lr=0.002",
+            "trainer.warmup_steps=5",
+            "trainer.max_grad_norm=0.5",
+            "seed=11",
+            "megatron.attention=local",
+            "megatron.distributed_optimizer=false",
+            "megatron.recompute=full",
+            "megatron.vocab_divisible_by=64",
+        ],
+    )
     mc = megatron_trainer_config(cfg)
     assert (mc.tp, mc.pp, mc.lr, mc.warmup_steps, mc.max_grad_norm, mc.seed) == (2, 2, 0.002, 5, 0.5, 11)
-    assert (mc.attention, mc.distributed_optimizer, mc.recompute, mc.vocab_divisible_by) == ("local", False,
-                                                                                           "full", 64)
+    assert (mc.attention, mc.distributed_optimizer, mc.recompute, mc.vocab_divisible_by) == (
+        "local",
+        False,
+        "full",
+        64,
+    )
     assert world_size_of(cfg) == 12
 
 
@@ -182,9 +228,26 @@ def test_megatron_train_tp2_under_torchrun(tmp_path):
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     env.pop("RANK", None)
-    proc = subprocess.run([sys.executable, "-m", "miles.cli", "train", "--config", str(write_config(tmp_path)),
-                           "--backend", "megatron", "--tp", "2", "--output-dir", str(out)],
-                          env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "miles.cli",
+            "train",
+            "--config",
+            str(write_config(tmp_path)),
+            "--backend",
+            "megatron",
+            "--tp",
+            "2",
+            "--output-dir",
+            str(out),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "final" in proc.stdout
     assert_run_trained_and_synced(out, world_size=2)

@@ -39,21 +39,36 @@ GROUP = 4
 
 def config_data(out: Path, **top: object) -> dict:
     data = {
-        "seed": 1, "output_dir": str(out), "steps": 2,
+        "seed": 1,
+        "output_dir": str(out),
+        "steps": 2,
         "env": {"id": "Calculator-v0", "kwargs": {**CALC, "operators": "+-*"}, "num_train_tasks": 200},
         "model": {"name": "tiny", "size": "1m", "chat_template": "compact", "init_from": str(WARM)},
-        "rollout": {"tasks_per_step": 1, "scheduler": {"group_size": GROUP, "progress": False,
-                                                      "session": {"sampling": {"max_new_tokens": 40}}}},
+        "rollout": {
+            "tasks_per_step": 1,
+            "scheduler": {
+                "group_size": GROUP,
+                "progress": False,
+                "session": {"sampling": {"max_new_tokens": 40}},
+            },
+        },
         "trainer": {"lr": 2e-3},
         "eval": {"num_tasks": 3},
         "checkpoint": {"every": 1, "keep": 3},
         "adapters": [
-            {"name": "mul", "env": {"id": "Calculator-v0", "kwargs": {**CALC, "operators": "*"},
-                                    "num_train_tasks": 100}, "lora": {"rank": 4, "alpha": 8}},
-            {"name": "addsub", "env": {"id": "Calculator-v0", "kwargs": {**CALC, "operators": "+-"},
-                                       "num_train_tasks": 100},
-             "reward_weights": {"used_tool": 0.5}, "sampling": {"temperature": 0.7}, "tasks_per_step": 2,
-             "lr": 1e-3},
+            {
+                "name": "mul",
+                "env": {"id": "Calculator-v0", "kwargs": {**CALC, "operators": "*"}, "num_train_tasks": 100},
+                "lora": {"rank": 4, "alpha": 8},
+            },
+            {
+                "name": "addsub",
+                "env": {"id": "Calculator-v0", "kwargs": {**CALC, "operators": "+-"}, "num_train_tasks": 100},
+                "reward_weights": {"used_tool": 0.5},
+                "sampling": {"temperature": 0.7},
+                "tasks_per_step": 2,
+                "lr": 1e-3,
+            },
         ],
     }
     data.update(top)
@@ -78,7 +93,9 @@ def test_each_adapter_runs_its_own_env_reward_sampling_and_share(trained):
     out, summary = trained
     records = read_sessions(out / "sessions.jsonl").records
     by = {name: [r for r in records if r.policy_id == name] for name in ("mul", "addsub")}
-    assert len(records) == 2 * (1 + 2) * GROUP and len(by["mul"]) == 2 * GROUP and len(by["addsub"]) == 4 * GROUP
+    assert (
+        len(records) == 2 * (1 + 2) * GROUP and len(by["mul"]) == 2 * GROUP and len(by["addsub"]) == 4 * GROUP
+    )
     assert all("*" in r.task["options"]["task"]["prompt"] for r in by["mul"])
     assert not any("*" in r.task["options"]["task"]["prompt"] for r in by["addsub"])
     assert by["addsub"][0].recipe.kwargs["reward_weights"] == {"used_tool": 0.5}
@@ -106,7 +123,9 @@ def test_each_step_trains_and_syncs_only_the_adapters_with_their_own_versions(tr
     for name in ("mul", "addsub"):
         mine = [v for a, v in adapter_syncs if a == name]
         assert mine == list(range(len(mine))) and len(mine) >= 2
-    assert [r for r in syncs if "adapter" not in r and r["step"] > 0] == []  # the frozen base is never re-sent
+    assert [
+        r for r in syncs if "adapter" not in r and r["step"] > 0
+    ] == []  # the frozen base is never re-sent
     evals = [(r["adapter"], r["stage"]) for r in rows if r["kind"] == "eval"]
     assert sorted(evals) == sorted([(a, s) for a in ("mul", "addsub") for s in ("start", "final")])
 
@@ -170,7 +189,9 @@ def test_an_adapter_rolls_out_its_next_step_while_the_step_goes_on_and_stays_on_
     assert trained_ahead >= 1  # and `mul` trained and pushed its step k+1 before step k (`addsub`'s) ended
 
 
-def test_a_step_committed_before_the_budget_ran_out_still_runs_and_nothing_goes_beyond_it(tmp_path, monkeypatch):
+def test_a_step_committed_before_the_budget_ran_out_still_runs_and_nothing_goes_beyond_it(
+    tmp_path, monkeypatch
+):
     """The clock jumps past `max_seconds` right after step 0, which had committed step 1: step 1 runs (each
     adapter may have started it during step 0), then the run stops. Every session is recorded once, all of
     them trained, and each cursor counts exactly the two steps."""
@@ -194,7 +215,10 @@ def test_a_step_committed_before_the_budget_ran_out_still_runs_and_nothing_goes_
     assert {v for r in records for v in r.weight_versions} == {0, 1}
     ckpt = sorted((out / "checkpoints").glob("step_*"))[-1]
     meta = json.loads((ckpt / "meta.json").read_text())
-    assert {n: c["position"] for n, c in meta["data_cursor"]["adapters"].items()} == {"mul": 2 * 1, "addsub": 2 * 2}
+    assert {n: c["position"] for n, c in meta["data_cursor"]["adapters"].items()} == {
+        "mul": 2 * 1,
+        "addsub": 2 * 2,
+    }
     assert meta["extra"]["adapter_steps"] == {"mul": 2, "addsub": 2}
 
 
@@ -224,7 +248,9 @@ def test_checkpoints_hold_peft_folders_that_peft_loads(trained):
 
 def _sglang(relpath: str) -> ast.Module:
     spec = importlib.util.find_spec("sglang")
-    assert spec is not None and spec.submodule_search_locations, "sglang sources must be installed (--no-deps)"
+    assert spec is not None and spec.submodule_search_locations, (
+        "sglang sources must be installed (--no-deps)"
+    )
     return ast.parse((Path(next(iter(spec.submodule_search_locations))) / relpath).read_text())
 
 
@@ -236,25 +262,50 @@ def test_adapter_files_fit_sglangs_lora_loader(trained):
     folder = out / "checkpoints" / "step_00000002" / "adapters" / "addsub"
     weights = AdapterWeights.load(folder)
     config = weights.peft_config()
-    read = {n.slice.value for n in ast.walk(_sglang("srt/lora/lora_config.py")) if isinstance(n, ast.Subscript)
-            and isinstance(n.slice, ast.Constant) and "hf_config" in ast.unparse(n.value)}
+    read = {
+        n.slice.value
+        for n in ast.walk(_sglang("srt/lora/lora_config.py"))
+        if isinstance(n, ast.Subscript)
+        and isinstance(n.slice, ast.Constant)
+        and "hf_config" in ast.unparse(n.value)
+    }
     assert read == {"target_modules", "r", "lora_alpha"} and read <= set(config)
     assert config["use_dora"] is False and config["peft_type"].lower() == "lora"
     utils = _sglang("srt/lora/utils.py")
-    normalize = next(n for n in ast.walk(utils) if isinstance(n, ast.FunctionDef)
-                     and n.name == "get_normalized_target_modules")
-    mapping = ast.literal_eval(next(n.value for n in ast.walk(normalize) if isinstance(n, ast.Assign)
-                                    and getattr(n.targets[0], "id", "") == "params_mapping"))
-    dims = next(n for n in ast.walk(utils) if isinstance(n, ast.FunctionDef) and n.name == "get_default_hidden_dim")
-    known = {c.comparators[0].value for c in ast.walk(dims) if isinstance(c, ast.Compare)
-             and isinstance(c.comparators[0], ast.Constant) and ast.unparse(c.left) == "module_name"}
+    normalize = next(
+        n
+        for n in ast.walk(utils)
+        if isinstance(n, ast.FunctionDef) and n.name == "get_normalized_target_modules"
+    )
+    mapping = ast.literal_eval(
+        next(
+            n.value
+            for n in ast.walk(normalize)
+            if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "params_mapping"
+        )
+    )
+    dims = next(
+        n for n in ast.walk(utils) if isinstance(n, ast.FunctionDef) and n.name == "get_default_hidden_dim"
+    )
+    known = {
+        c.comparators[0].value
+        for c in ast.walk(dims)
+        if isinstance(c, ast.Compare)
+        and isinstance(c.comparators[0], ast.Constant)
+        and ast.unparse(c.left) == "module_name"
+    }
     normalized = {mapping.get(m, m) for m in config["target_modules"]}
     assert normalized == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"} and normalized <= known
-    layer_re = next(n.args[0].value for n in ast.walk(_sglang("srt/layers/utils/common.py"))
-                    if isinstance(n, ast.Call) and ast.unparse(n.func) == "re.search")
+    layer_re = next(
+        n.args[0].value
+        for n in ast.walk(_sglang("srt/layers/utils/common.py"))
+        if isinstance(n, ast.Call) and ast.unparse(n.func) == "re.search"
+    )
     assert layer_re == r"layers\.(\d+)\."
     assert all(re.search(layer_re, k) for k in weights.tensors)
-    assert not any(part in k for k in weights.tensors for part in ("embed_tokens", "lm_head", "input_embeddings"))
+    assert not any(
+        part in k for k in weights.tensors for part in ("embed_tokens", "lm_head", "input_embeddings")
+    )
 
 
 @pytest.mark.slow
@@ -271,7 +322,7 @@ def test_resume_continues_cursors_and_adapter_versions(tmp_path, trained):
 
     def tasks(records, name, per_step):  # each step's task ids (groups end in any order within a step)
         ids = [r.task["task_id"] for r in records if r.policy_id == name]
-        return [sorted(ids[i:i + per_step]) for i in range(0, len(ids), per_step)]
+        return [sorted(ids[i : i + per_step]) for i in range(0, len(ids), per_step)]
 
     for name, per_step in (("mul", GROUP), ("addsub", 2 * GROUP)):  # the uninterrupted run's task order
         assert tasks(resumed, name, per_step) == tasks(full, name, per_step)
@@ -283,9 +334,15 @@ def test_export_writes_the_adapter_or_the_merged_model(trained, tmp_path, capsys
     from transformers import AutoModelForCausalLM
 
     out, _ = trained
-    assert cli_main(["export", "--run", str(out), "--adapter", "addsub", "--out", str(tmp_path / "peft")]) == 0
-    assert cli_main(["export", "--run", str(out), "--adapter", "addsub", "--out", str(tmp_path / "merged"),
-                     "--merge"]) == 0
+    assert (
+        cli_main(["export", "--run", str(out), "--adapter", "addsub", "--out", str(tmp_path / "peft")]) == 0
+    )
+    assert (
+        cli_main(
+            ["export", "--run", str(out), "--adapter", "addsub", "--out", str(tmp_path / "merged"), "--merge"]
+        )
+        == 0
+    )
     ids = torch.tensor([[3, 9, 27, 4, 11]])
     with torch.no_grad():
         adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(WARM), tmp_path / "peft")
@@ -314,11 +371,24 @@ def test_config_mistakes_name_the_adapter_and_key(tmp_path):
 
 @pytest.mark.slow
 def test_the_example_trains_both_adapters(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "multi_lora.py"), "--steps", "1",
-                           "--eval-tasks", "3", "--output-dir", str(tmp_path / "run")],
-                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "examples" / "multi_lora.py"),
+            "--steps",
+            "1",
+            "--eval-tasks",
+            "3",
+            "--output-dir",
+            str(tmp_path / "run"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    table = proc.stdout[proc.stdout.index("held-out success before"):]
+    table = proc.stdout[proc.stdout.index("held-out success before") :]
     assert re.search(r"^mul\s+\d+\.\d%\s+\d+\.\d%", table, re.M) and re.search(r"^addsub\s", table, re.M)
 
 
@@ -330,5 +400,7 @@ def test_the_sglang_lora_flags_the_readme_names_exist():
     assert {"--max-lora-rank", "--lora-target-modules", "--max-loras-per-batch"} <= set(flags)
     readme = (ROOT / "README.md").read_text()
     if "## Many adapters on one base" in readme:
-        section = readme[readme.index("## Many adapters on one base"):readme.index("## What is inside")]
-        assert set(re.findall(r"--(?:enable|max|lora)[a-z-]*lora[a-z-]*|--lora-[a-z-]+", section)) <= set(flags)
+        section = readme[readme.index("## Many adapters on one base") : readme.index("## What is inside")]
+        assert set(re.findall(r"--(?:enable|max|lora)[a-z-]*lora[a-z-]*|--lora-[a-z-]+", section)) <= set(
+            flags
+        )

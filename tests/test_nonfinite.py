@@ -24,9 +24,19 @@ REPO = Path(__file__).resolve().parents[1]
 MAIN_JOB = str(REPO / "configs" / "calculator.yaml")
 
 
-@pytest.mark.parametrize(("value", "ok"), [(1.0, True), (-MAX_ABS_REWARD, True), (1e300, False),
-                                           (float("nan"), False), (float("-inf"), False), (True, False),
-                                           ("1", False), (2 * MAX_ABS_REWARD, False)])
+@pytest.mark.parametrize(
+    ("value", "ok"),
+    [
+        (1.0, True),
+        (-MAX_ABS_REWARD, True),
+        (1e300, False),
+        (float("nan"), False),
+        (float("-inf"), False),
+        (True, False),
+        ("1", False),
+        (2 * MAX_ABS_REWARD, False),
+    ],
+)
 def test_a_reward_is_a_finite_number_within_the_bound(value, ok):
     assert (reward_problem(value) is None) == ok
 
@@ -48,8 +58,12 @@ def test_an_env_reward_of_1e300_is_a_named_hook_error():
 def _batch(reward: float) -> TrajectoryBatch:
     trajs = []
     for i, r in enumerate((reward, 0.0)):
-        traj = Trajectory(token_ids=[5, 6, 7, 8], loss_mask=[0, 1, 1, 1], rollout_logprobs=[0.0, -1.0, -1.0, -1.0],
-                          meta=TrajectoryMeta(group_id="g", sample_index=i))
+        traj = Trajectory(
+            token_ids=[5, 6, 7, 8],
+            loss_mask=[0, 1, 1, 1],
+            rollout_logprobs=[0.0, -1.0, -1.0, -1.0],
+            meta=TrajectoryMeta(group_id="g", sample_index=i),
+        )
         traj.reward = r
         trajs.append(traj)
     return TrajectoryBatch.from_trajectories(trajs)
@@ -69,8 +83,22 @@ def test_a_nan_update_is_skipped_and_counted_and_leaves_every_weight_as_it_was()
 
 
 def _short(tmp_path: Path, *extra: str) -> list[str]:
-    return ["train", "--config", MAIN_JOB, "--output-dir", str(tmp_path / "run"), "--set", "steps=8", "--set",
-            "rollout.tasks_per_step=2", "--set", "eval.num_tasks=4", "--set", "checkpoint.every=1", *extra]
+    return [
+        "train",
+        "--config",
+        MAIN_JOB,
+        "--output-dir",
+        str(tmp_path / "run"),
+        "--set",
+        "steps=8",
+        "--set",
+        "rollout.tasks_per_step=2",
+        "--set",
+        "eval.num_tasks=4",
+        "--set",
+        "checkpoint.every=1",
+        *extra,
+    ]
 
 
 def test_updates_that_keep_coming_out_nan_stop_the_run_with_exit_3(tmp_path, capsys, monkeypatch):
@@ -87,7 +115,9 @@ def test_updates_that_keep_coming_out_nan_stop_the_run_with_exit_3(tmp_path, cap
     err = capsys.readouterr().err.splitlines()[-1]  # after transformers' loading bar
     assert err.startswith("miles train: the run is broken: the update was NaN or inf in 3 steps in a row")
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["nonfinite_steps"] for r in rows if r["kind"] == "train" and "nonfinite_steps" in r][-3:] == [1.0] * 3
+    assert [r["nonfinite_steps"] for r in rows if r["kind"] == "train" and "nonfinite_steps" in r][-3:] == [
+        1.0
+    ] * 3
     ckpt = load_checkpoint(tmp_path / "run" / "checkpoints")
     assert all(bool(torch.isfinite(t).all()) for t in ckpt.model.values())
 

@@ -85,11 +85,21 @@ def responder(input_ids: list[int], session_id: str | None, k: int) -> list[int]
     return ids(call_text("add", a=i, b=i + 1)) if k == 0 else ids(str(2 * i + 1))
 
 
-async def run_sessions(engine, m: Metrics, *, env=AddEnv, groups: int = 2, **session_kw) -> list[SessionRecord]:
-    session = SessionConfig(sampling=SamplingParams(max_new_tokens=64),
-                            retry=RetryConfig(max_retries=2, base_delay_s=0.001), **session_kw)
-    sched = SessionScheduler(engine, tokenizer=tito(), env_factory=env, observer=SessionMetrics(LABELS, metrics=m),
-                             config=SchedulerConfig(session=session, group_size=2))
+async def run_sessions(
+    engine, m: Metrics, *, env=AddEnv, groups: int = 2, **session_kw
+) -> list[SessionRecord]:
+    session = SessionConfig(
+        sampling=SamplingParams(max_new_tokens=64),
+        retry=RetryConfig(max_retries=2, base_delay_s=0.001),
+        **session_kw,
+    )
+    sched = SessionScheduler(
+        engine,
+        tokenizer=tito(),
+        env_factory=env,
+        observer=SessionMetrics(LABELS, metrics=m),
+        config=SchedulerConfig(session=session, group_size=2),
+    )
     try:
         out = await sched.run([f"t{i}" for i in range(groups)])
     finally:
@@ -104,7 +114,9 @@ async def test_finished_sessions_feed_latency_reward_length_turn_and_tool_famili
     assert n == 4 and all(r.reward == 1.0 for r in records)
     assert val(m, "miles_sessions_total", **ENV, termination="done") == n
     assert val(m, "miles_session_duration_seconds_count", **ENV) == n
-    assert val(m, "miles_session_duration_seconds_sum", **ENV) == pytest.approx(sum(r.duration_s for r in records))
+    assert val(m, "miles_session_duration_seconds_sum", **ENV) == pytest.approx(
+        sum(r.duration_s for r in records)
+    )
     assert val(m, "miles_session_turns_sum", **ENV) == 2 * n
     assert val(m, "miles_session_turns_bucket", **ENV, le="1.0") == 0  # every session took 2 turns
     assert val(m, "miles_session_turns_bucket", **ENV, le="2.0") == n
@@ -117,7 +129,9 @@ async def test_finished_sessions_feed_latency_reward_length_turn_and_tool_famili
     assert val(m, "miles_turn_generate_seconds_count", **turn) == 2 * n
     assert val(m, "miles_turn_output_tokens_sum", **turn) == generated
     assert val(m, "miles_turns_total", **turn, finish_reason="stop") == 2 * n
-    assert val(m, "miles_turn_prompt_tokens_total", **turn) == sum(t.prompt_tokens for r in records for t in r.turns)
+    assert val(m, "miles_turn_prompt_tokens_total", **turn) == sum(
+        t.prompt_tokens for r in records for t in r.turns
+    )
     assert val(m, "miles_turn_env_seconds_count", **ENV) == 2 * n
     assert val(m, "miles_tool_calls_total", **ENV, tool="add") == n
     # counters with known label values start at 0, so rate() sees their first increase
@@ -137,15 +151,21 @@ async def test_failed_attempts_count_as_retries_by_engine_and_error():
 
 async def test_timeouts_and_aborts_are_counted_by_termination():
     m = fresh()
-    records = await run_sessions(InstantEngine(respond=responder), m, env=StuckEnv, groups=1,
-                                 timeouts=TimeoutConfig(env_step_s=0.05))
+    records = await run_sessions(
+        InstantEngine(respond=responder), m, env=StuckEnv, groups=1, timeouts=TimeoutConfig(env_step_s=0.05)
+    )
     assert {r.termination for r in records} == {TerminationReason.TIMEOUT}
     assert val(m, "miles_sessions_total", **{**ENV, "env": "Stuck-v0"}, termination="timeout") == 2
 
     slow = InstantEngine(respond=responder, delay_s=30.0)
     session = SessionConfig(sampling=SamplingParams(max_new_tokens=8))
-    sched = SessionScheduler(slow, tokenizer=tito(), env_factory=AddEnv, observer=SessionMetrics(LABELS, metrics=m),
-                             config=SchedulerConfig(session=session, group_size=2))
+    sched = SessionScheduler(
+        slow,
+        tokenizer=tito(),
+        env_factory=AddEnv,
+        observer=SessionMetrics(LABELS, metrics=m),
+        config=SchedulerConfig(session=session, group_size=2),
+    )
     task = asyncio.ensure_future(sched.run(["t0"]))
     while sched.stats.running < 2:
         await asyncio.sleep(0.01)
@@ -172,13 +192,25 @@ async def test_tool_errors_by_kind_and_unknown_tool_names_stay_bounded():
 def test_tool_durations_from_env_reported_results():
     m = fresh()
     tools = [{"type": "function", "function": {"name": "add"}}]
-    turn = TurnRecord(index=0, finish_reason="stop", engine_id="e0", generate_s=0.5, queue_s=0.25,
-                      assistant={"role": "assistant"}, tool_calls=[{"function": {"name": "add"}}],
-                      tool_results=[{"name": "add", "content": "3", "duration_s": 0.02},
-                                    {"name": "rm -rf", "content": "", "duration_s": 7.0}],
-                      attempts=[AttemptRecord("e1", "rid", ErrorInfo("generate", "TurnTimeout", "late"), 3.0)])
-    SessionMetrics(LABELS, metrics=m).observe(SessionRecord(session_id="s", env_id="Add-v0", tools=tools,
-                                                            turns=[turn], termination=TerminationReason.DONE))
+    turn = TurnRecord(
+        index=0,
+        finish_reason="stop",
+        engine_id="e0",
+        generate_s=0.5,
+        queue_s=0.25,
+        assistant={"role": "assistant"},
+        tool_calls=[{"function": {"name": "add"}}],
+        tool_results=[
+            {"name": "add", "content": "3", "duration_s": 0.02},
+            {"name": "rm -rf", "content": "", "duration_s": 7.0},
+        ],
+        attempts=[AttemptRecord("e1", "rid", ErrorInfo("generate", "TurnTimeout", "late"), 3.0)],
+    )
+    SessionMetrics(LABELS, metrics=m).observe(
+        SessionRecord(
+            session_id="s", env_id="Add-v0", tools=tools, turns=[turn], termination=TerminationReason.DONE
+        )
+    )
     assert val(m, "miles_tool_duration_seconds_sum", **ENV, tool="add") == pytest.approx(0.02)
     assert val(m, "miles_tool_duration_seconds_sum", **ENV, tool="unknown") == pytest.approx(7.0)
     assert val(m, "miles_turn_queue_seconds_sum", **ENV, engine="e0") == pytest.approx(0.25)
@@ -190,7 +222,9 @@ def test_router_stats_windows_feed_placements_suspects_and_state():
     obs = SessionMetrics(LABELS, metrics=m)
 
     def stats(state: EngineState, stayed: int, marks: int) -> RouterStats:
-        return RouterStats((EngineStats("e0", state, 0, stayed + 1, 10, 5, 1, stayed, 0, 0, 0, 0, marks, (), None),))
+        return RouterStats(
+            (EngineStats("e0", state, 0, stayed + 1, 10, 5, 1, stayed, 0, 0, 0, 0, marks, (), None),)
+        )
 
     obs.observe_router(stats(EngineState.HEALTHY, 3, 0))
     obs.observe_router(stats(EngineState.SUSPECT, 2, 1))
@@ -205,17 +239,28 @@ def test_router_stats_windows_feed_placements_suspects_and_state():
 # ---- the embedded engine ---------------------------------------------------------------------------------
 async def test_engine_counters_histograms_and_queue_follow_real_generation():
     m = fresh()
-    engine = EmbeddedEngine(make_tiny_model(vocab_size=len(tito().tokenizer), size="0.1m"), max_batch_size=1,
-                            engine_id="emb-metrics", model_path="tiny")
+    engine = EmbeddedEngine(
+        make_tiny_model(vocab_size=len(tito().tokenizer), size="0.1m"),
+        max_batch_size=1,
+        engine_id="emb-metrics",
+        model_path="tiny",
+    )
     engine_collector(m).track(engine, run="r1")
     eng = {"run": "r1", "model": "tiny", "engine": "emb-metrics"}
     try:
         params = SamplingParams(temperature=1.0, max_new_tokens=256)  # a queue that lasts, to be sampled
-        calls = [asyncio.ensure_future(engine.generate([1, 2, 3, 4], params, session_id=f"s{i}", ignore_eos=True))
-                 for i in range(3)]
+        calls = [
+            asyncio.ensure_future(engine.generate([1, 2, 3, 4], params, session_id=f"s{i}", ignore_eos=True))
+            for i in range(3)
+        ]
         seen = set()
         while not all(c.done() for c in calls):  # with one slot, the other two wait in the queue
-            seen.add((val(m, "miles_engine_running_requests", **eng), val(m, "miles_engine_waiting_requests", **eng)))
+            seen.add(
+                (
+                    val(m, "miles_engine_running_requests", **eng),
+                    val(m, "miles_engine_waiting_requests", **eng),
+                )
+            )
             await asyncio.sleep(0.005)
         results = await asyncio.gather(*calls)
         assert (1.0, 2.0) in seen or (1.0, 1.0) in seen
@@ -239,10 +284,25 @@ async def test_engine_counters_histograms_and_queue_follow_real_generation():
 def test_step_rows_feed_phases_idle_throughput_mfu_and_trainer_gauges():
     m = fresh()
     run = RunMetrics(LABELS, metrics=m, flops_per_token=6e6, peak_flops=1e12)
-    row = {"rollout_s": 3.0, "train_s": 0.5, "sync_s": 0.5, "step_s": 4.0, "num_tokens": 1000.0,
-           "generated_tokens": 600, "rollout_zero_std_group_frac": 0.25, "mismatch_kl": 0.01,
-           "mismatch_kl_max": 0.3, "mismatch_abs": 0.05, "approx_kl": 0.002, "entropy": 1.5, "clip_frac": 0.1,
-           "grad_norm": 2.0, "loss": -0.1, "lr": 3e-4, "method": "in_process"}
+    row = {
+        "rollout_s": 3.0,
+        "train_s": 0.5,
+        "sync_s": 0.5,
+        "step_s": 4.0,
+        "num_tokens": 1000.0,
+        "generated_tokens": 600,
+        "rollout_zero_std_group_frac": 0.25,
+        "mismatch_kl": 0.01,
+        "mismatch_kl_max": 0.3,
+        "mismatch_abs": 0.05,
+        "approx_kl": 0.002,
+        "entropy": 1.5,
+        "clip_frac": 0.1,
+        "grad_norm": 2.0,
+        "loss": -0.1,
+        "lr": 3e-4,
+        "method": "in_process",
+    }
     run.observe_step(row)
     assert val(m, "miles_steps_total", **ENV) == 1
     assert val(m, "miles_step_phase_seconds_sum", **ENV, phase="rollout") == 3.0
@@ -254,12 +314,27 @@ def test_step_rows_feed_phases_idle_throughput_mfu_and_trainer_gauges():
     assert val(m, "miles_mfu_ratio", **ENV) == pytest.approx(6e6 * 2000 / 1e12)
     assert val(m, "miles_train_rollout_kl", **ENV, stat="mean") == 0.01
     assert val(m, "miles_train_rollout_kl", **ENV, stat="max") == 0.3
-    for name, value in (("miles_policy_entropy", 1.5), ("miles_policy_clip_ratio", 0.1), ("miles_grad_norm", 2.0),
-                        ("miles_policy_approx_kl", 0.002), ("miles_rollout_zero_std_group_ratio", 0.25)):
+    for name, value in (
+        ("miles_policy_entropy", 1.5),
+        ("miles_policy_clip_ratio", 0.1),
+        ("miles_grad_norm", 2.0),
+        ("miles_policy_approx_kl", 0.002),
+        ("miles_rollout_zero_std_group_ratio", 0.25),
+    ):
         assert val(m, name, **ENV) == value, name
-    run.observe_step({**row, "trainer_idle_ratio": 0.05, "rollout_idle_ratio": 0.1, "stale_groups_dropped": 2,
-                      "late_groups": 4, "buffer_groups": 3})  # the async loop's own numbers win
-    assert val(m, "miles_trainer_idle_ratio", **ENV) == 0.05 and val(m, "miles_rollout_idle_ratio", **ENV) == 0.1
+    run.observe_step(
+        {
+            **row,
+            "trainer_idle_ratio": 0.05,
+            "rollout_idle_ratio": 0.1,
+            "stale_groups_dropped": 2,
+            "late_groups": 4,
+            "buffer_groups": 3,
+        }
+    )  # the async loop's own numbers win
+    assert (
+        val(m, "miles_trainer_idle_ratio", **ENV) == 0.05 and val(m, "miles_rollout_idle_ratio", **ENV) == 0.1
+    )
     assert val(m, "miles_stale_groups_dropped_total", **ENV) == 2
     assert val(m, "miles_late_groups_total", **ENV) == 4
     assert val(m, "miles_rollout_buffer_groups", **ENV) == 3
@@ -278,10 +353,12 @@ def fresh_run_without_peak(row) -> str:
 def test_sync_reports_feed_time_bytes_and_the_version_gauge():
     m = fresh()
     run = RunMetrics(LABELS, metrics=m)
-    run.observe_sync(SyncReport(version=3, method="disk", seconds=1.5, drain_seconds=0.25, num_bytes=1000,
-                                num_engines=2))
-    run.observe_sync(SyncReport(version=4, method="disk", seconds=0.5, drain_seconds=0.0, num_bytes=1000,
-                                num_engines=2))
+    run.observe_sync(
+        SyncReport(version=3, method="disk", seconds=1.5, drain_seconds=0.25, num_bytes=1000, num_engines=2)
+    )
+    run.observe_sync(
+        SyncReport(version=4, method="disk", seconds=0.5, drain_seconds=0.0, num_bytes=1000, num_engines=2)
+    )
     assert val(m, "miles_weight_sync_seconds_sum", **RUN, method="disk") == 2.0
     assert val(m, "miles_weight_sync_drain_seconds_sum", **RUN, method="disk") == 0.25
     assert val(m, "miles_weight_sync_bytes_total", **RUN, method="disk") == 2000
@@ -300,11 +377,21 @@ def test_the_trainers_own_metrics_feed_every_trainer_gauge():
     from miles.trajectory import Trajectory, TrajectoryBatch, TrajectoryMeta
 
     g = torch.Generator().manual_seed(0)
-    trajs = [Trajectory(token_ids=torch.randint(0, 64, (8,), generator=g).tolist(), loss_mask=[0, 0] + [1] * 6,
-                        rollout_logprobs=[0.0, 0.0] + (-torch.rand(6, generator=g) * 4).tolist(), reward=float(i % 2),
-                        meta=TrajectoryMeta(group_id=f"g{i // 2}")) for i in range(4)]
-    trainer = TorchTrainer(make_tiny_model("0.1m", vocab_size=64), TorchTrainerConfig(lr=1e-3),
-                           AlgorithmConfig(loss=LossConfig(kl_coef=0.1)))
+    trajs = [
+        Trajectory(
+            token_ids=torch.randint(0, 64, (8,), generator=g).tolist(),
+            loss_mask=[0, 0] + [1] * 6,
+            rollout_logprobs=[0.0, 0.0] + (-torch.rand(6, generator=g) * 4).tolist(),
+            reward=float(i % 2),
+            meta=TrajectoryMeta(group_id=f"g{i // 2}"),
+        )
+        for i in range(4)
+    ]
+    trainer = TorchTrainer(
+        make_tiny_model("0.1m", vocab_size=64),
+        TorchTrainerConfig(lr=1e-3),
+        AlgorithmConfig(loss=LossConfig(kl_coef=0.1)),
+    )
     metrics = trainer.train_step(TrajectoryBatch.from_trajectories(trajs))
     from miles.observability.run import TRAIN_GAUGES
 
@@ -337,28 +424,61 @@ def segment(device: int, blocks: list[tuple[int, str]], kind: str = "large") -> 
     """A segment as `torch.cuda.memory_snapshot()` lists it (the keys checked against torch 2.11 on an H200)."""
     address, out = 0x7F0000000000 + device * (1 << 36), []
     for size, state in blocks:
-        out.append({"address": address, "size": size, "requested_size": size if state != "inactive" else 0,
-                    "state": state, "frames": []})
+        out.append(
+            {
+                "address": address,
+                "size": size,
+                "requested_size": size if state != "inactive" else 0,
+                "state": state,
+                "frames": [],
+            }
+        )
         address += size
     total = sum(s for s, _ in blocks)
-    return {"device": device, "address": out[0]["address"], "total_size": total, "stream": 0, "frames": [],
-            "segment_type": kind, "segment_pool_id": (0, 0), "is_expandable": False,
-            "allocated_size": sum(s for s, st in blocks if st == "active_allocated"),
-            "active_size": sum(s for s, st in blocks if st != "inactive"), "requested_size": 0, "blocks": out}
+    return {
+        "device": device,
+        "address": out[0]["address"],
+        "total_size": total,
+        "stream": 0,
+        "frames": [],
+        "segment_type": kind,
+        "segment_pool_id": (0, 0),
+        "is_expandable": False,
+        "allocated_size": sum(s for s, st in blocks if st == "active_allocated"),
+        "active_size": sum(s for s, st in blocks if st != "inactive"),
+        "requested_size": 0,
+        "blocks": out,
+    }
 
 
 def stats(allocated: int, reserved: int, peak: int, retries: int = 0) -> dict:
     """The keys of `torch.cuda.memory_stats()` that matter here, among the many it returns."""
-    return {"allocated_bytes.all.current": allocated, "allocated_bytes.all.peak": peak,
-            "reserved_bytes.all.current": reserved, "reserved_bytes.all.peak": reserved, "num_alloc_retries": retries,
-            "num_ooms": 0, "active_bytes.all.current": allocated, "inactive_split_bytes.all.current": 0}
+    return {
+        "allocated_bytes.all.current": allocated,
+        "allocated_bytes.all.peak": peak,
+        "reserved_bytes.all.current": reserved,
+        "reserved_bytes.all.peak": reserved,
+        "num_alloc_retries": retries,
+        "num_ooms": 0,
+        "active_bytes.all.current": allocated,
+        "inactive_split_bytes.all.current": 0,
+    }
 
 
 def test_fragmentation_from_allocator_structures():
-    segs = [segment(0, [(20 * MiB, "active_allocated"), (2 * MiB, "inactive"), (10 * MiB, "active_allocated"),
-                        (6 * MiB, "inactive")]),
-            segment(0, [(1 * MiB, "inactive"), (1 * MiB, "active_awaiting_free")], kind="small"),
-            segment(1, [(64 * MiB, "inactive")])]
+    segs = [
+        segment(
+            0,
+            [
+                (20 * MiB, "active_allocated"),
+                (2 * MiB, "inactive"),
+                (10 * MiB, "active_allocated"),
+                (6 * MiB, "inactive"),
+            ],
+        ),
+        segment(0, [(1 * MiB, "inactive"), (1 * MiB, "active_awaiting_free")], kind="small"),
+        segment(1, [(64 * MiB, "inactive")]),
+    ]
     mem = gpu_memory(0, stats(allocated=30 * MiB, reserved=40 * MiB, peak=35 * MiB, retries=2), segs)
     assert mem.free_reserved == 10 * MiB
     assert mem.largest_free_block == 6 * MiB  # device 1's 64 MiB block is not device 0's
@@ -369,13 +489,21 @@ def test_fragmentation_from_allocator_structures():
     assert gpu_memory(0, stats(0, 0, 0), []).fragmentation_ratio == 0.0
 
 
-@given(st.lists(st.tuples(st.integers(1, 1 << 30), st.sampled_from(["active_allocated", "inactive",
-                                                                      "active_awaiting_free"])), min_size=1))
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(1, 1 << 30), st.sampled_from(["active_allocated", "inactive", "active_awaiting_free"])
+        ),
+        min_size=1,
+    )
+)
 def test_fragmentation_ratio_is_a_ratio(blocks):
     seg = segment(0, blocks)
     mem = gpu_memory(0, stats(seg["allocated_size"], seg["total_size"], seg["allocated_size"]), [seg])
     assert 0.0 <= mem.fragmentation_ratio <= 1.0
-    assert mem.largest_free_block <= mem.free_reserved + sum(s for s, st in blocks if st == "active_awaiting_free")
+    assert mem.largest_free_block <= mem.free_reserved + sum(
+        s for s, st in blocks if st == "active_awaiting_free"
+    )
 
 
 def test_gpu_collector_exports_only_with_cuda():
@@ -433,8 +561,13 @@ def test_config_errors_name_the_key():
 
 def test_start_observability_announces_the_port_and_enables_mfu_with_a_peak():
     said = []
-    obs = start_observability(ObservabilityConfig(metrics_port=0, peak_tflops=1.0), LABELS, metrics=fresh(),
-                              num_params=1000, echo=said.append)
+    obs = start_observability(
+        ObservabilityConfig(metrics_port=0, peak_tflops=1.0),
+        LABELS,
+        metrics=fresh(),
+        num_params=1000,
+        echo=said.append,
+    )
     try:
         assert said == [f"[metrics] serving http://127.0.0.1:{obs.server.port}/metrics"]
         assert obs.run.peak_flops == 1e12 and obs.run.flops_per_token == 6000.0

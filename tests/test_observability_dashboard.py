@@ -17,7 +17,10 @@ def test_committed_dashboard_equals_the_generated_one():
 
 
 def test_queries_read_declared_families_with_the_template_variables():
-    samples = {s for f in FAMILIES for s in f.samples} | {"process_cpu_seconds_total", "process_resident_memory_bytes"}
+    samples = {s for f in FAMILIES for s in f.samples} | {
+        "process_cpu_seconds_total",
+        "process_resident_memory_bytes",
+    }
     by_sample = {s: f for f in FAMILIES for s in f.samples}
     for expr in all_queries():
         names = re.findall(r"\b(?:miles|process)_\w+", expr)

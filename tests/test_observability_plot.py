@@ -16,15 +16,28 @@ from miles.trainers.plot import plot_run, reward_edges, sessions_by_step, step_h
 from miles.types import TerminationReason
 
 
-def record(i: int, end: float, reward: float, latency: float, termination=TerminationReason.DONE) -> SessionRecord:
+def record(
+    i: int, end: float, reward: float, latency: float, termination=TerminationReason.DONE
+) -> SessionRecord:
     turn = TurnRecord(index=0, finish_reason="stop", generate_s=latency)
-    return SessionRecord(session_id=f"s{i}", started_at=end - 1.0, duration_s=1.0, reward=reward, turns=[turn],
-                         termination=termination)
+    return SessionRecord(
+        session_id=f"s{i}",
+        started_at=end - 1.0,
+        duration_s=1.0,
+        reward=reward,
+        turns=[turn],
+        termination=termination,
+    )
 
 
 def test_sessions_belong_to_the_step_that_ended_after_them():
-    recs = [record(0, 10.0, 0, 0.1), record(1, 10.5, 1, 0.1), record(2, 19.0, 1, 0.1), record(3, 25.0, 1, 0.1),
-            record(4, 12.0, 0, 0.1, TerminationReason.ABORTED)]
+    recs = [
+        record(0, 10.0, 0, 0.1),
+        record(1, 10.5, 1, 0.1),
+        record(2, 19.0, 1, 0.1),
+        record(3, 25.0, 1, 0.1),
+        record(4, 12.0, 0, 0.1, TerminationReason.ABORTED),
+    ]
     steps = sessions_by_step(recs, [10.5, 20.0])
     assert [[r.session_id for r in s] for s in steps] == [["s0", "s1"], ["s2"]]  # s3: after the last step
 
@@ -44,8 +57,16 @@ def test_few_distinct_rewards_get_a_bin_each():
 
 
 async def test_curves_gain_the_distribution_panels_when_sessions_were_recorded(tmp_path):
-    rows = [{"kind": "train", "step": i, "time": 10.0 * (i + 1), "rollout_reward_mean": 0.5,
-             "rollout_success_rate": 0.5} for i in range(3)]
+    rows = [
+        {
+            "kind": "train",
+            "step": i,
+            "time": 10.0 * (i + 1),
+            "rollout_reward_mean": 0.5,
+            "rollout_success_rate": 0.5,
+        }
+        for i in range(3)
+    ]
     rows.append({"kind": "eval", "step": 3, "time": 40.0, "mode": "greedy", "success_rate": 0.5})
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     plain = plot_run(tmp_path / "metrics.jsonl", tmp_path / "plain.png")

@@ -25,7 +25,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRAPE_S = 0.5
 # Families this run cannot feed, and why.
 NOT_FED = {f.name: "fed by the async loop" for f in FAMILIES if f.source == "async"}
-NOT_FED["miles_tool_duration_seconds"] = "Calculator-v0 does not report tool durations in info['tool_results']"
+NOT_FED["miles_tool_duration_seconds"] = (
+    "Calculator-v0 does not report tool durations in info['tool_results']"
+)
 GPU = {f.name for f in FAMILIES if f.source == "gpu"}
 
 # Enough steps that every session-level counter rises across several scrapes even when a loaded CI box runs the
@@ -52,7 +54,9 @@ def prometheus_binary() -> str:
     found = shutil.which("prometheus")
     if found is None:
         if os.environ.get("CI"):
-            pytest.fail("the prometheus binary is missing: CI installs it (`apt-get install -y prometheus` in .ci/run)")
+            pytest.fail(
+                "the prometheus binary is missing: CI installs it (`apt-get install -y prometheus` in .ci/run)"
+            )
         pytest.skip("the prometheus binary is missing (apt-get install -y prometheus)")
     return found
 
@@ -85,14 +89,24 @@ def scraped_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("prometheus")
     metrics_port, prom_port = free_port(), free_port()
     scrape = yaml.safe_load((ROOT / "observability" / "prometheus.yml").read_text())
-    scrape["global"]["scrape_interval"] = scrape["global"]["evaluation_interval"] = f"{int(SCRAPE_S * 1000)}ms"
+    scrape["global"]["scrape_interval"] = scrape["global"]["evaluation_interval"] = (
+        f"{int(SCRAPE_S * 1000)}ms"
+    )
     (job,) = scrape["scrape_configs"]
     job["static_configs"] = [{"targets": [f"127.0.0.1:{metrics_port}"]}]
     (tmp / "prometheus.yml").write_text(yaml.safe_dump(scrape))
     log = (tmp / "prometheus.log").open("w")
-    prom = subprocess.Popen([binary, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'data'}",
-                             f"--web.listen-address=127.0.0.1:{prom_port}"], stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    prom = subprocess.Popen(
+        [
+            binary,
+            f"--config.file={tmp / 'prometheus.yml'}",
+            f"--storage.tsdb.path={tmp / 'data'}",
+            f"--web.listen-address=127.0.0.1:{prom_port}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     api = f"http://127.0.0.1:{prom_port}"
     try:
         deadline = time.monotonic() + 60
@@ -108,12 +122,29 @@ def scraped_run(tmp_path_factory):
         out = tmp / "run"
         (tmp / "run.yaml").write_text(RUN_YAML)
         start = time.time()
-        proc = subprocess.Popen([sys.executable, "-m", "miles.cli", "train", "--config", str(tmp / "run.yaml"),
-                                 "--output-dir", str(out), "--set", f"steps={STEPS}",
-                                 "--set", f"observability.metrics_port={metrics_port}",
-                                 "--set", f"observability.metrics_linger_s={LINGER_S}"],
-                                cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True,
-                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "miles.cli",
+                "train",
+                "--config",
+                str(tmp / "run.yaml"),
+                "--output-dir",
+                str(out),
+                "--set",
+                f"steps={STEPS}",
+                "--set",
+                f"observability.metrics_port={metrics_port}",
+                "--set",
+                f"observability.metrics_linger_s={LINGER_S}",
+            ],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
         stdout, final = [], None
         for line in proc.stdout:  # read /metrics while the finished run lingers
             stdout.append(line)
@@ -155,7 +186,9 @@ def test_every_family_arrived_with_its_labels(scraped_run):
                     assert s[key] == value, (f.name, s)
     assert not missing, f"families Prometheus never received: {missing}"
     for name in ("process_cpu_seconds_total", "process_resident_memory_bytes"):
-        assert api_get(api, "series", **{"match[]": f'{name}{{job="miles"}}', "start": start, "end": end}), name
+        assert api_get(api, "series", **{"match[]": f'{name}{{job="miles"}}', "start": start, "end": end}), (
+            name
+        )
 
 
 @pytest.mark.slow

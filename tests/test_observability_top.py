@@ -27,7 +27,9 @@ def test_quantiles_interpolate_inside_buckets_like_prometheus():
     assert histogram_quantile(0.5, buckets) == pytest.approx(1.0)
     assert histogram_quantile(0.25, buckets) == pytest.approx(0.1 + 0.9 * 0.5)
     assert histogram_quantile(0.75, buckets) == pytest.approx(1.0 + 9.0 * 0.5)
-    assert histogram_quantile(0.99, [(1.0, 1.0), (float("inf"), 10.0)]) == 1.0  # the +Inf bucket: highest bound
+    assert (
+        histogram_quantile(0.99, [(1.0, 1.0), (float("inf"), 10.0)]) == 1.0
+    )  # the +Inf bucket: highest bound
     assert histogram_quantile(0.5, [(1.0, 0.0), (float("inf"), 0.0)]) is None
 
 
@@ -55,10 +57,24 @@ def test_metrics_url_forms():
 def feed(m: Metrics, sessions: int, seconds: float) -> None:
     obs = SessionMetrics(LABELS, metrics=m)
     for i in range(sessions):
-        turn = TurnRecord(index=0, engine_id="e0", finish_reason="stop", generate_s=seconds, output_end=7,
-                          assistant={"role": "assistant"})
-        obs.observe(SessionRecord(session_id=f"s{i}", env_id="E-v0", turns=[turn], duration_s=seconds,
-                                  reward=1.0, termination=TerminationReason.DONE))
+        turn = TurnRecord(
+            index=0,
+            engine_id="e0",
+            finish_reason="stop",
+            generate_s=seconds,
+            output_end=7,
+            assistant={"role": "assistant"},
+        )
+        obs.observe(
+            SessionRecord(
+                session_id=f"s{i}",
+                env_id="E-v0",
+                turns=[turn],
+                duration_s=seconds,
+                reward=1.0,
+                termination=TerminationReason.DONE,
+            )
+        )
 
 
 def test_once_prints_a_frame_of_a_live_endpoint(capsys, monkeypatch):
@@ -67,10 +83,21 @@ def test_once_prints_a_frame_of_a_live_endpoint(capsys, monkeypatch):
     m = Metrics(registry)
     feed(m, 4, 0.3)
     run = RunMetrics(LABELS, metrics=m)
-    run.observe_step({"step_s": 2.0, "rollout_s": 1.5, "train_s": 0.5, "mismatch_kl": 0.02, "mismatch_kl_max": 0.5,
-                      "rollout_reward_mean": 0.75})
-    run.observe_sync(SyncReport(version=5, method="in_process", seconds=0.1, drain_seconds=0.0,
-                                num_bytes=3 << 20, num_engines=1))
+    run.observe_step(
+        {
+            "step_s": 2.0,
+            "rollout_s": 1.5,
+            "train_s": 0.5,
+            "mismatch_kl": 0.02,
+            "mismatch_kl_max": 0.5,
+            "rollout_reward_mean": 0.75,
+        }
+    )
+    run.observe_sync(
+        SyncReport(
+            version=5, method="in_process", seconds=0.1, drain_seconds=0.0, num_bytes=3 << 20, num_engines=1
+        )
+    )
     server = serve_metrics(m, "127.0.0.1", 0)
     monkeypatch.setenv("COLUMNS", "200")
     try:

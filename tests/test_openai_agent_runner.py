@@ -51,7 +51,8 @@ def calculator_model(wrong_for: str = "") -> InstantEngine:
 def agent_file(tmp_path: Path, name: str, body: str) -> str:
     """A small agent script using only the standard library (fast to start)."""
     path = tmp_path / f"{name}.py"
-    path.write_text(textwrap.dedent('''\
+    path.write_text(
+        textwrap.dedent("""\
         import json, os, sys, time, urllib.request
         BASE, KEY = os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"]
         SID, TASK = os.environ["MILES_SESSION_ID"], json.loads(os.environ["MILES_TASK"])
@@ -61,7 +62,9 @@ def agent_file(tmp_path: Path, name: str, body: str) -> str:
             return json.loads(urllib.request.urlopen(req, timeout=30).read())
         def chat(messages):
             return post(BASE + "/chat/completions", {"model": "m", "messages": messages, "tools": TASK["tools"]})
-        ''') + textwrap.dedent(body))
+        """)
+        + textwrap.dedent(body)
+    )
     return f"{sys.executable} {path}"
 
 
@@ -72,8 +75,9 @@ def config(command: str, **kw) -> AgentConfig:
 async def test_the_example_agent_runs_groups_scored_by_the_env(tmp_path):
     t = tito("tiny")
     cfg = config(f"{sys.executable} {ROOT / 'examples' / 'openai_agent.py'}", sampling={"temperature": 1.0})
-    service = await AgentRollout.start(calculator_model(wrong_for="s1"), tokenizer=t, config=cfg,
-                                       log_dir=tmp_path / "logs")
+    service = await AgentRollout.start(
+        calculator_model(wrong_for="s1"), tokenizer=t, config=cfg, log_dir=tmp_path / "logs"
+    )
     recorder = Recorder(tmp_path / "sessions.jsonl")
     tasks = RECIPE.make().tasks.take(2)
     runner = service.runner(recipe=RECIPE, group_size=2, seed=5, recorder=recorder, run_id="train")
@@ -94,8 +98,9 @@ async def test_the_example_agent_runs_groups_scored_by_the_env(tmp_path):
         assert by_id[sid].final_info["reward_source"] == "env"
     for r in records:
         env = RECIPE.make()
-        messages, _ = await env.areset(seed=r.seed,
-                                       options={"task": next(x for x in tasks if x.id == r.task["task_id"])})
+        messages, _ = await env.areset(
+            seed=r.seed, options={"task": next(x for x in tasks if x.id == r.task["task_id"])}
+        )
         assert r.initial_messages == [m.to_dict() for m in messages]  # the agent got the env's own prompt
         assert r.tools[0]["function"]["name"] == "calculate" and r.recipe == RECIPE
         assert r.seed == 5 + int(r.session_id.removeprefix("train-s")) and r.group_id.startswith("train-g")
@@ -108,25 +113,41 @@ async def test_the_example_agent_runs_groups_scored_by_the_env(tmp_path):
 async def test_timeouts_crashes_and_silent_agents_end_with_named_reasons(tmp_path):
     t = tito("tiny")
     pid_file = tmp_path / "child.pid"
-    slow = agent_file(tmp_path, "slow", f'''\
+    slow = agent_file(
+        tmp_path,
+        "slow",
+        f"""\
         import subprocess
         child = subprocess.Popen(["sleep", "300"])
         open({str(pid_file)!r}, "w").write(str(child.pid))
         chat(TASK["messages"])
         time.sleep(300)
-        ''')
-    crash = agent_file(tmp_path, "crash", '''\
+        """,
+    )
+    crash = agent_file(
+        tmp_path,
+        "crash",
+        """\
         chat(TASK["messages"])
         print("something broke", flush=True)
         sys.exit(3)
-        ''')
+        """,
+    )
     silent = agent_file(tmp_path, "silent", "print('nothing to do')\n")
     task = RECIPE.make().tasks.take(1)[0]
     outcomes = {}
     # only the slow agent meets its timeout, long enough for its Python to start and chat once on a busy box
-    for name, command, timeout_s in (("slow", slow, 12.0), ("crash", crash, 300.0), ("silent", silent, 300.0)):
-        service = await AgentRollout.start(calculator_model(), tokenizer=t,
-                                           config=config(command, timeout_s=timeout_s), log_dir=tmp_path / name)
+    for name, command, timeout_s in (
+        ("slow", slow, 12.0),
+        ("crash", crash, 300.0),
+        ("silent", silent, 300.0),
+    ):
+        service = await AgentRollout.start(
+            calculator_model(),
+            tokenizer=t,
+            config=config(command, timeout_s=timeout_s),
+            log_dir=tmp_path / name,
+        )
         try:
             [group] = await service.runner(recipe=RECIPE, run_id=name).run([{"task": task}])
         finally:
@@ -150,19 +171,27 @@ async def test_timeouts_crashes_and_silent_agents_end_with_named_reasons(tmp_pat
 
 async def test_the_agents_reward_wins_unless_the_env_scores(tmp_path):
     t = tito("tiny")
-    agent = agent_file(tmp_path, "rewarding", '''\
+    agent = agent_file(
+        tmp_path,
+        "rewarding",
+        """\
         reply = chat(TASK["messages"])["choices"][0]["message"]
         root = BASE.removesuffix("/v1")
         try:
             post(f"{root}/sessions/{SID}/reward", {"components": {"style": 0.25, "correct": 0.5}})
         except urllib.error.HTTPError as err:
             print(err.code, json.loads(err.read())["error"]["code"])
-        ''')
+        """,
+    )
     task = RECIPE.make().tasks.take(1)[0]
     results = {}
     for mode in ("auto", "env"):
-        service = await AgentRollout.start(calculator_model(), tokenizer=t,
-                                           config=config(agent, reward=mode, keep_logs=True), log_dir=tmp_path / mode)
+        service = await AgentRollout.start(
+            calculator_model(),
+            tokenizer=t,
+            config=config(agent, reward=mode, keep_logs=True),
+            log_dir=tmp_path / mode,
+        )
         try:
             [group] = await service.runner(recipe=RECIPE, run_id=mode).run([{"task": task}])
         finally:
@@ -180,8 +209,9 @@ async def test_the_agents_reward_wins_unless_the_env_scores(tmp_path):
 async def test_stopping_a_run_kills_the_agents_and_records_their_sessions(tmp_path):
     t = tito("tiny")
     agent = agent_file(tmp_path, "stuck", 'chat(TASK["messages"])\ntime.sleep(300)\n')
-    service = await AgentRollout.start(calculator_model(), tokenizer=t, config=config(agent),
-                                       log_dir=tmp_path / "logs")
+    service = await AgentRollout.start(
+        calculator_model(), tokenizer=t, config=config(agent), log_dir=tmp_path / "logs"
+    )
     recorder = Recorder(tmp_path / "sessions.jsonl")
     runner = service.runner(recipe=RECIPE, group_size=2, recorder=recorder)
     run = asyncio.ensure_future(runner.run([{"task": task} for task in RECIPE.make().tasks.take(2)]))
@@ -200,16 +230,19 @@ async def test_stopping_a_run_kills_the_agents_and_records_their_sessions(tmp_pa
 
 def test_agent_config_errors_name_the_key():
     assert not AgentConfig().enabled
-    for data, words in (({"command": "python a.py {model}"}, "unknown placeholder {model}"),
-                        ({"command": "no-such-program-xyz {base_url}"}, "is not a program"),
-                        ({"command": "python 'unclosed"}, "cannot split"),
-                        ({"command": "python a.py", "timeout_s": 0}, "timeout_s"),
-                        ({"command": "python a.py", "session": {"parser": "nope"}}, "session.parser"),
-                        ({"command": "python a.py", "reward": "judge"}, "reward")):
+    for data, words in (
+        ({"command": "python a.py {model}"}, "unknown placeholder {model}"),
+        ({"command": "no-such-program-xyz {base_url}"}, "is not a program"),
+        ({"command": "python 'unclosed"}, "cannot split"),
+        ({"command": "python a.py", "timeout_s": 0}, "timeout_s"),
+        ({"command": "python a.py", "session": {"parser": "nope"}}, "session.parser"),
+        ({"command": "python a.py", "reward": "judge"}, "reward"),
+    ):
         with pytest.raises(ConfigError, match=re.escape(words)):
             from_dict(AgentConfig, data, "rollout.agent")
     argv = from_dict(AgentConfig, {"command": "python agent.py --url {base_url} --key={api_key}"}).argv(
-        base_url="http://h/v1", api_key="s-1", session_id="s-1", task_id="t", task_file="f")
+        base_url="http://h/v1", api_key="s-1", session_id="s-1", task_id="t", task_file="f"
+    )
     assert argv == ["python", "agent.py", "--url", "http://h/v1", "--key=s-1"]
 
 
@@ -220,11 +253,31 @@ def test_miles_train_trains_the_example_agent_through_the_endpoint(tmp_path):
 
     out = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "miles.cli", "train", "--config", str(ROOT / "configs" / "openai_agent.yaml"),
-         "--set", "steps=1", "--set", "eval.num_tasks=4", "--set", "rollout.tasks_per_step=2",
-         "--set", "rollout.scheduler.group_size=2", "--set", f"output_dir={out}",
-         "--set", f"rollout.agent.command={sys.executable} examples/openai_agent.py"],
-        capture_output=True, text=True, timeout=600, cwd=ROOT)
+        [
+            sys.executable,
+            "-m",
+            "miles.cli",
+            "train",
+            "--config",
+            str(ROOT / "configs" / "openai_agent.yaml"),
+            "--set",
+            "steps=1",
+            "--set",
+            "eval.num_tasks=4",
+            "--set",
+            "rollout.tasks_per_step=2",
+            "--set",
+            "rollout.scheduler.group_size=2",
+            "--set",
+            f"output_dir={out}",
+            "--set",
+            f"rollout.agent.command={sys.executable} examples/openai_agent.py",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "[eval start] greedy: success" in proc.stdout and "held-out success" in proc.stdout
     summary = json.loads((out / "summary.json").read_text())
@@ -233,8 +286,10 @@ def test_miles_train_trains_the_example_agent_through_the_endpoint(tmp_path):
     evals = read_sessions(out / "eval_sessions.jsonl").records
     assert len(train) == 4 and len(evals) == 8
     assert {r.final_info["reward_source"] for r in train + evals} == {"env"}
-    assert all(r.final_info["tito"]["special_tokens"] == r.final_info["tito"]["non_assistant_text"] == 0
-               for r in train + evals)
+    assert all(
+        r.final_info["tito"]["special_tokens"] == r.final_info["tito"]["non_assistant_text"] == 0
+        for r in train + evals
+    )
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert any("rollout_reward_mean" in r for r in rows)
 
@@ -244,7 +299,10 @@ async def test_an_agent_can_reach_only_its_own_session(tmp_path):
     agent that knows its sibling's id can neither read its trajectory, nor send its turns, nor score or close
     it, nor talk with a made-up key; the sibling's session ends as its own agent left it."""
     t = tito("tiny")
-    agent = agent_file(tmp_path, "rogue", '''\
+    agent = agent_file(
+        tmp_path,
+        "rogue",
+        """\
         import urllib.error
         root = BASE.removesuffix("/v1")
         other = SID[:-1] + ("1" if SID.endswith("0") else "0")
@@ -266,10 +324,15 @@ async def test_an_agent_can_reach_only_its_own_session(tmp_path):
                 except urllib.error.HTTPError as err:
                     print(name, err.code)
         reply = chat(TASK["messages"])["choices"][0]["message"]
-        ''')
+        """,
+    )
     task = RECIPE.make().tasks.take(1)[0]
-    service = await AgentRollout.start(calculator_model(), tokenizer=t,
-                                       config=config(agent, reward="env", keep_logs=True), log_dir=tmp_path / "logs")
+    service = await AgentRollout.start(
+        calculator_model(),
+        tokenizer=t,
+        config=config(agent, reward="env", keep_logs=True),
+        log_dir=tmp_path / "logs",
+    )
     try:
         [group] = await service.runner(recipe=RECIPE, run_id="run", group_size=2).run([{"task": task}])
     finally:
@@ -286,7 +349,10 @@ async def test_an_agent_runs_the_envs_own_tools_through_its_session(tmp_path):
     session's own episode (Orders-v0's database of this task), answered as the env answers the model; a bad call
     gets the env's error message; another session's token is refused."""
     t = tito("tiny")
-    agent = agent_file(tmp_path, "orders", '''\
+    agent = agent_file(
+        tmp_path,
+        "orders",
+        """\
         import re, urllib.error
         root = BASE.removesuffix("/v1")
         email, zip_code = re.search(r"\\(([^,]+), zip code (\\d+)\\)", TASK["prompt"]).groups()
@@ -299,18 +365,22 @@ async def test_an_agent_runs_the_envs_own_tools_through_its_session(tmp_path):
         except urllib.error.HTTPError as err:
             print("stranger", err.code)
         chat(TASK["messages"])
-        ''')
+        """,
+    )
     recipe = EnvRecipe("Orders-v0")
     task = recipe.make().tasks.take(1)[0]
     replies = InstantEngine([t.encode("I will look into it.") + [t.close_token_id]])
-    service = await AgentRollout.start(replies, tokenizer=t, config=config(agent, reward="env", keep_logs=True),
-                                       log_dir=tmp_path / "logs")
+    service = await AgentRollout.start(
+        replies, tokenizer=t, config=config(agent, reward="env", keep_logs=True), log_dir=tmp_path / "logs"
+    )
     try:
         [group] = await service.runner(recipe=recipe, run_id="o").run([{"task": task}])
     finally:
         await service.aclose()
     lines = (tmp_path / "logs" / "o-s0.log").read_text().splitlines()
-    answers = {line.split(" ", 1)[0] + str(i): json.loads(line.split(" ", 1)[1]) for i, line in enumerate(lines[:4])}
+    answers = {
+        line.split(" ", 1)[0] + str(i): json.loads(line.split(" ", 1)[1]) for i, line in enumerate(lines[:4])
+    }
     assert "authenticated" in answers["authenticate0"]["content"].lower(), answers
     order = re.search(r"order (W\d+)", task.prompt).group(1)
     assert order in answers["get_order1"]["content"] and "status" in answers["get_order1"]["content"]

@@ -26,8 +26,10 @@ from miles.types import Message
 async def test_the_agents_sdk_completes_a_two_turn_tool_task(streamed):
     set_tracing_disabled(True)
     t = tito("tiny")
-    replies = [Message("assistant", "", [call("calculate", '{"expression": "3 + 4"}')]),
-               Message("assistant", "The answer is 7.")]
+    replies = [
+        Message("assistant", "", [call("calculate", '{"expression": "3 + 4"}')]),
+        Message("assistant", "The answer is 7."),
+    ]
     # the tiny template renders an assistant turn the same after any history
     outputs = [t.expected_generation([Message("user", "q")], m) for m in replies]
     endpoint = OpenAIEndpoint(InstantEngine(outputs), tokenizer=t)
@@ -46,9 +48,13 @@ async def test_the_agents_sdk_completes_a_two_turn_tool_task(streamed):
         return "7"
 
     client = AsyncOpenAI(base_url=f"{server.url}/v1", api_key="sdk-1", max_retries=0)
-    agent = Agent(name="calculator", instructions="Use the calculate tool, then answer.", tools=[calculate],
-                  model=OpenAIChatCompletionsModel(model="miles-tiny", openai_client=client),
-                  model_settings=ModelSettings(temperature=1.0, max_tokens=64))
+    agent = Agent(
+        name="calculator",
+        instructions="Use the calculate tool, then answer.",
+        tools=[calculate],
+        model=OpenAIChatCompletionsModel(model="miles-tiny", openai_client=client),
+        model_settings=ModelSettings(temperature=1.0, max_tokens=64),
+    )
     try:
         if streamed:
             run = Runner.run_streamed(agent, "What is 3 + 4?")

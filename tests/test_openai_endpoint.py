@@ -64,7 +64,9 @@ def test_sync_client_multi_turn_tool_use_is_token_exact():
         assert [r.choices[0].finish_reason for r in replies] == ["tool_calls", "tool_calls", "stop"]
         calls = replies[0].choices[0].message.tool_calls
         assert [(c.function.name, c.function.arguments) for c in calls] == [
-            ("calculate", '{"expression": "58 * 2"}'), ("lookup", '{"key": "x"}')]
+            ("calculate", '{"expression": "58 * 2"}'),
+            ("lookup", '{"key": "x"}'),
+        ]
         assert len({c.id for r in replies for c in r.choices[0].message.tool_calls or []}) == 3  # unique ids
         assert replies[1].choices[0].message.content == "Adding now."
         assert replies[-1].choices[0].message.content == "The answer is 153."
@@ -90,8 +92,13 @@ async def test_async_streaming_qwen3_reasoning_is_token_exact():
         client = AsyncOpenAI(base_url=f"{server.url}/sessions/q1/v1", api_key="unused", max_retries=0)
         messages = [m.to_dict() for m in script.messages]
         for assistant, observation in script.turns:
-            stream = await client.chat.completions.create(model="m", messages=messages, tools=script.tools,
-                                                          stream=True, stream_options={"include_usage": True})
+            stream = await client.chat.completions.create(
+                model="m",
+                messages=messages,
+                tools=script.tools,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
             content, reasoning, calls, finish, usage = "", "", {}, None, None
             async for chunk in stream:
                 if chunk.usage is not None:
@@ -105,13 +112,27 @@ async def test_async_streaming_qwen3_reasoning_is_token_exact():
                     finish = choice.finish_reason or finish
             assert reasoning == assistant.reasoning and content == assistant.content
             assert [(c.function.name, c.function.arguments) for c in calls.values()] == [
-                (c.name, c.raw_arguments) for c in assistant.tool_calls]
-            assert finish == ("tool_calls" if assistant.tool_calls else "stop") and usage.completion_tokens > 0
+                (c.name, c.raw_arguments) for c in assistant.tool_calls
+            ]
+            assert (
+                finish == ("tool_calls" if assistant.tool_calls else "stop") and usage.completion_tokens > 0
+            )
             # echo the reply without its reasoning, as most clients do: still the session's history
-            messages.append({"role": "assistant", "content": content or None, "tool_calls": [
-                {"id": c.id, "type": "function", "function": {"name": c.function.name,
-                                                              "arguments": c.function.arguments}}
-                for c in calls.values()] or None})
+            messages.append(
+                {
+                    "role": "assistant",
+                    "content": content or None,
+                    "tool_calls": [
+                        {
+                            "id": c.id,
+                            "type": "function",
+                            "function": {"name": c.function.name, "arguments": c.function.arguments},
+                        }
+                        for c in calls.values()
+                    ]
+                    or None,
+                }
+            )
             if observation is None:
                 break
             messages += answer(observation, [c.id for c in calls.values()])
@@ -121,7 +142,9 @@ async def test_async_streaming_qwen3_reasoning_is_token_exact():
         await endpoint.aclose()
     assert_exact(endpoint, "q1", expected)
     explained = endpoint.closed["q1"].result[0].final_info["tito"]
-    assert explained["ok"]  # Qwen3 drops earlier <think> blocks from its canonical render: explained, not wrong
+    assert explained[
+        "ok"
+    ]  # Qwen3 drops earlier <think> blocks from its canonical render: explained, not wrong
 
 
 def test_sync_streaming_and_async_plain_give_the_same_tokens():
@@ -137,10 +160,20 @@ def test_sync_streaming_and_async_plain_give_the_same_tokens():
             text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
             calls = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
             assert text == assistant.content and len(calls) == len(assistant.tool_calls)
-            messages.append({"role": "assistant", "content": text, "tool_calls": [
-                {"id": c.id, "type": "function", "function": {"name": c.function.name,
-                                                              "arguments": c.function.arguments}}
-                for c in calls]})
+            messages.append(
+                {
+                    "role": "assistant",
+                    "content": text,
+                    "tool_calls": [
+                        {
+                            "id": c.id,
+                            "type": "function",
+                            "function": {"name": c.function.name, "arguments": c.function.arguments},
+                        }
+                        for c in calls
+                    ],
+                }
+            )
             if observation is None:
                 break
             messages += answer(observation, [c.id for c in calls])
@@ -167,7 +200,12 @@ def test_responses_validate_against_the_openai_types():
     _, outputs = direct(t, script)
     endpoint = endpoint_for(outputs, t)
     with served(endpoint) as url:
-        body = {"model": "m", "messages": [m.to_dict() for m in script.messages], "tools": TOOLS, "logprobs": True}
+        body = {
+            "model": "m",
+            "messages": [m.to_dict() for m in script.messages],
+            "tools": TOOLS,
+            "logprobs": True,
+        }
         auth = {"authorization": "Bearer v1"}
         raw = httpx.post(f"{url}/v1/chat/completions", json=body, headers=auth).json()
         completion = ChatCompletion.model_validate(raw)
@@ -175,12 +213,13 @@ def test_responses_validate_against_the_openai_types():
         assert len(completion.choices[0].logprobs.content) == len(outputs[0]) - 1  # all but the stop token
         assert all(lp.logprob == -0.5 for lp in completion.choices[0].logprobs.content)
         assert completion.system_fingerprint == "miles-v0"
-        body["messages"] += [raw["choices"][0]["message"]] + answer(script.turns[0][1], [
-            c["id"] for c in raw["choices"][0]["message"]["tool_calls"]])
+        body["messages"] += [raw["choices"][0]["message"]] + answer(
+            script.turns[0][1], [c["id"] for c in raw["choices"][0]["message"]["tool_calls"]]
+        )
         body.update(stream=True, stream_options={"include_usage": True})
         with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers=auth) as resp:
             assert resp.headers["content-type"].startswith("text/event-stream")
-            lines = [line[len("data: "):] for line in resp.iter_lines() if line.startswith("data: ")]
+            lines = [line[len("data: ") :] for line in resp.iter_lines() if line.startswith("data: ")]
         assert lines[-1] == "[DONE]"
         chunks = [ChatCompletionChunk.model_validate(json.loads(line)) for line in lines[:-1]]
         assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].usage is not None
@@ -205,21 +244,27 @@ def test_a_history_rewrite_is_a_409_naming_the_message_and_the_session_goes_on()
         tool_answers = answer(script.turns[0][1], [c.id for c in first.tool_calls])
         rewritten = json.loads(json.dumps(echoed))
         rewritten["tool_calls"][0]["function"]["arguments"] = '{"expression": "2 * 58"}'
-        for bad, index in ((messages + [rewritten] + tool_answers, 2),
-                           ([messages[0], {"role": "user", "content": "Hi"}, echoed] + tool_answers, 1)):
+        for bad, index in (
+            (messages + [rewritten] + tool_answers, 2),
+            ([messages[0], {"role": "user", "content": "Hi"}, echoed] + tool_answers, 1),
+        ):
             with pytest.raises(openai.ConflictError) as err:
                 client.chat.completions.create(model="m", messages=bad, tools=TOOLS)
             assert err.value.response.json()["error"]["param"] == f"messages[{index}]"
             assert f"messages[{index}] differs" in err.value.message
         with pytest.raises(openai.ConflictError, match="tools differ"):
-            client.chat.completions.create(model="m", messages=messages + [echoed] + tool_answers, tools=TOOLS[:1])
+            client.chat.completions.create(
+                model="m", messages=messages + [echoed] + tool_answers, tools=TOOLS[:1]
+            )
         assert engine.calls == 1 and endpoint.stats.history_conflicts == 3  # not retried, not generated
         # JSON-equal arguments with other spacing are the same history
         respaced = json.loads(json.dumps(echoed))
         respaced["tool_calls"][0]["function"]["arguments"] = '{"expression":"58 * 2"}'
         messages += [respaced] + tool_answers
         for _, observation in script.turns[1:]:
-            message = client.chat.completions.create(model="m", messages=messages, tools=TOOLS).choices[0].message
+            message = (
+                client.chat.completions.create(model="m", messages=messages, tools=TOOLS).choices[0].message
+            )
             messages.append(message.model_dump(exclude_none=True))
             if observation is not None:
                 messages += answer(observation, [c.id for c in message.tool_calls or []])
@@ -230,19 +275,28 @@ def test_a_history_rewrite_is_a_409_naming_the_message_and_the_session_goes_on()
 def test_a_history_rewrite_forks_a_branch_when_configured():
     t = tito("tiny")
     question = Message("user", "What is 37 + 58 * 2?")
-    first = Script([question], [(Message("assistant", "", [call("calculate", '{"expression": "37 + 58 * 2"}')]),
-                                 None)], TOOLS)
-    forked = Script([question, Message("user", "No tools, please.")],
-                    [(Message("assistant", "The answer is 153."), None)], TOOLS)
+    first = Script(
+        [question],
+        [(Message("assistant", "", [call("calculate", '{"expression": "37 + 58 * 2"}')]), None)],
+        TOOLS,
+    )
+    forked = Script(
+        [question, Message("user", "No tools, please.")],
+        [(Message("assistant", "The answer is 153."), None)],
+        TOOLS,
+    )
     (traj0, out0), (traj1, out1) = direct(t, first), direct(t, forked)
     endpoint = endpoint_for(out0 + out1, t, history_mismatch="fork")
     with served(endpoint) as url:
         client = OpenAI(base_url=f"{url}/v1", api_key="f1", max_retries=0)
         client.chat.completions.create(model="m", messages=[question.to_dict()], tools=TOOLS)
-        reply = client.chat.completions.create(model="m", messages=[m.to_dict() for m in forked.messages],
-                                               tools=TOOLS)
+        reply = client.chat.completions.create(
+            model="m", messages=[m.to_dict() for m in forked.messages], tools=TOOLS
+        )
         assert reply.choices[0].message.content == "The answer is 153."
-        assert httpx.post(f"{url}/sessions/f1/reward", json={"components": {"correct": 1.0}}).status_code == 200
+        assert (
+            httpx.post(f"{url}/sessions/f1/reward", json={"components": {"correct": 1.0}}).status_code == 200
+        )
         assert httpx.post(f"{url}/sessions/f1/close").json()["records"] == 2
     records = endpoint.closed["f1"].result
     assert [r.session_id for r in records] == ["f1", "f1.fork1"]
@@ -267,11 +321,25 @@ def test_malformed_requests_get_a_4xx_naming_the_problem_and_the_session_stays_u
         bad: list[tuple[dict | bytes, int, str]] = [
             ({**base, "messages": good[:-1] + [{"role": "robot", "content": "x"}]}, 400, "messages[4].role"),
             ({**base, "messages": good[:-1]}, 400, f"tool call {ids[1]!r} (lookup) has no tool result"),
-            ({**base, "messages": good[:-1] + [{**tool2, "tool_call_id": "call_9"}]}, 400, "answers no tool call"),
-            ({**base, "messages": good[:-2] + [{"role": "tool", "content": "116"}, tool2]}, 400,
-             "needs tool_call_id"),
-            ({**base, "messages": good + [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-             400, "only text parts"),
+            (
+                {**base, "messages": good[:-1] + [{**tool2, "tool_call_id": "call_9"}]},
+                400,
+                "answers no tool call",
+            ),
+            (
+                {**base, "messages": good[:-2] + [{"role": "tool", "content": "116"}, tool2]},
+                400,
+                "needs tool_call_id",
+            ),
+            (
+                {
+                    **base,
+                    "messages": good
+                    + [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+                },
+                400,
+                "only text parts",
+            ),
             ({**base, "messages": good, "logit_bias": {"1": 5}}, 400, "unsupported field 'logit_bias'"),
             ({**base, "messages": good, "n": 2}, 400, "only n=1"),
             ({**base, "messages": good, "tool_choice": "required"}, 400, "tool_choice"),
@@ -282,8 +350,11 @@ def test_malformed_requests_get_a_4xx_naming_the_problem_and_the_session_stays_u
             ({**base, "messages": good[:-1] + [{**tool2, "content": "x" * (9 << 20)}]}, 413, "limit"),
         ]
         for body, status, words in bad:
-            resp = (httpx.post(chat, content=body, headers={"content-type": "application/json"})
-                    if isinstance(body, bytes) else httpx.post(chat, json=body))
+            resp = (
+                httpx.post(chat, content=body, headers={"content-type": "application/json"})
+                if isinstance(body, bytes)
+                else httpx.post(chat, json=body)
+            )
             assert resp.status_code == status, (words, resp.text)
             assert words in resp.json()["error"]["message"], resp.json()
             assert resp.headers["x-should-retry"] == "false"
@@ -322,7 +393,9 @@ def test_an_engine_failure_is_a_503_and_a_retry_continues_the_same_session():
                 state["fail"] = True
                 with pytest.raises(openai.InternalServerError, match="fell over"):
                     client.chat.completions.create(model="m", messages=messages, tools=TOOLS)
-            message = client.chat.completions.create(model="m", messages=messages, tools=TOOLS).choices[0].message
+            message = (
+                client.chat.completions.create(model="m", messages=messages, tools=TOOLS).choices[0].message
+            )
             messages.append(message.model_dump(exclude_none=True))
             if observation is not None:
                 messages += answer(observation, [c.id for c in message.tool_calls or []])
@@ -338,7 +411,11 @@ def test_closed_sessions_are_recorded_and_replay_with_their_harness_calls(tmp_pa
     endpoint = OpenAIEndpoint(InstantEngine(outputs), tokenizer=t, recorder=str(path))
     with served(endpoint) as url:
         drive(OpenAI(base_url=f"{url}/v1", api_key="r1", max_retries=0), script)
-        for body in ({"reward": 1e300}, {"components": {"a": 6e5, "b": 6e5}}, {"reward": 2, "components": {"a": 1e7}}):
+        for body in (
+            {"reward": 1e300},
+            {"components": {"a": 6e5, "b": 6e5}},
+            {"reward": 2, "components": {"a": 1e7}},
+        ):
             refused = httpx.post(f"{url}/sessions/r1/reward", json=body)  # it would overflow a float32 batch
             assert refused.status_code == 400 and "within ±1e+06" in refused.text, refused.text
         assert httpx.post(f"{url}/sessions/r1/reward", json={"reward": 0.5}).status_code == 200
@@ -360,21 +437,37 @@ def test_sessions_of_a_closed_endpoint_are_aborted_and_unknown_ones_refused():
     """A runner's endpoint serves a session only to its token; closing the endpoint aborts what is open."""
     t, script = tito("tiny"), calculator_script()
     _, outputs = direct(t, script)
-    endpoint = OpenAIEndpoint(InstantEngine(outputs), tokenizer=t, open_sessions=False,
-                              config=OpenAISessionConfig(max_turns=1))
+    endpoint = OpenAIEndpoint(
+        InstantEngine(outputs), tokenizer=t, open_sessions=False, config=OpenAISessionConfig(max_turns=1)
+    )
     known = endpoint.open("known")
     with served(endpoint) as url:
-        for key in ("unknown", "known"):  # neither a made-up key nor the session's (guessable) id is its token
+        for key in (
+            "unknown",
+            "known",
+        ):  # neither a made-up key nor the session's (guessable) id is its token
             client = OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
-            with pytest.raises(openai.AuthenticationError, match="serves only the sessions its runner opened"):
+            with pytest.raises(
+                openai.AuthenticationError, match="serves only the sessions its runner opened"
+            ):
                 client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
         assert len(known.token) >= 32 and known.token != "known"
         client = OpenAI(base_url=f"{url}/v1", api_key=known.token, max_retries=0)
-        first = client.chat.completions.create(model="m", messages=[m.to_dict() for m in script.messages],
-                                               tools=TOOLS).choices[0].message
+        first = (
+            client.chat.completions.create(
+                model="m", messages=[m.to_dict() for m in script.messages], tools=TOOLS
+            )
+            .choices[0]
+            .message
+        )
         with pytest.raises(openai.BadRequestError, match="max_turns"):
-            client.chat.completions.create(model="m", tools=TOOLS, messages=[m.to_dict() for m in script.messages] + [
-                first.model_dump(exclude_none=True)] + answer(script.turns[0][1], [c.id for c in first.tool_calls]))
+            client.chat.completions.create(
+                model="m",
+                tools=TOOLS,
+                messages=[m.to_dict() for m in script.messages]
+                + [first.model_dump(exclude_none=True)]
+                + answer(script.turns[0][1], [c.id for c in first.tool_calls]),
+            )
     [record] = endpoint.closed["known"].result
     assert record.termination is TerminationReason.ABORTED and record.error.type == "Aborted"
     assert len(record.turns) == 1 and record.reward == 0.0
@@ -384,7 +477,9 @@ def test_a_standalone_server_caps_its_open_sessions():
     from miles.sessions.openai_schema import EndpointError
 
     t = tito("tiny")
-    endpoint = OpenAIEndpoint(InstantEngine([[1]]), tokenizer=t, config=OpenAISessionConfig(max_open_sessions=2))
+    endpoint = OpenAIEndpoint(
+        InstantEngine([[1]]), tokenizer=t, config=OpenAISessionConfig(max_open_sessions=2)
+    )
     endpoint.open("a")
     endpoint.open("b")
     with pytest.raises(EndpointError, match="2 sessions are open, the most this server takes") as caught:
@@ -393,14 +488,25 @@ def test_a_standalone_server_caps_its_open_sessions():
     assert endpoint.authorize("a") == "a" and endpoint.authorize(None, "b") == "b"  # the id is the credential
 
 
-_CALL_BODIES = ["", "\n", '{"name": "lookup", "arguments": {"key": "a"}}', '{"name": "lookup"}', '{"arguments": {}}',
-                '[1, 2]', '{"name": "lookup", "arguments": }', '{"name": "", "arguments": {}}', "not json at all",
-                '{"name": "calculate", "arguments": "{\\"expression\\": \\"1+1\\"}"}']
+_CALL_BODIES = [
+    "",
+    "\n",
+    '{"name": "lookup", "arguments": {"key": "a"}}',
+    '{"name": "lookup"}',
+    '{"arguments": {}}',
+    "[1, 2]",
+    '{"name": "lookup", "arguments": }',
+    '{"name": "", "arguments": {}}',
+    "not json at all",
+    '{"name": "calculate", "arguments": "{\\"expression\\": \\"1+1\\"}"}',
+]
 
 
 @settings(max_examples=40, deadline=None)
-@given(content=st.sampled_from(["", "Let me look.", "ok\n"]),
-       bodies=st.lists(st.sampled_from(_CALL_BODIES), max_size=3))
+@given(
+    content=st.sampled_from(["", "Let me look.", "ok\n"]),
+    bodies=st.lists(st.sampled_from(_CALL_BODIES), max_size=3),
+)
 def test_the_endpoint_takes_back_every_reply_it_gives_as_history(content, bodies):
     """Whatever the model writes (empty, malformed or unknown tool calls among them), a client that echoes the
     reply (`message.model_dump(exclude_none=True)`, as the README's agent loop does) and answers its calls is
@@ -408,8 +514,9 @@ def test_the_endpoint_takes_back_every_reply_it_gives_as_history(content, bodies
     t = tito("tiny")
     text = content + "".join(f"<tool_call>{body}</tool_call>" for body in bodies)
     replies = {"first": t.encode(text) + [t.close_token_id], "next": t.encode("done") + [t.close_token_id]}
-    endpoint = OpenAIEndpoint(InstantEngine(respond=lambda ids, sid, k: replies["first" if k == 0 else "next"]),
-                              tokenizer=t)
+    endpoint = OpenAIEndpoint(
+        InstantEngine(respond=lambda ids, sid, k: replies["first" if k == 0 else "next"]), tokenizer=t
+    )
     with served(endpoint) as url:
         client = OpenAI(base_url=f"{url}/v1", api_key="echo", max_retries=0)
         messages = [{"role": "user", "content": "What is a?"}]

@@ -23,10 +23,18 @@ from miles.trajectory import message_from_record
 
 ROOT = Path(__file__).resolve().parents[1]
 SFT = str(ROOT / "checkpoints" / "calculator-sft-1m")
-CALC = {"type": "function", "function": {"name": "calculate", "description": "Evaluate an arithmetic expression.",
-                                         "parameters": {"type": "object",
-                                                        "properties": {"expression": {"type": "string"}},
-                                                        "required": ["expression"]}}}
+CALC = {
+    "type": "function",
+    "function": {
+        "name": "calculate",
+        "description": "Evaluate an arithmetic expression.",
+        "parameters": {
+            "type": "object",
+            "properties": {"expression": {"type": "string"}},
+            "required": ["expression"],
+        },
+    },
+}
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 120) -> None:
@@ -47,8 +55,9 @@ def agent_loop(client: OpenAI, question: str, turns: int = 3) -> list:
     messages: list = [{"role": "user", "content": question}]
     replies = []
     for _ in range(turns):
-        reply = client.chat.completions.create(model="m", messages=messages, tools=[CALC], max_tokens=40,
-                                               temperature=0)
+        reply = client.chat.completions.create(
+            model="m", messages=messages, tools=[CALC], max_tokens=40, temperature=0
+        )
         replies.append(reply)
         message = reply.choices[0].message
         messages.append(message.model_dump(exclude_none=True))
@@ -67,12 +76,16 @@ def test_in_front_of_an_http_engine_with_a_real_model():
     endpoint = OpenAIEndpoint(client_engine, tokenizer=tito)
     try:
         with served(endpoint) as url:
-            replies = agent_loop(OpenAI(base_url=f"{url}/v1", api_key="real-1", max_retries=0), "What is 7 + 5?")
+            replies = agent_loop(
+                OpenAI(base_url=f"{url}/v1", api_key="real-1", max_retries=0), "What is 7 + 5?"
+            )
             httpx.post(f"{url}/sessions/real-1/close").raise_for_status()
     finally:
         handle.stop()
     [record] = endpoint.closed["real-1"].result
-    assert [r.usage.completion_tokens for r in replies] == [t.output_end - t.output_start for t in record.turns]
+    assert [r.usage.completion_tokens for r in replies] == [
+        t.output_end - t.output_start for t in record.turns
+    ]
     assert replies[-1].usage.prompt_tokens_details.cached_tokens > 0  # the server kept the session's cache
     assert check_tito(record, tito).ok  # the recording equals TITO rebuilt from its messages and outputs
     info = record.final_info["tito"]
@@ -81,20 +94,39 @@ def test_in_front_of_an_http_engine_with_a_real_model():
         message = message_from_record(turn.assistant)
         assert (reply.choices[0].message.content or "") == message.content
         assert [c.function.arguments for c in reply.choices[0].message.tool_calls or []] == [
-            c.raw_arguments for c in message.tool_calls]
+            c.raw_arguments for c in message.tool_calls
+        ]
 
 
 @pytest.mark.slow
 def test_miles_rollout_openai_serves_the_endpoint_beside_sglangs_api(tmp_path):
-    bad = subprocess.run([sys.executable, "-m", "miles.cli", "rollout", "--model", SFT, "--openai",
-                          "session.parser=nope"],
-                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    bad = subprocess.run(
+        [sys.executable, "-m", "miles.cli", "rollout", "--model", SFT, "--openai", "session.parser=nope"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
     assert "session.parser" in bad.stderr and "unknown tool-call parser 'nope'" in bad.stderr
     port = free_port()
     record = tmp_path / "sessions.jsonl"
-    cmd = [sys.executable, "-m", "miles.cli", "rollout", "--model", SFT, "--port", str(port), "--openai",
-           "chat_template=compact", "--openai", f"record={record}", "--openai", "session.history_mismatch=fork"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "miles.cli",
+        "rollout",
+        "--model",
+        SFT,
+        "--port",
+        str(port),
+        "--openai",
+        "chat_template=compact",
+        "--openai",
+        f"record={record}",
+        "--openai",
+        "session.history_mismatch=fork",
+    ]
     with subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) as proc:
         try:
             url = f"http://127.0.0.1:{port}"
@@ -102,11 +134,16 @@ def test_miles_rollout_openai_serves_the_endpoint_beside_sglangs_api(tmp_path):
             client = OpenAI(base_url=f"{url}/v1", api_key="cli-1", max_retries=0)
             replies = agent_loop(client, "What is 3 * 4?", turns=2)
             # a rewritten history forks a branch instead of a 409 (session.history_mismatch=fork)
-            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "What is 1 + 1?"}],
-                                           tools=[CALC], max_tokens=20)
+            client.chat.completions.create(
+                model="m",
+                messages=[{"role": "user", "content": "What is 1 + 1?"}],
+                tools=[CALC],
+                max_tokens=20,
+            )
             assert httpx.post(f"{url}/sessions/cli-1/close").json()["records"] == 2
-            native = httpx.post(f"{url}/generate", json={"input_ids": [1, 2, 3],
-                                                         "sampling_params": {"max_new_tokens": 2}}).json()
+            native = httpx.post(
+                f"{url}/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}}
+            ).json()
             assert len(native["output_ids"]) == 2  # SGLang's API on the same server
             models = httpx.get(f"{url}/v1/models").json()["data"]
             assert models[0]["id"] == SFT

@@ -24,12 +24,26 @@ from miles.tito import TITOTokenizer, TokenizerSpec
 from miles.trajectory import Trajectory
 from miles.types import Message, ToolCall
 
-CALC = {"type": "function", "function": {
-    "name": "calculate", "description": "Evaluate an arithmetic expression exactly.",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
-LOOKUP = {"type": "function", "function": {
-    "name": "lookup", "description": "Look up a record by key.",
-    "parameters": {"type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]}}}
+CALC = {
+    "type": "function",
+    "function": {
+        "name": "calculate",
+        "description": "Evaluate an arithmetic expression exactly.",
+        "parameters": {
+            "type": "object",
+            "properties": {"expression": {"type": "string"}},
+            "required": ["expression"],
+        },
+    },
+}
+LOOKUP = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "description": "Look up a record by key.",
+        "parameters": {"type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]},
+    },
+}
 TOOLS = [CALC, LOOKUP]
 
 _TITOS: dict[str, TITOTokenizer] = {}
@@ -38,7 +52,9 @@ _TITOS: dict[str, TITOTokenizer] = {}
 def tito(name: str = "tiny") -> TITOTokenizer:
     """The tiny tokenizer with its compact template, or the real Qwen3 one (cached)."""
     if name not in _TITOS:
-        _TITOS[name] = TokenizerSpec("tiny", "compact").build() if name == "tiny" else TokenizerSpec(name).build()
+        _TITOS[name] = (
+            TokenizerSpec("tiny", "compact").build() if name == "tiny" else TokenizerSpec(name).build()
+        )
     return _TITOS[name]
 
 
@@ -73,35 +89,67 @@ def direct(t: TITOTokenizer, script: Script) -> tuple[Trajectory, list[list[int]
 
 def calculator_script(question: str = "What is 37 + 58 * 2?") -> Script:
     """Two calls in one message, their results, a second call, then the answer."""
-    return Script([Message("system", "You are careful."), Message("user", question)], [
-        (Message("assistant", "", [call("calculate", '{"expression": "58 * 2"}', 0),
-                                   call("lookup", '{"key": "x"}', 1)]),
-         [Message("tool", "116"), Message("tool", "none")]),
-        (Message("assistant", "Adding now.", [call("calculate", '{"expression": "37 + 116"}')]), [Message("tool", "153")]),
-        (Message("assistant", "The answer is 153."), None)], tools=TOOLS)
+    return Script(
+        [Message("system", "You are careful."), Message("user", question)],
+        [
+            (
+                Message(
+                    "assistant",
+                    "",
+                    [call("calculate", '{"expression": "58 * 2"}', 0), call("lookup", '{"key": "x"}', 1)],
+                ),
+                [Message("tool", "116"), Message("tool", "none")],
+            ),
+            (
+                Message("assistant", "Adding now.", [call("calculate", '{"expression": "37 + 116"}')]),
+                [Message("tool", "153")],
+            ),
+            (Message("assistant", "The answer is 153."), None),
+        ],
+        tools=TOOLS,
+    )
 
 
 def thinking_script() -> Script:
     """Qwen3: reasoning before a tool call and before the answer, then a follow-up user question."""
-    return Script([Message("user", "What is 37 + 58 * 2?")], [
-        (Message("assistant", "", [call("calculate", '{"expression": "37 + 58 * 2"}')],
-                 reasoning="Multiplication first; the tool can do it."), [Message("tool", "153")]),
-        (Message("assistant", "The answer is 153.", reasoning="The tool says 153."),
-         [Message("user", "And doubled?")]),
-        (Message("assistant", "306.", reasoning="153 * 2 = 306."), None)], tools=TOOLS)
+    return Script(
+        [Message("user", "What is 37 + 58 * 2?")],
+        [
+            (
+                Message(
+                    "assistant",
+                    "",
+                    [call("calculate", '{"expression": "37 + 58 * 2"}')],
+                    reasoning="Multiplication first; the tool can do it.",
+                ),
+                [Message("tool", "153")],
+            ),
+            (
+                Message("assistant", "The answer is 153.", reasoning="The tool says 153."),
+                [Message("user", "And doubled?")],
+            ),
+            (Message("assistant", "306.", reasoning="153 * 2 = 306."), None),
+        ],
+        tools=TOOLS,
+    )
 
 
 def endpoint_for(outputs: Sequence[Sequence[int]], t: TITOTokenizer, **config: Any) -> OpenAIEndpoint:
     """An endpoint whose model (a scripted `InstantEngine`) replies `outputs[k]` to a session's k-th call."""
     parser = "qwen3" if t.family == "qwen3" else "hermes"
-    return OpenAIEndpoint(InstantEngine([list(o) for o in outputs]), tokenizer=t,
-                          config=OpenAISessionConfig(**{"parser": parser, **config}))
+    return OpenAIEndpoint(
+        InstantEngine([list(o) for o in outputs]),
+        tokenizer=t,
+        config=OpenAISessionConfig(**{"parser": parser, **config}),
+    )
 
 
 @contextlib.contextmanager
 def serving(app: fastapi.FastAPI) -> Iterator[str]:
     """`app` on a loopback port, served by uvicorn in a thread; yields its URL."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

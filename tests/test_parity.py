@@ -28,12 +28,39 @@ TOLERANCE = 1e-5
 
 
 def _run(out: Path, *sets: str) -> None:
-    args = [sys.executable, "-m", "miles.cli", "train", "--config", str(REPO / "configs" / "calculator.yaml"),
-            "--output-dir", str(out), "--set", "steps=2", "--set", "rollout.tasks_per_step=2", "--set",
-            "rollout.scheduler.group_size=4", "--set", "eval.num_tasks=2", "--set", "checkpoint.every=1", "--set",
-            "checkpoint.keep=5", "--set", "max_seconds=null", *(x for s in sets for x in ("--set", s))]
-    proc = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    args = [
+        sys.executable,
+        "-m",
+        "miles.cli",
+        "train",
+        "--config",
+        str(REPO / "configs" / "calculator.yaml"),
+        "--output-dir",
+        str(out),
+        "--set",
+        "steps=2",
+        "--set",
+        "rollout.tasks_per_step=2",
+        "--set",
+        "rollout.scheduler.group_size=4",
+        "--set",
+        "eval.num_tasks=2",
+        "--set",
+        "checkpoint.every=1",
+        "--set",
+        "checkpoint.keep=5",
+        "--set",
+        "max_seconds=null",
+        *(x for s in sets for x in ("--set", s)),
+    ]
+    proc = subprocess.run(
+        args,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
@@ -55,8 +82,11 @@ def _check(out: Path) -> tuple[int, float, int]:
     trained sessions, each under the weights of the version that generated it."""
     weights = _weights_by_version(out)
     trainer = TorchTrainer(make_tiny_model("1m"), TorchTrainerConfig(lr=1e-3))
-    records = [r for r in read_sessions(out / "sessions.jsonl").records
-               if r.termination.value in ("done", "max_turns") and r.trajectory.num_generated]
+    records = [
+        r
+        for r in read_sessions(out / "sessions.jsonl").records
+        if r.termination.value in ("done", "max_turns") and r.trajectory.num_generated
+    ]
     by_version: dict[int, list] = {}
     for r in records:
         versions = {v for v in r.weight_versions if v is not None}

@@ -42,24 +42,52 @@ def _teacher_forced_logprobs(weights: dict[str, torch.Tensor], output_ids: list[
 
 @pytest.mark.slow
 def test_miles_train_syncs_two_miles_rollout_servers_behind_the_real_router_by_broadcast(tmp_path):
-    launcher = RolloutProcess("--engine", "embedded", "--dp", "2", "--model", "tiny-0.1m", "--port",
-                              str(free_ports(3)), "--log-dir", str(tmp_path / "logs"))  # the router on the third
+    launcher = RolloutProcess(
+        "--engine",
+        "embedded",
+        "--dp",
+        "2",
+        "--model",
+        "tiny-0.1m",
+        "--port",
+        str(free_ports(3)),
+        "--log-dir",
+        str(tmp_path / "logs"),
+    )  # the router on the third
     try:
         engine = launcher.ready()
         assert engine["kind"] == "router" and len(engine["urls"]) == 2 and launcher.router_url
         run = tmp_path / "run"
         config = tmp_path / "c.yaml"
-        config.write_text(json.dumps({
-            "output_dir": str(run), "steps": 2, "seed": 1,
-            "env": {"id": "Calculator-v0", "num_train_tasks": 16},
-            "model": {"name": "tiny", "size": "0.1m"},
-            "engine": {**engine, "router_url": launcher.router_url},
-            "rollout": {"tasks_per_step": 2, "scheduler": {"group_size": 2, "progress": False,
-                                                           "session": {"sampling": {"max_new_tokens": 24}}}},
-            "trainer": {"lr": 1e-2}, "eval": {"num_tasks": 2}}))
-        proc = subprocess.run([sys.executable, "-m", "miles.cli", "train", "--config", str(config)],
-                              capture_output=True, text=True, timeout=600,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        config.write_text(
+            json.dumps(
+                {
+                    "output_dir": str(run),
+                    "steps": 2,
+                    "seed": 1,
+                    "env": {"id": "Calculator-v0", "num_train_tasks": 16},
+                    "model": {"name": "tiny", "size": "0.1m"},
+                    "engine": {**engine, "router_url": launcher.router_url},
+                    "rollout": {
+                        "tasks_per_step": 2,
+                        "scheduler": {
+                            "group_size": 2,
+                            "progress": False,
+                            "session": {"sampling": {"max_new_tokens": 24}},
+                        },
+                    },
+                    "trainer": {"lr": 1e-2},
+                    "eval": {"num_tasks": 2},
+                }
+            )
+        )
+        proc = subprocess.run(
+            [sys.executable, "-m", "miles.cli", "train", "--config", str(config)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
         assert proc.returncode == 0, proc.stderr[-4000:]
 
         syncs = [r for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "sync"]
@@ -70,9 +98,14 @@ def test_miles_train_syncs_two_miles_rollout_servers_behind_the_real_router_by_b
             for url in engine["urls"]:
                 info = http.get(f"{url}/model_info").json()
                 assert int(info["weight_version"]) == final_version
-                out = http.post(f"{url}/generate", json={
-                    "input_ids": PROMPT, "return_logprob": True,
-                    "sampling_params": {"temperature": 0.0, "max_new_tokens": 6}}).json()
+                out = http.post(
+                    f"{url}/generate",
+                    json={
+                        "input_ids": PROMPT,
+                        "return_logprob": True,
+                        "sampling_params": {"temperature": 0.0, "max_new_tokens": 6},
+                    },
+                ).json()
                 served = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
                 expected = _teacher_forced_logprobs(weights, out["output_ids"])
                 assert max(abs(a - b) for a, b in zip(served, expected, strict=True)) < 1e-4

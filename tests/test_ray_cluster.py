@@ -29,8 +29,13 @@ from miles.types import TerminationReason
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(900)]
 
 REPO = Path(__file__).resolve().parents[1]
-SMALL = ("max_seconds=null", "eval.num_tasks=4", "steps=3", "rollout.tasks_per_step=4",
-         "rollout.scheduler.group_size=4")
+SMALL = (
+    "max_seconds=null",
+    "eval.num_tasks=4",
+    "steps=3",
+    "rollout.tasks_per_step=4",
+    "rollout.scheduler.group_size=4",
+)
 MB = 1024**2
 
 
@@ -43,10 +48,17 @@ def cluster():
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # Ray's loopback-only switch (see cluster_ray)
         mp.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
-        head = {"num_cpus": 4, "resources": {"node_a": 8}, "include_dashboard": False,
-                "node_ip_address": "127.0.0.1", "object_store_memory": 80 * MB}
+        head = {
+            "num_cpus": 4,
+            "resources": {"node_a": 8},
+            "include_dashboard": False,
+            "node_ip_address": "127.0.0.1",
+            "object_store_memory": 80 * MB,
+        }
         c = Cluster(initialize_head=True, head_node_args=head)
-        c.add_node(num_cpus=4, resources={"node_b": 8}, node_ip_address="127.0.0.1", object_store_memory=80 * MB)
+        c.add_node(
+            num_cpus=4, resources={"node_b": 8}, node_ip_address="127.0.0.1", object_store_memory=80 * MB
+        )
         ray.init(address=c.address, namespace="miles", logging_level="WARNING", log_to_driver=False)
         try:
             yield c
@@ -57,22 +69,44 @@ def cluster():
 
 def placed(c: Any) -> tuple[str, ...]:
     """Join the test's cluster; engines and the manager on node B, the trainer on node A (disaggregated)."""
-    return (f"cluster.address={c.address}", "cluster.kind=ray", "cluster.engines.resources={node_b: 1}",
-            "cluster.manager.resources={node_b: 1}", "cluster.trainer.resources={node_a: 1}")
+    return (
+        f"cluster.address={c.address}",
+        "cluster.kind=ray",
+        "cluster.engines.resources={node_b: 1}",
+        "cluster.manager.resources={node_b: 1}",
+        "cluster.trainer.resources={node_a: 1}",
+    )
 
 
 def _command(out: Path, sets: tuple[str, ...], config: str | Path, extra: tuple[str, ...]) -> list[str]:
-    return [sys.executable, "-m", "miles.cli", "train", "--config", str(config), "--output-dir", str(out),
-            *extra, *(x for s in sets for x in ("--set", s))]
+    return [
+        sys.executable,
+        "-m",
+        "miles.cli",
+        "train",
+        "--config",
+        str(config),
+        "--output-dir",
+        str(out),
+        *extra,
+        *(x for s in sets for x in ("--set", s)),
+    ]
 
 
-def train(out: Path, *sets: str, config: str | Path = "configs/calculator.yaml", extra: tuple[str, ...] = (),
-          wait: bool = True) -> Any:
+def train(
+    out: Path,
+    *sets: str,
+    config: str | Path = "configs/calculator.yaml",
+    extra: tuple[str, ...] = (),
+    wait: bool = True,
+) -> Any:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     env.pop("RANK", None)
     cmd = _command(out, sets, config, extra)
     if not wait:
-        return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        return subprocess.Popen(
+            cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        )
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=800, env=env)
 
 
@@ -103,26 +137,46 @@ def test_the_main_job_on_two_nodes_reaches_the_local_run_s_metrics(cluster, tmp_
     a, b = rows(tmp_path / "local"), rows(tmp_path / "ray")
     assert len(a) == len(b) == 3
     for x, y in zip(a, b, strict=True):
-        for key in ("rollout_reward_mean", "rollout_success_rate", "sessions", "trained_sessions",
-                    "generated_tokens"):
+        for key in (
+            "rollout_reward_mean",
+            "rollout_success_rate",
+            "sessions",
+            "trained_sessions",
+            "generated_tokens",
+        ):
             assert x[key] == y[key], (key, x[key], y[key])
         for key in ("loss", "grad_norm", "entropy", "clip_frac"):
             assert x[key] == pytest.approx(y[key], rel=1e-4, abs=1e-6), (key, x[key], y[key])
     assert any(r["loss"] != 0 for r in a)
     evals = [(r["stage"], r["success_rate"], r["mean_reward"]) for r in rows(tmp_path / "local", "eval")]
-    assert evals == [(r["stage"], r["success_rate"], r["mean_reward"]) for r in rows(tmp_path / "ray", "eval")]
-    tokens = {r.session_id: r.trajectory.token_ids for r in read_sessions(tmp_path / "local" / "sessions.jsonl").records}
-    remote_tokens = {r.session_id: r.trajectory.token_ids
-                     for r in read_sessions(tmp_path / "ray" / "sessions.jsonl").records}
+    assert evals == [
+        (r["stage"], r["success_rate"], r["mean_reward"]) for r in rows(tmp_path / "ray", "eval")
+    ]
+    tokens = {
+        r.session_id: r.trajectory.token_ids
+        for r in read_sessions(tmp_path / "local" / "sessions.jsonl").records
+    }
+    remote_tokens = {
+        r.session_id: r.trajectory.token_ids
+        for r in read_sessions(tmp_path / "ray" / "sessions.jsonl").records
+    }
     assert tokens == remote_tokens and len(tokens) == 3 * 4 * 4
 
 
 MEGATRON = {
-    "seed": 0, "steps": 2, "backend": "megatron",
+    "seed": 0,
+    "steps": 2,
+    "backend": "megatron",
     "env": {"id": "Calculator-v0", "num_train_tasks": 64},
     "model": {"name": "tiny", "size": "0.1m"},
-    "rollout": {"tasks_per_step": 2, "scheduler": {"group_size": 4, "progress": False, "session": {
-        "sampling": {"temperature": 1.0, "max_new_tokens": 40}}}},
+    "rollout": {
+        "tasks_per_step": 2,
+        "scheduler": {
+            "group_size": 4,
+            "progress": False,
+            "session": {"sampling": {"temperature": 1.0, "max_new_tokens": 40}},
+        },
+    },
     "algorithm": {"loss": {"entropy_coef": 0.01}},
     "trainer": {"lr": 1e-3, "micro_batch_tokens": 2048},
     "sft": {"enabled": True, "num_demos": 8, "batch_size": 4},
@@ -155,7 +209,9 @@ def test_megatron_tp2_under_ray_matches_torchrun(cluster, tmp_path):
     wb = load_file(str(tmp_path / "ray" / "checkpoints" / "step_00000002" / "model.safetensors"))
     assert wa.keys() == wb.keys()
     assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-4
-    optimizer = torch.load(tmp_path / "ray" / "checkpoints" / "step_00000002" / "optimizer.pt", weights_only=True)
+    optimizer = torch.load(
+        tmp_path / "ray" / "checkpoints" / "step_00000002" / "optimizer.pt", weights_only=True
+    )
     assert len(optimizer["ranks"]) == 2
 
 
@@ -172,9 +228,18 @@ def test_an_engine_actor_killed_mid_rollout_is_restarted_and_rejoins(cluster, tm
     engine, Ray restarts it on its port, the next sync brings it back into the weight group, and it serves
     again. The run ends normally and every scheduled session is recorded, none lost."""
     out = tmp_path / "run"
-    steps = 10  # the kill comes in step 1 or 2; the restarted engine needs a later sync to take sessions again
-    sets = ("max_seconds=null", "eval.num_tasks=4", f"steps={steps}", "rollout.tasks_per_step=8",
-            "rollout.scheduler.group_size=4", "cluster.engines.count=2", *placed(cluster))
+    steps = (
+        10  # the kill comes in step 1 or 2; the restarted engine needs a later sync to take sessions again
+    )
+    sets = (
+        "max_seconds=null",
+        "eval.num_tasks=4",
+        f"steps={steps}",
+        "rollout.tasks_per_step=8",
+        "rollout.scheduler.group_size=4",
+        "cluster.engines.count=2",
+        *placed(cluster),
+    )
     proc = train(out, *sets, wait=False)
     try:
         deadline = time.monotonic() + 600
@@ -200,8 +265,11 @@ def test_an_engine_actor_killed_mid_rollout_is_restarted_and_rejoins(cluster, tm
     assert [r["step"] for r in rows(out)] == list(range(steps))
     records = read_sessions(out / "sessions.jsonl").records
     assert len(records) == len({r.session_id for r in records}) == steps * 8 * 4  # scheduled == recorded
-    assert not [r.termination for r in records if r.termination in (TerminationReason.ENGINE_ERROR,
-                                                                    TerminationReason.ABORTED)]
+    assert not [
+        r.termination
+        for r in records
+        if r.termination in (TerminationReason.ENGINE_ERROR, TerminationReason.ABORTED)
+    ]
     turns = [(r, t) for r in records for t in r.turns]
     failed_over = [t for _, t in turns if any(a.engine_id == victim["url"] for a in t.attempts)]
     assert failed_over, "no turn was running on the killed engine"
@@ -243,10 +311,22 @@ def test_a_user_env_from_a_temporary_package_is_imported_on_the_workers(cluster,
     marks = tmp_path / "marks"
     marks.mkdir()
     out = tmp_path / "run"
-    proc = train(out, "max_seconds=null", "eval.num_tasks=2", "steps=2", "rollout.tasks_per_step=2",
-                 "rollout.scheduler.group_size=2", f"env.import=[{package}]", "env.id=MarkedCalculator-v0",
-                 f"env.kwargs={{mark_dir: {marks}, max_operand: 9}}", "async.enabled=true", "async.max_staleness=1",
-                 "cluster.kind=ray", f"cluster.address={cluster.address}", "cluster.placement=colocated")
+    proc = train(
+        out,
+        "max_seconds=null",
+        "eval.num_tasks=2",
+        "steps=2",
+        "rollout.tasks_per_step=2",
+        "rollout.scheduler.group_size=2",
+        f"env.import=[{package}]",
+        "env.id=MarkedCalculator-v0",
+        f"env.kwargs={{mark_dir: {marks}, max_operand: 9}}",
+        "async.enabled=true",
+        "async.max_staleness=1",
+        "cluster.kind=ray",
+        f"cluster.address={cluster.address}",
+        "cluster.placement=colocated",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [r["step"] for r in rows(out)] == [0, 1]
     manifest = json.loads((out / "cluster.json").read_text())
@@ -264,8 +344,10 @@ def test_an_import_error_on_a_worker_is_one_line(cluster, tmp_path):
     proc = train(tmp_path / "run", *SMALL, f"env.import=[{package}]", *placed(cluster))
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = [line for line in proc.stderr.splitlines() if line.startswith("miles train:")]
-    assert lines == ["miles train: config error: env.import: cannot import 'brokenpkg': ModuleNotFoundError: No "
-                     "module named 'a_module_no_worker_has_xyz' (a module it imports is missing; install it)"]
+    assert lines == [
+        "miles train: config error: env.import: cannot import 'brokenpkg': ModuleNotFoundError: No "
+        "module named 'a_module_no_worker_has_xyz' (a module it imports is missing; install it)"
+    ]
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
 
 
@@ -280,7 +362,9 @@ def test_a_dead_trainer_rank_ends_the_run_with_a_named_error_and_resume_continue
         while not list((out / "checkpoints").glob("step_*/model.safetensors")):  # a step trained and saved
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
             time.sleep(0.1)
-        rank1 = ray.get_actor(json.loads((out / "cluster.json").read_text())["ranks"][1]["name"], namespace="miles")
+        rank1 = ray.get_actor(
+            json.loads((out / "cluster.json").read_text())["ranks"][1]["name"], namespace="miles"
+        )
         ray.kill(rank1, no_restart=True)
         _, err = proc.communicate(timeout=300)
     finally:
@@ -303,15 +387,26 @@ def test_many_adapters_train_on_the_cluster_with_adapter_only_syncs_to_the_engin
     (`/load_lora_adapter`), never the base again, and every step's sessions of an adapter ran on its
     current version."""
     out = tmp_path / "run"
-    proc = train(out, "max_seconds=null", "eval.num_tasks=4", "steps=2", "rollout.scheduler.group_size=4",
-                 *placed(cluster), config="configs/multi_lora.yaml")
+    proc = train(
+        out,
+        "max_seconds=null",
+        "eval.num_tasks=4",
+        "steps=2",
+        "rollout.scheduler.group_size=4",
+        *placed(cluster),
+        config="configs/multi_lora.yaml",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert [r["node_id"] for r in json.loads((out / "cluster.json").read_text())["engines"]] == [node_with("node_b")]
+    assert [r["node_id"] for r in json.loads((out / "cluster.json").read_text())["engines"]] == [
+        node_with("node_b")
+    ]
     syncs = rows(out, "sync")
     assert [s["method"] for s in syncs if "adapter" not in s] == ["broadcast"]  # the base, once
     for name in ("mul", "addsub"):
         mine = [s for s in syncs if s.get("adapter") == name]
-        assert {s["method"] for s in mine} == {"disk"} and [s["version"] for s in mine] == list(range(len(mine)))
+        assert {s["method"] for s in mine} == {"disk"} and [s["version"] for s in mine] == list(
+            range(len(mine))
+        )
         records = [r for r in read_sessions(out / "sessions.jsonl").records if r.policy_id == name]
         assert sorted({v for r in records for v in r.weight_versions}) == [0, 1], name  # step k ran version k
     assert {r["adapter"] for r in rows(out, "eval")} == {"mul", "addsub"}

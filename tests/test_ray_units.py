@@ -28,16 +28,19 @@ from miles.weight_sync import SyncConfig, WeightSyncError
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize(("override", "key"), [
-    ("cluster.kind=slurm", "cluster.kind"),
-    ("cluster.engines.count=0", "cluster.engines.count"),
-    ("cluster.engines.resources={CPU: 1}", "cluster.engines.resources.CPU"),
-    ("cluster.trainer.resources={node_a: 0}", "cluster.trainer.resources.node_a"),
-    ("cluster.trainer.gpus_per_rank=2", "cluster.trainer.gpus_per_rank"),
-    ("cluster.engines.server=sglang", "cluster.engines.gpus_per_engine"),  # SGLang needs whole GPUs
-    ("cluster.address=' '", "cluster.address"),
-    ("cluster.placement=colocated", None),  # fine: both roles on CPUs
-])
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("cluster.kind=slurm", "cluster.kind"),
+        ("cluster.engines.count=0", "cluster.engines.count"),
+        ("cluster.engines.resources={CPU: 1}", "cluster.engines.resources.CPU"),
+        ("cluster.trainer.resources={node_a: 0}", "cluster.trainer.resources.node_a"),
+        ("cluster.trainer.gpus_per_rank=2", "cluster.trainer.gpus_per_rank"),
+        ("cluster.engines.server=sglang", "cluster.engines.gpus_per_engine"),  # SGLang needs whole GPUs
+        ("cluster.address=' '", "cluster.address"),
+        ("cluster.placement=colocated", None),  # fine: both roles on CPUs
+    ],
+)
 def test_cluster_section_errors_name_the_key(override, key):
     if key is None:
         assert load_train_config(None, [override]).cluster.placement == "colocated"
@@ -59,24 +62,36 @@ def test_trainer_ranks_follow_the_parallel_layout():
     cfg = load_train_config(None, ["backend=megatron", "parallel.tp=2", "parallel.dp=2"])
     assert trainer_ranks(cfg) == 4
     with pytest.raises(ConfigError, match="cluster.trainer.ranks: 2, but parallel tp\\*pp\\*dp = 4"):
-        trainer_ranks(load_train_config(None, ["backend=megatron", "parallel.tp=2", "parallel.dp=2",
-                                               "cluster.trainer.ranks=2"]))
+        trainer_ranks(
+            load_train_config(
+                None, ["backend=megatron", "parallel.tp=2", "parallel.dp=2", "cluster.trainer.ranks=2"]
+            )
+        )
 
 
 @settings(max_examples=60, deadline=None)
-@given(count=st.integers(1, 6), ranks=st.integers(1, 6), gpus=st.sampled_from([0.0, 0.5, 1.0]),
-       engine_cpus=st.sampled_from([0.0, 1.0, 2.0]), rank_cpus=st.sampled_from([0.0, 1.0]),
-       colocated=st.booleans(), pin=st.booleans())
+@given(
+    count=st.integers(1, 6),
+    ranks=st.integers(1, 6),
+    gpus=st.sampled_from([0.0, 0.5, 1.0]),
+    engine_cpus=st.sampled_from([0.0, 1.0, 2.0]),
+    rank_cpus=st.sampled_from([0.0, 1.0]),
+    colocated=st.booleans(),
+    pin=st.booleans(),
+)
 def test_every_actor_fits_its_bundle(count, ranks, gpus, engine_cpus, rank_cpus, colocated, pin):
     """Whatever the sizes: each actor sits in an existing bundle, what a bundle's actors take fits in it,
     disaggregated roles never share a bundle, and colocated engine i shares rank i's GPU."""
     if colocated and count > ranks:
         count = ranks
     cluster = ClusterConfig(
-        kind="ray", placement="colocated" if colocated else "disaggregated",
-        engines=EngineRoleConfig(count=count, gpus_per_engine=gpus, cpus=engine_cpus,
-                                 resources={"node_b": 1.0} if pin else {}),
-        trainer=TrainerRoleConfig(gpus_per_rank=gpus, cpus_per_rank=rank_cpus))
+        kind="ray",
+        placement="colocated" if colocated else "disaggregated",
+        engines=EngineRoleConfig(
+            count=count, gpus_per_engine=gpus, cpus=engine_cpus, resources={"node_b": 1.0} if pin else {}
+        ),
+        trainer=TrainerRoleConfig(gpus_per_rank=gpus, cpus_per_rank=rank_cpus),
+    )
     plan = plan_placement(cluster, ranks)
     assert len(plan.engines) == count and len(plan.ranks) == ranks
     used: dict[tuple[str, int], list[float]] = {}
@@ -111,8 +126,11 @@ def test_user_modules_travel_in_the_runtime_env(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     env, names = runtime_env_for([str(tmp_path / "single_env.py"), "./pkg_env", "dotted_env.envs", "yaml"])
     assert names == ("single_env", "pkg_env", "dotted_env.envs", "yaml")  # how the workers import them
-    assert env == {"py_modules": sorted([str(tmp_path / "single_env.py"), str(tmp_path / "pkg_env"),
-                                         str(tmp_path / "dotted_env")])}  # an installed package is not shipped
+    assert env == {
+        "py_modules": sorted(
+            [str(tmp_path / "single_env.py"), str(tmp_path / "pkg_env"), str(tmp_path / "dotted_env")]
+        )
+    }  # an installed package is not shipped
     assert runtime_env_for([]) == ({}, ())
     for bad in ("./missing_env.py", "no_such_module_xyz"):
         with pytest.raises(ConfigError) as e:
@@ -129,12 +147,13 @@ def test_without_ray_the_cli_names_the_extra_in_one_line(tmp_path):
         sys.path.insert(0, {str(tmp_path)!r})
         from miles.cli import main
         sys.exit(main(["train", "--config", "configs/calculator.yaml", "--set", "cluster.kind=ray",
-                       "--output-dir", {str(tmp_path / 'run')!r}]))
+                       "--output-dir", {str(tmp_path / "run")!r}]))
     """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines() == [
-        "miles train: config error: cluster.kind: ray needs Ray, which is not installed: pip install -e '.[ray]'"]
+        "miles train: config error: cluster.kind: ray needs Ray, which is not installed: pip install -e '.[ray]'"
+    ]
 
 
 async def test_a_fresh_engine_is_unhealthy_until_it_holds_trainer_weights():
@@ -157,8 +176,9 @@ async def test_a_restarted_engine_rejoins_the_weight_group_and_gets_the_current_
     does). The next push builds the group again and both engines end up with the pushed weights."""
     (e0, h0), (e1, h1) = _served(), _served()
     clients = [SGLangClient(h0.url), SGLangClient(h1.url)]
-    sync = await rejoining_weight_sync(SyncConfig(method="broadcast", timeout_s=60), clients,
-                                       staging_dir=tmp_path, wait_s=30)
+    sync = await rejoining_weight_sync(
+        SyncConfig(method="broadcast", timeout_s=60), clients, staging_dir=tmp_path, wait_s=30
+    )
     try:
         first = small_qwen2(5).state_dict()
         assert (await sync.push(first)).version == 1 and sync.rejoins == 0
@@ -190,8 +210,9 @@ async def test_a_restarted_engine_rejoins_the_weight_group_and_gets_the_current_
 async def test_an_engine_that_never_comes_back_is_a_named_sync_error(tmp_path):
     engine, handle = _served()
     client = SGLangClient(handle.url)
-    sync = await rejoining_weight_sync(SyncConfig(method="broadcast", timeout_s=60), [client],
-                                       staging_dir=tmp_path, wait_s=1.0)
+    sync = await rejoining_weight_sync(
+        SyncConfig(method="broadcast", timeout_s=60), [client], staging_dir=tmp_path, wait_s=1.0
+    )
     try:
         await sync.push(small_qwen2(5).state_dict())
         handle.stop()
@@ -211,7 +232,14 @@ def test_a_config_error_crosses_a_process_boundary_whole():
     from miles.envs.registry import UnknownEnvError
     from miles.sessions.config import SessionConfigError
 
-    for error in (ConfigError("env.import", "cannot import 'x'"), SessionConfigError("bad"), UnknownEnvError("no")):
+    for error in (
+        ConfigError("env.import", "cannot import 'x'"),
+        SessionConfigError("bad"),
+        UnknownEnvError("no"),
+    ):
         back = pickle.loads(pickle.dumps(error))
-        assert type(back) is type(error) and (back.key, back.message, str(back)) == (error.key, error.message,
-                                                                                      str(error))
+        assert type(back) is type(error) and (back.key, back.message, str(back)) == (
+            error.key,
+            error.message,
+            str(error),
+        )

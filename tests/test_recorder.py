@@ -38,14 +38,29 @@ def make_record(i: int, text: str = "hello") -> SessionRecord:
     traj.append([1, 2, 3], role="user", generated=False)
     traj.append([7, 8], role="assistant", generated=True, logprobs=[-0.25, -1.5], weight_version=3)
     traj.reward = 0.5
-    turn = TurnRecord(index=0, engine_id="e0", rid=f"s{i}-t0-a1", weight_version=3, prompt_tokens=3,
-                      output_start=3, output_end=5, finish_reason="stop", text=text,
-                      tool_calls=[{"id": "call_0", "type": "function", "function": {"name": "f", "arguments": {}}}],
-                      attempts=[AttemptRecord("e1", f"s{i}-t0-a0", ErrorInfo("generate", "EngineError", "down"),
-                                              0.01)])
-    return SessionRecord(session_id=f"s{i}", env_id="Test-v0", turns=[turn], reward=0.5,
-                         reward_components={"correct": 0.5}, termination=TerminationReason.DONE,
-                         trajectory=traj, initial_messages=[{"role": "user", "content": text}])
+    turn = TurnRecord(
+        index=0,
+        engine_id="e0",
+        rid=f"s{i}-t0-a1",
+        weight_version=3,
+        prompt_tokens=3,
+        output_start=3,
+        output_end=5,
+        finish_reason="stop",
+        text=text,
+        tool_calls=[{"id": "call_0", "type": "function", "function": {"name": "f", "arguments": {}}}],
+        attempts=[AttemptRecord("e1", f"s{i}-t0-a0", ErrorInfo("generate", "EngineError", "down"), 0.01)],
+    )
+    return SessionRecord(
+        session_id=f"s{i}",
+        env_id="Test-v0",
+        turns=[turn],
+        reward=0.5,
+        reward_components={"correct": 0.5},
+        termination=TerminationReason.DONE,
+        trajectory=traj,
+        initial_messages=[{"role": "user", "content": text}],
+    )
 
 
 def test_roundtrip_keeps_every_field(tmp_path: Path) -> None:
@@ -58,7 +73,9 @@ def test_roundtrip_keeps_every_field(tmp_path: Path) -> None:
     assert len(lines) == 4 and lines[-1] == b""
     result = read_sessions(path)
     assert result.bad_lines == []
-    assert [r.to_dict() for r in result.records] == [make_record(i, f"line\nbreak {i} ✓").to_dict() for i in range(3)]
+    assert [r.to_dict() for r in result.records] == [
+        make_record(i, f"line\nbreak {i} ✓").to_dict() for i in range(3)
+    ]
     r0 = result.records[0]
     assert r0.turns[0].attempts[0].error.message == "down"
     assert r0.trajectory.rollout_logprobs == [0.0, 0.0, 0.0, -0.25, -1.5]
@@ -116,7 +133,9 @@ def test_a_last_record_that_lost_only_its_newline_is_kept(tmp_path: Path) -> Non
 
 
 @settings(max_examples=40, deadline=None)
-@given(n=st.integers(1, 4), where=st.floats(0, 1), texts=st.lists(st.text(max_size=30), min_size=4, max_size=4))
+@given(
+    n=st.integers(1, 4), where=st.floats(0, 1), texts=st.lists(st.text(max_size=30), min_size=4, max_size=4)
+)
 def test_any_cut_then_reopen_loses_no_complete_record(n: int, where: float, texts: list[str]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "sessions.jsonl"
@@ -151,7 +170,11 @@ def test_drop_after_moves_redone_sessions_aside(tmp_path: Path) -> None:
     rec.write(make_record(7))
     rec.close()
     assert [r.session_id for r in read_sessions(path).records] == ["s0", "s1", "s2", "s7"]
-    assert [r.session_id for r in read_sessions(tmp_path / "sessions.jsonl.dropped").records] == ["s3", "s4", "s5"]
+    assert [r.session_id for r in read_sessions(tmp_path / "sessions.jsonl.dropped").records] == [
+        "s3",
+        "s4",
+        "s5",
+    ]
     with Recorder(path) as again:
         assert again.drop_after(1000.0) == 0
     assert not (tmp_path / "sessions.jsonl.tmp").exists()
@@ -163,8 +186,14 @@ async def test_a_resumed_run_records_each_session_once(tmp_path: Path) -> None:
     engine = InstantEngine([ids(call_text("add", a=2, b=3)), ids("5")])
 
     async def step(run_id: str, tasks: list[str], recorder: Recorder) -> None:
-        sched = SessionScheduler(engine, tokenizer=tito(), env_factory=AddEnv, recorder=recorder, run_id=run_id,
-                                 config=SchedulerConfig(group_size=2, progress=False))
+        sched = SessionScheduler(
+            engine,
+            tokenizer=tito(),
+            env_factory=AddEnv,
+            recorder=recorder,
+            run_id=run_id,
+            config=SchedulerConfig(group_size=2, progress=False),
+        )
         await sched.run(tasks)
 
     rec = Recorder(path)
@@ -181,7 +210,15 @@ async def test_a_resumed_run_records_each_session_once(tmp_path: Path) -> None:
     result = read_sessions(path)
     assert result.bad_lines == []
     assert sorted((r.task["task_id"], r.session_id[0]) for r in result.records) == [
-        ("t0", "a"), ("t0", "a"), ("t1", "a"), ("t1", "a"), ("t2", "c"), ("t2", "c"), ("t3", "c"), ("t3", "c")]
+        ("t0", "a"),
+        ("t0", "a"),
+        ("t1", "a"),
+        ("t1", "a"),
+        ("t2", "c"),
+        ("t2", "c"),
+        ("t3", "c"),
+        ("t3", "c"),
+    ]
     dropped = read_sessions(tmp_path / "sessions.jsonl.dropped").records
     assert sorted(r.session_id for r in dropped) == [f"b-s{k}" for k in range(4)]
 
@@ -232,8 +269,11 @@ while True:
 
 def test_killed_writer_leaves_only_complete_lines(tmp_path: Path) -> None:
     path = tmp_path / "sessions.jsonl"
-    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(path), str(Path(__file__).parent)],
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(path), str(Path(__file__).parent)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
         time.sleep(0.2)
@@ -254,9 +294,11 @@ def test_killed_writer_leaves_only_complete_lines(tmp_path: Path) -> None:
     assert after.bad_lines == []
 
 
-json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
-                           lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
-                           max_leaves=20)
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+    max_leaves=20,
+)
 
 
 @settings(max_examples=60, deadline=None)
@@ -298,7 +340,23 @@ def test_a_record_that_cannot_be_written_stops_the_run_with_exit_3(tmp_path, cap
     monkeypatch.setattr(Recorder, "append", failing)
     repo = Path(__file__).resolve().parents[1]
     monkeypatch.chdir(repo)
-    assert main(["train", "--config", str(repo / "configs" / "calculator.yaml"), "--output-dir", str(tmp_path / "r"),
-                 "--set", "steps=3", "--set", "eval.num_tasks=2", "--set", "rollout.tasks_per_step=1"]) == 3
+    assert (
+        main(
+            [
+                "train",
+                "--config",
+                str(repo / "configs" / "calculator.yaml"),
+                "--output-dir",
+                str(tmp_path / "r"),
+                "--set",
+                "steps=3",
+                "--set",
+                "eval.num_tasks=2",
+                "--set",
+                "rollout.tasks_per_step=1",
+            ]
+        )
+        == 3
+    )
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("miles train: the run is broken: 1 session record(s) could not be written to ")

@@ -53,8 +53,14 @@ def recording(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("replay") / "sessions.jsonl"
     kinds = iter([AddEnv, AddEnv, StepFailsEnv, AddEnv])
     engine = InstantEngine([ids(call_text("add", a=2, b=3)), ids("5")])
-    sched = SessionScheduler(engine, tokenizer=tito(), env_factory=lambda: next(kinds)(), recorder=path,
-                             config=SchedulerConfig(group_size=2), run_id="rp")
+    sched = SessionScheduler(
+        engine,
+        tokenizer=tito(),
+        env_factory=lambda: next(kinds)(),
+        recorder=path,
+        config=SchedulerConfig(group_size=2),
+        run_id="rp",
+    )
     asyncio.run(sched.run(["t2", "t3"]))  # t2 is solved by the script, t3 is not
     return path
 
@@ -112,7 +118,9 @@ def test_rescore_uses_the_current_reward_functions(recording: Path) -> None:
     assert not same.changed and same.reward == 1.0
     new = asyncio.run(rescore(r, lambda _: AddEnvStricter()))
     assert new.changed and new.reward == 0.0 and new.recorded_reward == 1.0
-    code, out = cli(str(recording), "--session", "rp-s0", "--rescore", "--env-factory", "test_replay:make_stricter")
+    code, out = cli(
+        str(recording), "--session", "rp-s0", "--rescore", "--env-factory", "test_replay:make_stricter"
+    )
     assert code == 0 and "reward 1 -> 0 (CHANGED)" in out
 
 
@@ -143,7 +151,7 @@ def test_check_on_a_file_with_no_session_record_fails(tmp_path, capsys):
     from miles.sessions.replay_cli import main as replay
 
     noise = tmp_path / "noise.jsonl"
-    noise.write_bytes(bytes(range(256)) * 40 + b"\n{\"not\": \"a record\"}\n")
+    noise.write_bytes(bytes(range(256)) * 40 + b'\n{"not": "a record"}\n')
     empty = tmp_path / "empty.jsonl"
     empty.write_bytes(b"")
     for path in (noise, empty):
@@ -151,14 +159,17 @@ def test_check_on_a_file_with_no_session_record_fails(tmp_path, capsys):
         assert f"miles replay: {path} holds no session record" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(("field", "tamper"), [
-    ("tool results", lambda r: r.turns[0].tool_results[0].update(content="6")),
-    ("observation", lambda r: r.turns[0].observation.append({"role": "user", "content": "extra"})),
-    ("reward", lambda r: setattr(r.turns[1], "reward", 0.25)),
-    ("terminated", lambda r: setattr(r.turns[1], "terminated", False)),
-    ("truncated", lambda r: setattr(r.turns[1], "truncated", True)),
-    ("final reward", lambda r: setattr(r, "reward", 0.5)),
-])
+@pytest.mark.parametrize(
+    ("field", "tamper"),
+    [
+        ("tool results", lambda r: r.turns[0].tool_results[0].update(content="6")),
+        ("observation", lambda r: r.turns[0].observation.append({"role": "user", "content": "extra"})),
+        ("reward", lambda r: setattr(r.turns[1], "reward", 0.25)),
+        ("terminated", lambda r: setattr(r.turns[1], "terminated", False)),
+        ("truncated", lambda r: setattr(r.turns[1], "truncated", True)),
+        ("final reward", lambda r: setattr(r, "reward", 0.5)),
+    ],
+)
 def test_check_compares_every_recorded_field(recording: Path, field, tamper) -> None:
     """Change one recorded value of a session that re-drives cleanly: the check names exactly that field (so a
     comparison dropped from the replay fails here)."""

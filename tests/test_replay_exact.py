@@ -68,7 +68,7 @@ def tokens(tito, text: str, *, stop: bool = True) -> list[int]:
 
 
 def call(name: str, **arguments: object) -> str:
-    return f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>'
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
 
 @pytest.fixture(scope="module")
@@ -91,18 +91,25 @@ def bank_run(tmp_path_factory, compact_tito):
     replies = [cut, tokens(compact_tito, call("withdraw", amount=30)), tokens(compact_tito, "Done.")]
     engine = InstantEngine(replies)
     path = root / "run" / "sessions.jsonl"
-    config = SchedulerConfig(group_size=2, progress=False,
-                             session=SessionConfig(sampling=SamplingParams(max_new_tokens=len(cut))))
-    sched = SessionScheduler(engine, tokenizer=compact_tito, recipe=recipe, recorder=path, config=config,
-                             run_id="bank")
+    config = SchedulerConfig(
+        group_size=2, progress=False, session=SessionConfig(sampling=SamplingParams(max_new_tokens=len(cut)))
+    )
+    sched = SessionScheduler(
+        engine, tokenizer=compact_tito, recipe=recipe, recorder=path, config=config, run_id="bank"
+    )
     asyncio.run(sched.run([f"b{i}" for i in range(1, 5)]))
     asyncio.run(sched.aclose())
     return root, module, path
 
 
 def replay(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "miles.cli", "replay", *argv], capture_output=True, text=True,
-                          cwd=cwd, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "miles.cli", "replay", *argv],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=300,
+    )
 
 
 def test_recording_holds_what_rebuilds_the_episode(bank_run):
@@ -142,8 +149,10 @@ def test_an_env_that_cannot_be_rebuilt_exits_2_with_one_line(bank_run, tmp_path,
     code, out = cli(str(moved), "--check")
     err = " ".join(capsys.readouterr().err.split())
     assert code == 2 and "check ok" not in out and "Traceback" not in err
-    assert err.startswith("miles replay: cannot rebuild env 'Bank-moved-v0' of session bank-s0: cannot import "
-                          "'bank_env_that_moved': no module named 'bank_env_that_moved'")
+    assert err.startswith(
+        "miles replay: cannot rebuild env 'Bank-moved-v0' of session bank-s0: cannot import "
+        "'bank_env_that_moved': no module named 'bank_env_that_moved'"
+    )
     assert err.endswith("or pass --import MODULE (a module name or a .py path)")
     code, _ = cli(str(moved), "--check", "--import", "no_such_user_module")
     err = capsys.readouterr().err
@@ -178,13 +187,23 @@ def test_tito_uses_the_recorded_chat_template(bank_run, capsys):
 
 def test_length_cut_tool_call_replays_without_divergence(compact_tito, tmp_path):
     cut = tokens(compact_tito, call("calculate", expression="3 + 4 * 2 - 1 + 5"), stop=False)[:-8]
-    replies = [cut, tokens(compact_tito, call("calculate", expression="3 + 4")),
-               tokens(compact_tito, "The answer is 7.")]
+    replies = [
+        cut,
+        tokens(compact_tito, call("calculate", expression="3 + 4")),
+        tokens(compact_tito, "The answer is 7."),
+    ]
     path = tmp_path / "sessions.jsonl"
-    config = SchedulerConfig(group_size=4, progress=False,
-                             session=SessionConfig(sampling=SamplingParams(max_new_tokens=len(cut))))
-    sched = SessionScheduler(InstantEngine(replies), tokenizer=compact_tito, recorder=path, config=config,
-                             recipe=EnvRecipe("Calculator-v0", {"split": "train"}), run_id="cut")
+    config = SchedulerConfig(
+        group_size=4, progress=False, session=SessionConfig(sampling=SamplingParams(max_new_tokens=len(cut)))
+    )
+    sched = SessionScheduler(
+        InstantEngine(replies),
+        tokenizer=compact_tito,
+        recorder=path,
+        config=config,
+        recipe=EnvRecipe("Calculator-v0", {"split": "train"}),
+        run_id="cut",
+    )
     asyncio.run(sched.run([0]))
     asyncio.run(sched.aclose())
     records = read_sessions(path).records
@@ -205,20 +224,35 @@ def test_each_message_is_stored_once(bank_run):
     error_text = json.dumps(record.turns[0].observation[0]["content"])[1:-1]
     assert line.count(error_text) == 1  # version 1 repeated it in tool_results and trajectory.messages
     assert line.count('"prompt"') <= 1 and line.count("Take out") == 1
-    assert [m.role for m in record.trajectory.messages] == ["user", "assistant", "tool", "assistant", "tool",
-                                                             "assistant"]
+    assert [m.role for m in record.trajectory.messages] == [
+        "user",
+        "assistant",
+        "tool",
+        "assistant",
+        "tool",
+        "assistant",
+    ]
     assert record.turns[1].tool_results == [{"call_id": "call_0", "name": "withdraw", "content": "220"}]
-    assert record.turns[1].tool_calls == [{"id": "call_0", "type": "function",
-                                           "function": {"name": "withdraw", "arguments": {"amount": 30}}}]
+    assert record.turns[1].tool_calls == [
+        {"id": "call_0", "type": "function", "function": {"name": "withdraw", "arguments": {"amount": 30}}}
+    ]
 
 
 def test_version_1_records_still_load_and_replay(capsys):
     records = read_sessions(V1_FILE).records
     assert len(records) == 1
     r = records[0]
-    assert r.version == 1 and r.recipe is None and r.tokenizer_spec is None and r.tokenizer == "tiny:miles-tiny"
-    assert [m.role for m in r.trajectory.messages] == ["user", "assistant", "tool", "assistant", "tool",
-                                                        "assistant"]
+    assert (
+        r.version == 1 and r.recipe is None and r.tokenizer_spec is None and r.tokenizer == "tiny:miles-tiny"
+    )
+    assert [m.role for m in r.trajectory.messages] == [
+        "user",
+        "assistant",
+        "tool",
+        "assistant",
+        "tool",
+        "assistant",
+    ]
     assert r.turns[0].finish_reason == "length" and NOT_CLOSED in r.turns[0].tool_results[0]["content"]
     res = asyncio.run(check(r))  # the lost parse error comes back from re-parsing with the recorded parser
     assert res.ok and res.steps == 3, res.divergence and res.divergence.describe()

@@ -87,8 +87,13 @@ async def test_two_servers_behind_the_real_sglang_router(two_servers, model_dir)
 
 
 # ---- the routing decision -------------------------------------------------------------------------------
-views_st = st.lists(st.builds(EngineView, state=st.sampled_from(EngineState), inflight=st.integers(0, 6),
-                              limit=st.integers(1, 4)), min_size=1, max_size=6)
+views_st = st.lists(
+    st.builds(
+        EngineView, state=st.sampled_from(EngineState), inflight=st.integers(0, 6), limit=st.integers(1, 4)
+    ),
+    min_size=1,
+    max_size=6,
+)
 
 
 @given(views=views_st, data=st.data())
@@ -114,21 +119,45 @@ def test_routing_never_picks_a_suspect_engine_and_keeps_affinity(views: list[Eng
 
 
 # ---- the project's Router over real HTTP -------------------------------------------------------------------
-def scheduler(engines: list, tmp_path: Path, *, sessions: int, max_turns: int, max_new_tokens: int = 16,
-              timeouts: TimeoutConfig | None = None, env: Any = AddEnv, group_size: int = 4) -> SessionScheduler:
-    session = SessionConfig(sampling=SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0),
-                            parser="test-always-add", max_turns=max_turns, timeouts=timeouts or TimeoutConfig(),
-                            retry=RetryConfig(max_retries=2, base_delay_s=0.01, max_delay_s=0.05))
-    return SessionScheduler(engines, tokenizer=tito(), env_factory=env, recorder=tmp_path / "sessions.jsonl",
-                            config=SchedulerConfig(session=session, group_size=group_size, progress=False,
-                                                   max_concurrent_sessions=max(sessions, group_size)))
+def scheduler(
+    engines: list,
+    tmp_path: Path,
+    *,
+    sessions: int,
+    max_turns: int,
+    max_new_tokens: int = 16,
+    timeouts: TimeoutConfig | None = None,
+    env: Any = AddEnv,
+    group_size: int = 4,
+) -> SessionScheduler:
+    session = SessionConfig(
+        sampling=SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0),
+        parser="test-always-add",
+        max_turns=max_turns,
+        timeouts=timeouts or TimeoutConfig(),
+        retry=RetryConfig(max_retries=2, base_delay_s=0.01, max_delay_s=0.05),
+    )
+    return SessionScheduler(
+        engines,
+        tokenizer=tito(),
+        env_factory=env,
+        recorder=tmp_path / "sessions.jsonl",
+        config=SchedulerConfig(
+            session=session,
+            group_size=group_size,
+            progress=False,
+            max_concurrent_sessions=max(sessions, group_size),
+        ),
+    )
 
 
 async def run_all(sched: SessionScheduler, tasks: list[Any]) -> list[SessionRecord]:
     groups = await sched.run(tasks)
     await sched.aclose()
     records = [r for g in groups for r in g.records]
-    assert len(read_sessions(sched.recorder.path).records) == sched.stats.scheduled == len(records)  # none lost
+    assert (
+        len(read_sessions(sched.recorder.path).records) == sched.stats.scheduled == len(records)
+    )  # none lost
     return records
 
 
@@ -146,20 +175,34 @@ async def test_later_turns_stay_on_the_engine_holding_their_cache(tmp_path) -> N
     clients = [SGLangClient(handle.url, engine_id=engine.engine_id) for engine, handle in servers]
     try:
         # a generous floor: this test is about where turns go, not about deadlines on a shared 2-core machine
-        sched = scheduler(clients, tmp_path, sessions=32, max_turns=4, timeouts=TimeoutConfig(turn_floor_s=60),
-                          env=JitterEnv)
+        sched = scheduler(
+            clients,
+            tmp_path,
+            sessions=32,
+            max_turns=4,
+            timeouts=TimeoutConfig(turn_floor_s=60),
+            env=JitterEnv,
+        )
         records = await run_all(sched, [f"t{i}" for i in range(8)])
-        assert len(records) == 32 and all(r.termination in OK_ENDS for r in records), [r.error for r in records]
+        assert len(records) == 32 and all(r.termination in OK_ENDS for r in records), [
+            r.error for r in records
+        ]
         later = [(prev, turn) for r in records for prev, turn in zip(r.turns, r.turns[1:], strict=False)]
         assert len(later) == 32 * 3
         on_cache = sum(turn.engine_id == prev.engine_id and turn.cached_tokens > 0 for prev, turn in later)
         assert on_cache / len(later) >= 0.95, f"{on_cache} of {len(later)} later turns stayed on their cache"
-        assert {r.turns[0].engine_id for r in records} == {"embedded-0", "embedded-1"}  # both engines got sessions
+        assert {r.turns[0].engine_id for r in records} == {
+            "embedded-0",
+            "embedded-1",
+        }  # both engines got sessions
         stats = sched.router.stats()
         assert stats.affinity >= 0.95 and sum(e.stayed for e in stats.engines) == on_cache
         assert stats.cached_token_ratio > 0.5 and sum(e.suspect_marks for e in stats.engines) == 0
         metrics = stats.to_metrics()
-        assert metrics["router_cached_token_ratio"] == stats.cached_token_ratio and metrics["router_turns"] == 128
+        assert (
+            metrics["router_cached_token_ratio"] == stats.cached_token_ratio
+            and metrics["router_turns"] == 128
+        )
     finally:
         for c in clients:
             await c.close()
@@ -181,8 +224,12 @@ async def test_black_hole_engine_is_suspected_and_its_turns_retried_elsewhere(tm
         assert hole.generate_calls > 0
         retried = [t for r in records for t in r.turns if t.attempts]
         assert retried and all(t.engine_id == "healthy" for t in retried)
-        assert all(a.engine_id == "black-hole" and a.error.type == "TurnTimeout" for t in retried for a in t.attempts)
-        assert all(t.engine_id == "healthy" for r in records for t in r.turns)  # no turn was answered by the hole
+        assert all(
+            a.engine_id == "black-hole" and a.error.type == "TurnTimeout" for t in retried for a in t.attempts
+        )
+        assert all(
+            t.engine_id == "healthy" for r in records for t in r.turns
+        )  # no turn was answered by the hole
         hole_stats, healthy_stats = sched.router.stats().engines
         assert hole_stats.suspect_marks >= 1 and healthy_stats.suspect_marks == 0
         assert hole_stats.suspect_marked_at[0] - hole_stats.first_sent_at <= 10.0
@@ -202,17 +249,24 @@ DECODE_S_PER_STEP = 0.01
 
 @pytest.mark.slow
 async def test_concurrent_first_turns_on_a_loaded_engine_fit_their_deadline_and_a_black_hole_still_times_out(
-        tmp_path) -> None:
+    tmp_path,
+) -> None:
     tasks = [{"task": Task(id=f"long{i}", prompt=LONG_PROMPT, answer="3")} for i in range(8)]
-    engine, handle = embedded_server("loaded", max_positions=4096, prefill_s_per_token=PREFILL_S_PER_TOKEN,
-                                     decode_s_per_step=DECODE_S_PER_STEP)
+    engine, handle = embedded_server(
+        "loaded",
+        max_positions=4096,
+        prefill_s_per_token=PREFILL_S_PER_TOKEN,
+        decode_s_per_step=DECODE_S_PER_STEP,
+    )
     client = SGLangClient(handle.url, engine_id="loaded")
     floor = TimeoutConfig().turn_floor_s
     try:
         sched = scheduler([client], tmp_path / "loaded", sessions=8, max_turns=1, group_size=1)
         records = await run_all(sched, tasks)
         turns = [r.turns[0] for r in records]
-        assert len(records) == 8 and all(r.termination in OK_ENDS for r in records), [r.error for r in records]
+        assert len(records) == 8 and all(r.termination in OK_ENDS for r in records), [
+            r.error for r in records
+        ]
         assert all(not t.attempts for t in turns)
         # The 8 prefills queue in one engine: the last turn took longer than the default floor, which would
         # have been its whole deadline without the load term (an idle-engine deadline stays below the floor).
@@ -253,9 +307,18 @@ async def test_sglang_v1_loads_wire_format_and_client() -> None:
     fields = sglang_load_snapshot_fields()
     body = loads_body(EngineLoad(running=3, waiting=2, waiting_tokens=900))
     assert set(body["loads"][0]) <= fields  # every key we serve or read is SGLang's
-    two_ranks = {"loads": [{**body["loads"][0], "dp_rank": 0},
-                           {"dp_rank": 1, "num_running_reqs": 4, "num_waiting_reqs": 0,
-                            "num_waiting_uncached_tokens": 0, "gen_throughput": 12.5}]}
+    two_ranks = {
+        "loads": [
+            {**body["loads"][0], "dp_rank": 0},
+            {
+                "dp_rank": 1,
+                "num_running_reqs": 4,
+                "num_waiting_reqs": 0,
+                "num_waiting_uncached_tokens": 0,
+                "gen_throughput": 12.5,
+            },
+        ]
+    }
     server = StubServer({"/v1/loads": two_ranks})
     client = SGLangClient(server.url)
     try:
@@ -273,7 +336,10 @@ async def test_embedded_engine_reports_its_queue_in_process_and_over_http() -> N
     client = SGLangClient(handle.url)
     try:
         assert await engine.load() == await client.load() == EngineLoad(0, 0)
-        calls = [asyncio.create_task(engine.generate([1] * 400, SamplingParams(max_new_tokens=2))) for _ in range(3)]
+        calls = [
+            asyncio.create_task(engine.generate([1] * 400, SamplingParams(max_new_tokens=2)))
+            for _ in range(3)
+        ]
         async with asyncio.timeout(30):
             while (seen := await client.load()).requests < 3:  # each prefill takes 0.8 s: all 3 are seen
                 await asyncio.sleep(0.01)

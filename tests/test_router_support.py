@@ -43,10 +43,21 @@ class StubServer:
                 self.wfile.write(data)
 
             def _forward(self, method: str, body: bytes) -> None:
-                headers = {k: v for k, v in (("Content-Type", "application/json" if body else None),
-                                             ("Authorization", self.headers.get("Authorization"))) if v}
-                resp = httpx.request(method, f"{upstream}{self.path}", content=body or None, timeout=120,
-                                     headers=headers or None)
+                headers = {
+                    k: v
+                    for k, v in (
+                        ("Content-Type", "application/json" if body else None),
+                        ("Authorization", self.headers.get("Authorization")),
+                    )
+                    if v
+                }
+                resp = httpx.request(
+                    method,
+                    f"{upstream}{self.path}",
+                    content=body or None,
+                    timeout=120,
+                    headers=headers or None,
+                )
                 self._answer(resp.status_code, raw=resp.content)
 
             def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
@@ -94,8 +105,7 @@ def black_hole() -> StubServer:
     return StubServer({"/health": None, "/health_generate": None})
 
 
-def slowed(engine: EmbeddedEngine, *, prefill_s_per_token: float,
-           decode_s_per_step: float) -> EmbeddedEngine:
+def slowed(engine: EmbeddedEngine, *, prefill_s_per_token: float, decode_s_per_step: float) -> EmbeddedEngine:
     """Make `engine`'s model work cost real time: `prefill_s_per_token` per uncached prompt token of a prefill,
     `decode_s_per_step` per batched decode step whatever its batch size (a GPU-like engine)."""
     prefill, step = engine._prefill, engine._step
@@ -112,8 +122,9 @@ def slowed(engine: EmbeddedEngine, *, prefill_s_per_token: float,
     return engine
 
 
-def embedded_server(engine_id: str, *, max_positions: int = 2048, **slow: float) -> tuple[EmbeddedEngine,
-                                                                                         ServerHandle]:
+def embedded_server(
+    engine_id: str, *, max_positions: int = 2048, **slow: float
+) -> tuple[EmbeddedEngine, ServerHandle]:
     """A real embedded engine (the 0.1M tiny model, optionally `slowed(**slow)`) behind its HTTP server."""
     model = make_tiny_model("0.1m", vocab_size=len(tito().tokenizer), max_position_embeddings=max_positions)
     engine = EmbeddedEngine(model, engine_id=engine_id)

@@ -49,8 +49,12 @@ def responder(input_ids: list[int], session_id: str | None, k: int) -> list[int]
 
 
 def config(**kw: Any) -> SchedulerConfig:
-    session = kw.pop("session", SessionConfig(sampling=SamplingParams(max_new_tokens=64),
-                                              retry=RetryConfig(max_retries=2, base_delay_s=0.001)))
+    session = kw.pop(
+        "session",
+        SessionConfig(
+            sampling=SamplingParams(max_new_tokens=64), retry=RetryConfig(max_retries=2, base_delay_s=0.001)
+        ),
+    )
     return SchedulerConfig(session=session, **kw)
 
 
@@ -83,8 +87,14 @@ class SlowTaskEnv(AddEnv):
 
 async def test_groups_of_n_samples_are_all_recorded(tmp_path: Path) -> None:
     path = tmp_path / "sessions.jsonl"
-    sched = SessionScheduler(InstantEngine(respond=responder), tokenizer=tito(), env_factory=AddEnv,
-                             config=config(group_size=3, seed=100), recorder=path, run_id="r1")
+    sched = SessionScheduler(
+        InstantEngine(respond=responder),
+        tokenizer=tito(),
+        env_factory=AddEnv,
+        config=config(group_size=3, seed=100),
+        recorder=path,
+        run_id="r1",
+    )
     groups = await sched.run([f"t{i}" for i in range(5)])
     await sched.aclose()
     assert sorted(g.index for g in groups) == list(range(5))
@@ -107,23 +117,43 @@ async def test_groups_of_n_samples_are_all_recorded(tmp_path: Path) -> None:
 async def test_concurrency_limit_holds_in_both_group_modes(mode: str) -> None:
     CountingEnv.live = CountingEnv.peak = 0
     CountingEnv.events = []
-    sched = SessionScheduler(InstantEngine(respond=responder), tokenizer=tito(), env_factory=CountingEnv,
-                             config=config(group_size=2, group_mode=mode, max_concurrent_sessions=3))
+    sched = SessionScheduler(
+        InstantEngine(respond=responder),
+        tokenizer=tito(),
+        env_factory=CountingEnv,
+        config=config(group_size=2, group_mode=mode, max_concurrent_sessions=3),
+    )
     groups = await sched.run([f"t{i}" for i in range(6)])
     assert len(groups) == 6 and all(g.all_ok for g in groups)
     assert CountingEnv.peak <= 3 and CountingEnv.live == 0
     if mode == "unit":  # a group waits until it fits whole: the third slot stays free until an episode ends
         assert CountingEnv.events[:3] == [("start", "t0"), ("start", "t0"), ("end", "t0")], CountingEnv.events
     else:  # backfill fills every slot at once: half of the second group starts beside the first
-        assert CountingEnv.peak == 3 and CountingEnv.events[:3] == [("start", "t0"), ("start", "t0"), ("start", "t1")]
+        assert CountingEnv.peak == 3 and CountingEnv.events[:3] == [
+            ("start", "t0"),
+            ("start", "t0"),
+            ("start", "t1"),
+        ]
 
 
 async def test_oversampling_keeps_the_first_groups_and_records_the_aborted(tmp_path: Path) -> None:
-    tasks = [Task(id=f"t{i}", prompt=f"What is {i} + {i + 1}?", answer=str(2 * i + 1),
-                  data={"slow": 30.0 if i in (0, 3) else 0.0}) for i in range(4)]
+    tasks = [
+        Task(
+            id=f"t{i}",
+            prompt=f"What is {i} + {i + 1}?",
+            answer=str(2 * i + 1),
+            data={"slow": 30.0 if i in (0, 3) else 0.0},
+        )
+        for i in range(4)
+    ]
     path = tmp_path / "sessions.jsonl"
-    sched = SessionScheduler(InstantEngine(respond=responder), tokenizer=tito(), env_factory=SlowTaskEnv,
-                             config=config(group_size=2, oversample_groups=2), recorder=path)
+    sched = SessionScheduler(
+        InstantEngine(respond=responder),
+        tokenizer=tito(),
+        env_factory=SlowTaskEnv,
+        config=config(group_size=2, oversample_groups=2),
+        recorder=path,
+    )
     kept = []
     async with contextlib.aclosing(sched.run_groups(tasks, num_groups=2)) as groups:
         async for g in groups:
@@ -148,8 +178,13 @@ async def test_one_failing_env_never_affects_the_others(tmp_path: Path) -> None:
         return kinds[k % 4]()
 
     path = tmp_path / "sessions.jsonl"
-    sched = SessionScheduler(InstantEngine(respond=responder), tokenizer=tito(), env_factory=factory,
-                             config=config(group_size=4), recorder=path)
+    sched = SessionScheduler(
+        InstantEngine(respond=responder),
+        tokenizer=tito(),
+        env_factory=factory,
+        config=config(group_size=4),
+        recorder=path,
+    )
     groups = await sched.run(["t1", "t2"])
     by_kind: dict[str, list[TerminationReason]] = {}
     for r in (r for g in groups for r in g.records):
@@ -165,8 +200,12 @@ async def test_one_failing_env_never_affects_the_others(tmp_path: Path) -> None:
 async def test_failover_and_per_engine_limits_across_many_sessions() -> None:
     dead = FlakyEngine(InstantEngine(respond=responder), fail_calls=set(range(10**6)), engine_id="dead")
     ok = [InstantEngine(respond=responder, engine_id=f"ok{i}", delay_s=0.002) for i in range(2)]
-    sched = SessionScheduler([dead, *ok], tokenizer=tito(), env_factory=AddEnv,
-                             config=config(group_size=4, max_inflight_per_engine=2))
+    sched = SessionScheduler(
+        [dead, *ok],
+        tokenizer=tito(),
+        env_factory=AddEnv,
+        config=config(group_size=4, max_inflight_per_engine=2),
+    )
     groups = await sched.run([f"t{i % 8}" for i in range(10)])
     records = [r for g in groups for r in g.records]
     assert len(records) == 40 and all(r.termination == TerminationReason.DONE for r in records)
@@ -174,8 +213,9 @@ async def test_failover_and_per_engine_limits_across_many_sessions() -> None:
 
 
 async def test_invalid_task_is_a_named_error() -> None:
-    sched = SessionScheduler(InstantEngine(respond=responder), tokenizer=tito(), env_factory=AddEnv,
-                             config=config())
+    sched = SessionScheduler(
+        InstantEngine(respond=responder), tokenizer=tito(), env_factory=AddEnv, config=config()
+    )
     with pytest.raises(InvalidTaskError):
         await sched.run(["t1", 2.5])
     assert sched.stats.running == 0
@@ -183,6 +223,7 @@ async def test_invalid_task_is_a_named_error() -> None:
 
 async def test_consumer_leaving_early_still_records_every_started_session(tmp_path: Path) -> None:
     path = tmp_path / "sessions.jsonl"
+
     class FirstTaskFast(InstantEngine):
         """Task t0 is answered at once; every other request waits until it is aborted (or 60 s)."""
 
@@ -191,8 +232,13 @@ async def test_consumer_leaving_early_still_records_every_started_session(tmp_pa
             return await super().generate(input_ids, sampling_params, session_id=session_id, rid=rid)
 
     engine = FirstTaskFast(respond=responder)
-    sched = SessionScheduler(engine, tokenizer=tito(), env_factory=AddEnv, recorder=path,
-                             config=config(group_size=2, max_concurrent_sessions=4))
+    sched = SessionScheduler(
+        engine,
+        tokenizer=tito(),
+        env_factory=AddEnv,
+        recorder=path,
+        config=config(group_size=2, max_concurrent_sessions=4),
+    )
     async with contextlib.aclosing(sched.run_groups([f"t{i % 8}" for i in range(50)])) as groups:
         async for _ in groups:
             break
@@ -206,8 +252,12 @@ async def test_consumer_leaving_early_still_records_every_started_session(tmp_pa
 async def test_turn_deadlines_follow_measured_engine_speed() -> None:
     timeouts = TimeoutConfig(turn_floor_s=0.3, turn_cap_s=100.0, slack=2.0, min_observations=2)
     session = SessionConfig(sampling=SamplingParams(max_new_tokens=64), timeouts=timeouts)
-    sched = SessionScheduler(InstantEngine(respond=responder, delay_s=0.01), tokenizer=tito(), env_factory=AddEnv,
-                             config=config(session=session, group_size=2))
+    sched = SessionScheduler(
+        InstantEngine(respond=responder, delay_s=0.01),
+        tokenizer=tito(),
+        env_factory=AddEnv,
+        config=config(session=session, group_size=2),
+    )
     groups = await sched.run(["t1", "t2", "t3"])
     assert all(r.termination == TerminationReason.DONE for g in groups for r in g.records)
     deadlines = [t.deadline_s for g in groups for r in g.records for t in r.turns]

@@ -33,8 +33,15 @@ PARAMS = SamplingParams(max_new_tokens=4)
 
 
 def test_deadline_uses_prior_until_measured_then_follows_the_engine() -> None:
-    cfg = TimeoutConfig(turn_floor_s=0.01, turn_cap_s=1000.0, slack=2.0, prior_prefill_tokens_per_s=1000.0,
-                        prior_decode_tokens_per_s=10.0, prior_overhead_s=0.0, min_observations=3)
+    cfg = TimeoutConfig(
+        turn_floor_s=0.01,
+        turn_cap_s=1000.0,
+        slack=2.0,
+        prior_prefill_tokens_per_s=1000.0,
+        prior_decode_tokens_per_s=10.0,
+        prior_overhead_s=0.0,
+        min_observations=3,
+    )
     est = ThroughputEstimator(cfg)
     assert est.turn_deadline_s(1000, 100) == pytest.approx(2.0 * (1.0 + 10.0))
     # The engine is really 0.2 ms per prompt token, 5 ms per output token, 20 ms per call.
@@ -165,8 +172,15 @@ async def test_router_rate_limit_spaces_requests() -> None:
 
 
 def test_turn_deadline_includes_the_queue_and_grows_with_arrivals_behind() -> None:
-    cfg = TimeoutConfig(turn_floor_s=0.01, turn_cap_s=1000.0, slack=2.0, prior_prefill_tokens_per_s=1000.0,
-                        prior_decode_tokens_per_s=10.0, prior_overhead_s=0.5, batch_slowdown=0.1)
+    cfg = TimeoutConfig(
+        turn_floor_s=0.01,
+        turn_cap_s=1000.0,
+        slack=2.0,
+        prior_prefill_tokens_per_s=1000.0,
+        prior_decode_tokens_per_s=10.0,
+        prior_overhead_s=0.5,
+        batch_slowdown=0.1,
+    )
     est = ThroughputEstimator(cfg)
     idle = est.deadline(1000, 100)
     assert idle.expected_s == pytest.approx(0.5 + 1.0 + 10.0) and idle.seconds == pytest.approx(23.0)
@@ -180,8 +194,14 @@ def test_turn_deadline_includes_the_queue_and_grows_with_arrivals_behind() -> No
 
 
 async def test_router_deadline_counts_the_prefill_queued_at_its_engine() -> None:
-    cfg = TimeoutConfig(turn_floor_s=0.01, slack=1.0, prior_prefill_tokens_per_s=1000.0,
-                        prior_decode_tokens_per_s=100.0, prior_overhead_s=0.0, batch_slowdown=0.0)
+    cfg = TimeoutConfig(
+        turn_floor_s=0.01,
+        slack=1.0,
+        prior_prefill_tokens_per_s=1000.0,
+        prior_decode_tokens_per_s=100.0,
+        prior_overhead_s=0.0,
+        batch_slowdown=0.0,
+    )
     router = Router(InstantEngine([[1]]), timeouts=cfg)
     leases = [await router.acquire(f"s{k}", prompt_tokens=2000, max_new_tokens=10) for k in range(3)]
     first, second, third = (lease.deadline_s for lease in leases)
@@ -239,8 +259,11 @@ def test_task_spec_normalisation() -> None:
     t = Task(id="t1", prompt="2+2?", answer=4)
     spec = TaskSpec.of(t)
     assert spec.task_id == "t1" and spec.options == {"task": t}
-    assert spec.to_record() == {"task_id": "t1", "seed": None,
-                                "options": {"task": {"id": "t1", "prompt": "2+2?", "answer": 4, "data": {}}}}
+    assert spec.to_record() == {
+        "task_id": "t1",
+        "seed": None,
+        "options": {"task": {"id": "t1", "prompt": "2+2?", "answer": 4, "data": {}}},
+    }
     assert TaskSpec.of("t7").options == {"task_id": "t7"}
     assert TaskSpec.of(5).seed == 5
     assert TaskSpec.of({"task_id": "x", "level": 2}).options == {"task_id": "x", "level": 2}
@@ -250,18 +273,21 @@ def test_task_spec_normalisation() -> None:
         TaskSpec.of(True)
 
 
-@pytest.mark.parametrize("cfg", [
-    SchedulerConfig(group_size=0),
-    SchedulerConfig(group_mode="random"),
-    SchedulerConfig(group_size=8, max_concurrent_sessions=4),
-    SchedulerConfig(requests_per_s=0),
-    SchedulerConfig(session=SessionConfig(context_length=0)),
-    SchedulerConfig(session=SessionConfig(timeouts=TimeoutConfig(turn_floor_s=10, turn_cap_s=1))),
-    SchedulerConfig(session=SessionConfig(retry=RetryConfig(jitter=2))),
-    SchedulerConfig(session=SessionConfig(retry=RetryConfig(suspect_after_timeouts=0))),
-    SchedulerConfig(session=SessionConfig(retry=RetryConfig(probe_timeout_s=0))),
-    SchedulerConfig(session=SessionConfig(timeouts=TimeoutConfig(batch_slowdown=1.5))),
-])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        SchedulerConfig(group_size=0),
+        SchedulerConfig(group_mode="random"),
+        SchedulerConfig(group_size=8, max_concurrent_sessions=4),
+        SchedulerConfig(requests_per_s=0),
+        SchedulerConfig(session=SessionConfig(context_length=0)),
+        SchedulerConfig(session=SessionConfig(timeouts=TimeoutConfig(turn_floor_s=10, turn_cap_s=1))),
+        SchedulerConfig(session=SessionConfig(retry=RetryConfig(jitter=2))),
+        SchedulerConfig(session=SessionConfig(retry=RetryConfig(suspect_after_timeouts=0))),
+        SchedulerConfig(session=SessionConfig(retry=RetryConfig(probe_timeout_s=0))),
+        SchedulerConfig(session=SessionConfig(timeouts=TimeoutConfig(batch_slowdown=1.5))),
+    ],
+)
 def test_bad_config_is_a_named_error(cfg: SchedulerConfig) -> None:
     with pytest.raises(ConfigError):
         cfg.validate()

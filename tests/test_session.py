@@ -50,8 +50,9 @@ def cfg(**kw) -> SessionConfig:
 
 async def run(engines, env=None, *, task="t2", seed=7, config=None, parser=None) -> SessionRecord:
     spec = SessionSpec(session_id="s-1", task=TaskSpec.of(task), group_id="g-1", sample_index=3, seed=seed)
-    return await Session(spec, env=env or AddEnv(), tokenizer=tito(), engines=engines, config=config or cfg(),
-                         parser=parser).run()
+    return await Session(
+        spec, env=env or AddEnv(), tokenizer=tito(), engines=engines, config=config or cfg(), parser=parser
+    ).run()
 
 
 def assert_consistent(rec: SessionRecord) -> None:
@@ -108,20 +109,29 @@ async def test_context_full_is_checked_before_generating() -> None:
     engine = InstantEngine([ids(call_text("add", a=1, b=1))])
     first = await run(engine, config=cfg(max_turns=10))
     ctx = first.turns[2].prompt_tokens + 64 - 1  # the third turn no longer fits
-    rec = await run(InstantEngine([ids(call_text("add", a=1, b=1))]), config=cfg(max_turns=10, context_length=ctx))
+    rec = await run(
+        InstantEngine([ids(call_text("add", a=1, b=1))]), config=cfg(max_turns=10, context_length=ctx)
+    )
     assert rec.termination == TerminationReason.CONTEXT_FULL
     assert len(rec.turns) == 2 and "context" in rec.error.message
-    assert rec.trajectory.token_ids == first.trajectory.token_ids[:len(rec.trajectory)]
+    assert rec.trajectory.token_ids == first.trajectory.token_ids[: len(rec.trajectory)]
     assert len(rec.trajectory) + 64 > ctx
     # The engine's own context_length is used when the config has none.
-    rec2 = await run(InstantEngine([ids(call_text("add", a=1, b=1))], context_length=ctx), config=cfg(max_turns=10))
+    rec2 = await run(
+        InstantEngine([ids(call_text("add", a=1, b=1))], context_length=ctx), config=cfg(max_turns=10)
+    )
     assert rec2.termination == TerminationReason.CONTEXT_FULL and len(rec2.turns) == 2
     assert_consistent(rec)
 
 
 async def test_garbage_outputs_are_handled_as_model_mistakes() -> None:
-    script = [ids("<tool_call>{not json</tool_call>"), ids(call_text("nope", x=1)),
-              ids(call_text("add", a="two", b=3)), ids("<tool_call>"), ids("7", stop=False)]
+    script = [
+        ids("<tool_call>{not json</tool_call>"),
+        ids(call_text("nope", x=1)),
+        ids(call_text("add", a="two", b=3)),
+        ids("<tool_call>"),
+        ids("7", stop=False),
+    ]
     rec = await run(InstantEngine(script), AddEnv(max_turns=6))
     assert rec.termination == TerminationReason.DONE  # the last, unstopped "7" is a final answer
     errors = [t.tool_errors for t in rec.turns]
@@ -139,7 +149,9 @@ async def test_out_of_vocabulary_ids_end_as_engine_error() -> None:
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(outputs=st.lists(st.lists(st.integers(0, len(tito().tokenizer) - 1), max_size=40), min_size=1, max_size=4))
+@given(
+    outputs=st.lists(st.lists(st.integers(0, len(tito().tokenizer) - 1), max_size=40), min_size=1, max_size=4)
+)
 def test_any_token_output_ends_typed_and_consistent(outputs: list[list[int]]) -> None:
     rec = asyncio.run(run(InstantEngine(outputs), config=cfg(max_turns=4)))
     assert rec.termination in (TerminationReason.DONE, TerminationReason.MAX_TURNS)
@@ -208,7 +220,9 @@ async def test_retry_resumes_at_the_failed_turn_without_duplicating_tokens() -> 
 async def test_retries_exhausted_end_as_engine_error() -> None:
     flaky = FlakyEngine(InstantEngine(solve_script()), fail_calls=set(range(1, 100)))
     rec = await run(flaky)
-    assert rec.termination == TerminationReason.ENGINE_ERROR and "gave up after 3 attempts" in rec.error.message
+    assert (
+        rec.termination == TerminationReason.ENGINE_ERROR and "gave up after 3 attempts" in rec.error.message
+    )
     assert len(rec.turns) == 2 and len(rec.turns[1].attempts) == 3 and rec.reward == 0.0
     assert_consistent(rec)
 

@@ -57,14 +57,28 @@ def servers() -> Iterator[dict[str, Any]]:
         handle.stop()
 
 
-def scheduler(engines: list, tmp_path, *, env=AddEnv, parser: str | None = "hermes", group_size: int = 2,
-              max_new_tokens: int = 24, **session_kw: Any) -> SessionScheduler:
+def scheduler(
+    engines: list,
+    tmp_path,
+    *,
+    env=AddEnv,
+    parser: str | None = "hermes",
+    group_size: int = 2,
+    max_new_tokens: int = 24,
+    **session_kw: Any,
+) -> SessionScheduler:
     session_kw.setdefault("retry", RetryConfig(max_retries=2, base_delay_s=0.01, max_delay_s=0.05))
     session_kw.setdefault("timeouts", TimeoutConfig(turn_floor_s=60))  # a shared 2-core machine is slow
-    session = SessionConfig(sampling=SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0),
-                            parser=parser, **session_kw)
-    return SessionScheduler(engines, tokenizer=tito(), env_factory=env, recorder=tmp_path / "sessions.jsonl",
-                            config=SchedulerConfig(session=session, group_size=group_size, progress=False))
+    session = SessionConfig(
+        sampling=SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0), parser=parser, **session_kw
+    )
+    return SessionScheduler(
+        engines,
+        tokenizer=tito(),
+        env_factory=env,
+        recorder=tmp_path / "sessions.jsonl",
+        config=SchedulerConfig(session=session, group_size=group_size, progress=False),
+    )
 
 
 def assert_consistent(rec: SessionRecord) -> None:
@@ -88,10 +102,22 @@ async def test_engine_killed_mid_turn_fails_over_or_ends_as_engine_error(servers
     victim_alone = SGLangClient(servers["proc"].url, engine_id="victim-alone", timeout_s=60)
     survivor = SGLangClient(servers["thread"].url, engine_id="survivor", timeout_s=60)
     # turns long enough that both runs are still decoding on the victim when it dies, however busy the box
-    with_spare = scheduler([victim, survivor], tmp_path / "spare", parser="test-always-add", group_size=3,
-                           max_new_tokens=160, max_turns=2)
-    alone = scheduler([victim_alone], tmp_path / "alone", parser="test-always-add", group_size=2,
-                      max_new_tokens=160, max_turns=2)
+    with_spare = scheduler(
+        [victim, survivor],
+        tmp_path / "spare",
+        parser="test-always-add",
+        group_size=3,
+        max_new_tokens=160,
+        max_turns=2,
+    )
+    alone = scheduler(
+        [victim_alone],
+        tmp_path / "alone",
+        parser="test-always-add",
+        group_size=2,
+        max_new_tokens=160,
+        max_turns=2,
+    )
 
     async def kill_when_busy() -> None:
         routers = [with_spare.router, alone.router]
@@ -101,15 +127,19 @@ async def test_engine_killed_mid_turn_fails_over_or_ends_as_engine_error(servers
         await asyncio.to_thread(servers["proc"].kill)
 
     killer = asyncio.create_task(kill_when_busy())
-    spare_records, alone_records = await asyncio.gather(run_all(with_spare, ["t1", "t2"]),
-                                                        run_all(alone, ["t1", "t2"]))
+    spare_records, alone_records = await asyncio.gather(
+        run_all(with_spare, ["t1", "t2"]), run_all(alone, ["t1", "t2"])
+    )
     await killer
     # With a spare: every session resumed on the survivor at the failed turn.
     assert all(r.termination in OK_ENDS for r in spare_records), [r.error for r in spare_records]
     failed_turns = [t for r in spare_records for t in r.turns if t.attempts]
     assert failed_turns and all(a.engine_id == "victim" for t in failed_turns for a in t.attempts)
     assert all(t.engine_id == "survivor" for t in failed_turns)
-    assert with_spare.router.states()[0] is EngineState.SUSPECT and with_spare.router.stats().engines[0].suspect_marks
+    assert (
+        with_spare.router.states()[0] is EngineState.SUSPECT
+        and with_spare.router.stats().engines[0].suspect_marks
+    )
     # Without one: the sessions caught on the dead engine end as engine_error once retries run out, naming why.
     ends = {r.termination for r in alone_records}
     assert TerminationReason.ENGINE_ERROR in ends and ends <= OK_ENDS | {TerminationReason.ENGINE_ERROR}
@@ -137,8 +167,16 @@ async def test_hanging_tool_times_out_and_the_episode_goes_on(servers, tmp_path)
 
 async def test_context_filling_up_ends_as_context_full(servers, tmp_path) -> None:
     client = SGLangClient(servers["thread"].url, engine_id="thread")
-    sched = scheduler([client], tmp_path, parser="test-always-add", env=lambda: AddEnv(max_turns=100),
-                      max_turns=100, context_length=560, max_new_tokens=16, group_size=1)
+    sched = scheduler(
+        [client],
+        tmp_path,
+        parser="test-always-add",
+        env=lambda: AddEnv(max_turns=100),
+        max_turns=100,
+        context_length=560,
+        max_new_tokens=16,
+        group_size=1,
+    )
     records = await run_all(sched, ["t1", "t2"])
     for r in records:
         assert r.termination == TerminationReason.CONTEXT_FULL
@@ -156,7 +194,9 @@ async def test_garbage_model_output_never_breaks_a_session(servers, tmp_path) ->
     for r in records:
         assert_consistent(r)
     # Its text as tool-call arguments: invalid JSON every turn, reported to the model, episode goes on.
-    sched = scheduler([client], tmp_path / "garbage", parser="test-garbage-args", max_turns=2, max_new_tokens=16)
+    sched = scheduler(
+        [client], tmp_path / "garbage", parser="test-garbage-args", max_turns=2, max_new_tokens=16
+    )
     records = await run_all(sched, ["t1", "t2"])
     for r in records:
         assert r.termination == TerminationReason.MAX_TURNS
@@ -168,8 +208,15 @@ async def test_garbage_model_output_never_breaks_a_session(servers, tmp_path) ->
 async def test_env_raising_in_reset_or_step_is_isolated(servers, tmp_path) -> None:
     client = SGLangClient(servers["thread"].url, engine_id="thread")
     kinds = iter([AddEnv, ResetFailsEnv, StepFailsEnv] * 4)
-    sched = scheduler([client], tmp_path, env=lambda: next(kinds)(), parser="test-always-add", group_size=3,
-                      max_turns=2, max_new_tokens=16)
+    sched = scheduler(
+        [client],
+        tmp_path,
+        env=lambda: next(kinds)(),
+        parser="test-always-add",
+        group_size=3,
+        max_turns=2,
+        max_new_tokens=16,
+    )
     records = await run_all(sched, ["t1"])
     by_env = {r.env_id: r for r in records}
     assert by_env["Add-v0"].termination == TerminationReason.MAX_TURNS

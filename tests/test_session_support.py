@@ -33,7 +33,7 @@ def ids(text: str, *, stop: bool = True) -> list[int]:
 
 
 def call_text(name: str, **arguments: Any) -> str:
-    return f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>'
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
 
 class AddEnv(ToolEnv):
@@ -120,10 +120,29 @@ class AlwaysCallParser(ToolCallParser):
 
     def _parse(self, text: str) -> ParsedOutput:
         if self.ARGS is None:
-            return ParsedOutput(content="", calls=[ToolCall(name=self.TOOL, arguments=None, id="call_0",
-                                                            raw_arguments=text, parse_error="not JSON")])
-        return ParsedOutput(content="", calls=[ToolCall(name=self.TOOL, arguments=dict(self.ARGS), id="call_0",
-                                                        raw_arguments=json.dumps(self.ARGS))])
+            return ParsedOutput(
+                content="",
+                calls=[
+                    ToolCall(
+                        name=self.TOOL,
+                        arguments=None,
+                        id="call_0",
+                        raw_arguments=text,
+                        parse_error="not JSON",
+                    )
+                ],
+            )
+        return ParsedOutput(
+            content="",
+            calls=[
+                ToolCall(
+                    name=self.TOOL,
+                    arguments=dict(self.ARGS),
+                    id="call_0",
+                    raw_arguments=json.dumps(self.ARGS),
+                )
+            ],
+        )
 
 
 class HangParser(AlwaysCallParser):
@@ -143,21 +162,29 @@ register_parser("test-garbage-args", GarbageArgsParser)
 class FlakyEngine(RolloutEngine):
     """Wraps an engine; the calls numbered in `fail_calls` (0-based, over all calls) raise `error` instead."""
 
-    def __init__(self, inner: RolloutEngine, fail_calls: set[int], *, retryable: bool = True,
-                 engine_id: str = "flaky") -> None:
+    def __init__(
+        self, inner: RolloutEngine, fail_calls: set[int], *, retryable: bool = True, engine_id: str = "flaky"
+    ) -> None:
         self.inner = inner
         self.fail_calls = fail_calls
         self.retryable = retryable
         self.engine_id = engine_id
         self.calls = 0
 
-    async def generate(self, input_ids: list[int], sampling_params: SamplingParams, *,
-                       session_id: str | None = None, rid: str | None = None) -> GenerateResult:
+    async def generate(
+        self,
+        input_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        session_id: str | None = None,
+        rid: str | None = None,
+    ) -> GenerateResult:
         n = self.calls
         self.calls += 1
         if n in self.fail_calls:
-            raise EngineError(f"{self.engine_id}: call {n} failed", engine_id=self.engine_id,
-                              retryable=self.retryable)
+            raise EngineError(
+                f"{self.engine_id}: call {n} failed", engine_id=self.engine_id, retryable=self.retryable
+            )
         result = await self.inner.generate(input_ids, sampling_params, session_id=session_id, rid=rid)
         result.engine_id = self.engine_id
         return result
@@ -168,8 +195,9 @@ class FlakyEngine(RolloutEngine):
     async def health(self) -> bool:
         return True
 
-    async def update_weights(self, *, state_dict: dict[str, Any] | None = None, path: str | None = None,
-                             version: int | None = None) -> int:
+    async def update_weights(
+        self, *, state_dict: dict[str, Any] | None = None, path: str | None = None, version: int | None = None
+    ) -> int:
         return await self.inner.update_weights(state_dict=state_dict, path=path, version=version)
 
     @property

@@ -23,9 +23,20 @@ from miles.tiny import (
 from miles.tiny.corpus import DATA_DIR
 from miles.tiny.tokenizer import TOKENIZER_FILES
 
-TOOLS = [{"type": "function", "function": {
-    "name": "calculate", "description": "Evaluate an arithmetic expression.",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculate",
+            "description": "Evaluate an arithmetic expression.",
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string"}},
+                "required": ["expression"],
+            },
+        },
+    }
+]
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +52,11 @@ def test_retraining_reproduces_committed_files_bit_for_bit(tmp_path):
 
 def test_training_is_identical_across_processes(tmp_path):
     code = "import sys; from miles.tiny import train_tiny_tokenizer; train_tiny_tokenizer(sys.argv[1])"
-    subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True, env={"PYTHONHASHSEED": "123",
-                                                                                 "PATH": "/usr/bin:/bin"})
+    subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)],
+        check=True,
+        env={"PYTHONHASHSEED": "123", "PATH": "/usr/bin:/bin"},
+    )
     assert (tmp_path / "tokenizer.json").read_bytes() == (DATA_DIR / "tokenizer.json").read_bytes()
 
 
@@ -50,11 +64,20 @@ def test_special_tokens_and_vocab(tok):
     assert 1000 <= len(tok) <= 4096
     assert tok.eos_token == "<|im_end|>"
     assert tok.pad_token == "<|endoftext|>"
-    for t in ("<|im_start|>", "<|im_end|>", "<|endoftext|>", "<tool_call>", "</tool_call>", "<tool_response>",
-              "</tool_response>"):
+    for t in (
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|endoftext|>",
+        "<tool_call>",
+        "</tool_call>",
+        "<tool_response>",
+        "</tool_response>",
+    ):
         ids = tok.encode(t, add_special_tokens=False)
         assert len(ids) == 1, (t, ids)
-    assert tok.encode("<|im_start|>user", add_special_tokens=False)[0] == tok.convert_tokens_to_ids("<|im_start|>")
+    assert tok.encode("<|im_start|>user", add_special_tokens=False)[0] == tok.convert_tokens_to_ids(
+        "<|im_start|>"
+    )
 
 
 @given(st.integers(min_value=0, max_value=10**12))
@@ -90,10 +113,22 @@ def test_template_renders_tools_calls_and_responses(tok):
     messages = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "What is 2 + 3 and 4 * 5?"},
-        {"role": "assistant", "content": "Let me compute.", "tool_calls": [
-            {"id": "call_0", "type": "function", "function": {"name": "calculate", "arguments": {"expression": "2 + 3"}}},
-            {"id": "call_1", "type": "function",
-             "function": {"name": "calculate", "arguments": '{"expression": "4 * 5"}'}}]},
+        {
+            "role": "assistant",
+            "content": "Let me compute.",
+            "tool_calls": [
+                {
+                    "id": "call_0",
+                    "type": "function",
+                    "function": {"name": "calculate", "arguments": {"expression": "2 + 3"}},
+                },
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "calculate", "arguments": '{"expression": "4 * 5"}'},
+                },
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_0", "content": "5"},
         {"role": "tool", "tool_call_id": "call_1", "content": "20"},
         {"role": "assistant", "content": "5 and 20."},
@@ -101,22 +136,36 @@ def test_template_renders_tools_calls_and_responses(tok):
     text = tok.apply_chat_template(messages, tools=TOOLS, tokenize=False, add_generation_prompt=True)
     assert text.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n")
     assert "<tools>\n" + json.dumps(TOOLS[0], ensure_ascii=False) + "\n</tools>" in text
-    assert ("<|im_start|>assistant\nLet me compute.\n<tool_call>\n"
-            '{"name": "calculate", "arguments": {"expression": "2 + 3"}}\n</tool_call>\n<tool_call>\n'
-            '{"name": "calculate", "arguments": {"expression": "4 * 5"}}\n</tool_call><|im_end|>\n') in text
+    assert (
+        "<|im_start|>assistant\nLet me compute.\n<tool_call>\n"
+        '{"name": "calculate", "arguments": {"expression": "2 + 3"}}\n</tool_call>\n<tool_call>\n'
+        '{"name": "calculate", "arguments": {"expression": "4 * 5"}}\n</tool_call><|im_end|>\n'
+    ) in text
     # consecutive tool results share one user turn
-    assert ("<|im_start|>user\n<tool_response>\n5\n</tool_response>\n<tool_response>\n20\n</tool_response>"
-            "<|im_end|>\n") in text
+    assert (
+        "<|im_start|>user\n<tool_response>\n5\n</tool_response>\n<tool_response>\n20\n</tool_response>"
+        "<|im_end|>\n"
+    ) in text
     assert text.endswith("<|im_start|>assistant\n5 and 20.<|im_end|>\n<|im_start|>assistant\n")
 
 
 def test_template_without_tools_or_system(tok):
-    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
-    call_only = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [
-        {"type": "function", "function": {"name": "f", "arguments": {}}}]}]
+    call_only = [
+        {"role": "user", "content": "q"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {}}}],
+        },
+    ]
     text = tok.apply_chat_template(call_only, tokenize=False)
-    assert text.endswith('<|im_start|>assistant\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call><|im_end|>\n')
+    assert text.endswith(
+        '<|im_start|>assistant\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call><|im_end|>\n'
+    )
 
 
 def test_sizes_span_the_promised_range():
@@ -134,8 +183,14 @@ def test_largest_size_config_without_building():
     emb = cfg.vocab_size * cfg.hidden_size
     head = cfg.hidden_size // cfg.num_attention_heads
     kv = cfg.num_key_value_heads * head
-    layer = (cfg.hidden_size * cfg.hidden_size * 2 + cfg.hidden_size * kv * 2 + cfg.hidden_size + 2 * kv
-             + 3 * cfg.hidden_size * cfg.intermediate_size + 2 * cfg.hidden_size)
+    layer = (
+        cfg.hidden_size * cfg.hidden_size * 2
+        + cfg.hidden_size * kv * 2
+        + cfg.hidden_size
+        + 2 * kv
+        + 3 * cfg.hidden_size * cfg.intermediate_size
+        + 2 * cfg.hidden_size
+    )
     total = emb + cfg.num_hidden_layers * layer + cfg.hidden_size
     assert 20e6 <= total <= 30e6
 
@@ -148,7 +203,11 @@ def test_unknown_size_is_a_named_error():
 def test_seed_determinism_and_rng_untouched():
     torch.manual_seed(1)
     before = torch.get_rng_state()
-    a, b, c = make_tiny_model("0.1m", seed=3), make_tiny_model("0.1m", seed=3), make_tiny_model("0.1m", seed=4)
+    a, b, c = (
+        make_tiny_model("0.1m", seed=3),
+        make_tiny_model("0.1m", seed=3),
+        make_tiny_model("0.1m", seed=4),
+    )
     assert torch.equal(torch.get_rng_state(), before)
     sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
@@ -161,8 +220,16 @@ def test_save_pretrained_round_trip(tmp_path, tok):
     tok.save_pretrained(tmp_path)
     loaded = Qwen2ForCausalLM.from_pretrained(tmp_path).eval()
     loaded_tok = AutoTokenizer.from_pretrained(tmp_path)
-    ids = torch.tensor([tok.apply_chat_template([{"role": "user", "content": "What is 12 + 7?"}],
-                                                add_generation_prompt=True, tokenize=True, return_dict=False)])
+    ids = torch.tensor(
+        [
+            tok.apply_chat_template(
+                [{"role": "user", "content": "What is 12 + 7?"}],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
+            )
+        ]
+    )
     with torch.no_grad():
         assert torch.equal(model(ids).logits, loaded(ids).logits)
     assert loaded.config.eos_token_id == tok.eos_token_id
@@ -183,15 +250,33 @@ def test_compact_template_shows_signatures_and_renders_turns_like_the_default():
     from miles.tito import TITOTokenizer
     from miles.types import Message, ToolCall
 
-    tools = [{"type": "function", "function": {"name": "calculate", "description": "d", "parameters": {
-        "type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
-    msgs = [Message("user", "What is 1 + 2?"),
-            Message("assistant", tool_calls=[ToolCall("calculate", {"expression": "1 + 2"}, id="call_0")]),
-            Message("tool", "3", tool_call_id="call_0", name="calculate"), Message("assistant", "The answer is 3.")]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "calculate",
+                "description": "d",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"expression": {"type": "string"}},
+                    "required": ["expression"],
+                },
+            },
+        }
+    ]
+    msgs = [
+        Message("user", "What is 1 + 2?"),
+        Message("assistant", tool_calls=[ToolCall("calculate", {"expression": "1 + 2"}, id="call_0")]),
+        Message("tool", "3", tool_call_id="call_0", name="calculate"),
+        Message("assistant", "The answer is 3."),
+    ]
     tok = load_tiny_tokenizer()
     compact = TITOTokenizer(tok, chat_template=compact_chat_template())
     default = TITOTokenizer(tok)
     assert compact.family == "tiny"
     text = compact.render_text(msgs, tools)
     assert text.startswith("<|im_start|>system\n<tools>calculate(expression)</tools><|im_end|>\n")
-    assert text.split("<|im_end|>\n", 1)[1] == default.render_text(msgs, tools).split("</tool_call><|im_end|>\n", 1)[1]
+    assert (
+        text.split("<|im_end|>\n", 1)[1]
+        == default.render_text(msgs, tools).split("</tool_call><|im_end|>\n", 1)[1]
+    )

@@ -24,9 +24,20 @@ from miles.tito.check import format_report, run_check
 from miles.tito.loading import packaged_tokenizer_dir
 from miles.types import Message, ToolCall
 
-TOOLS = [{"type": "function", "function": {
-    "name": "calculate", "description": "Evaluate arithmetic.",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculate",
+            "description": "Evaluate arithmetic.",
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string"}},
+                "required": ["expression"],
+            },
+        },
+    }
+]
 CALL = Message("assistant", "", [ToolCall("calculate", {"expression": "58 * 2"}, id="call_0")])
 RESULT = [Message("tool", "116", tool_call_id="call_0", name="calculate")]
 START = [Message("system", "Be exact."), Message("user", "What is 37 + 58 * 2?")]
@@ -34,7 +45,11 @@ START = [Message("system", "Be exact."), Message("user", "What is 37 + 58 * 2?")
 
 @pytest.fixture(scope="module")
 def toks():
-    return {"tiny": load_tokenizer("tiny"), "qwen3": load_tokenizer("qwen3"), "llama3": load_tokenizer("llama3")}
+    return {
+        "tiny": load_tokenizer("tiny"),
+        "qwen3": load_tokenizer("qwen3"),
+        "llama3": load_tokenizer("llama3"),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +69,12 @@ def test_families_are_detected(toks):
     assert TITOTokenizer(toks["tiny"]).family == "tiny"
     assert TITOTokenizer(toks["qwen3"]).family == "qwen3"
     assert TITOTokenizer(toks["llama3"]).family == "llama3"
-    assert detect_family(toks["qwen3"], chat_template=load_tiny_tokenizer().chat_template.replace("miles-tiny", "x")) \
+    assert (
+        detect_family(
+            toks["qwen3"], chat_template=load_tiny_tokenizer().chat_template.replace("miles-tiny", "x")
+        )
         == "chatml"
+    )
     assert TITOTokenizer(toks["qwen3"], "chatml").family == "chatml"
 
 
@@ -97,7 +116,9 @@ def test_chatml_newline_after_stop_token_goes_into_the_delta(tiny, toks):
     conv = tiny.start(START, TOOLS)
     assert conv.prompt_ids == tiny.render_ids(START, TOOLS, add_generation_prompt=True)
     ids, text = _gen(tiny, conv, CALL)
-    assert ids[-1] == toks["tiny"].eos_token_id and "<|im_end|>" not in text and text.startswith("<tool_call>")
+    assert (
+        ids[-1] == toks["tiny"].eos_token_id and "<|im_end|>" not in text and text.startswith("<tool_call>")
+    )
     delta = conv.append_observation(CALL, RESULT)
     assert tiny.decode(delta).startswith("\n<|im_start|>user\n<tool_response>\n116")
     assert tiny.decode(delta).endswith("<|im_start|>assistant\n")
@@ -135,7 +156,9 @@ def test_generation_can_continue_after_max_tokens(tiny):
     conv = tiny.start(START)
     full = tiny.expected_generation(conv.messages, Message("assistant", "It is 153."))
     conv.append_generation(full[:2], [-1.0, -1.0], weight_version=0, finish_reason=FinishReason.LENGTH)
-    conv.append_generation(full[2:], [-1.0] * (len(full) - 2), weight_version=1, finish_reason=FinishReason.STOP)
+    conv.append_generation(
+        full[2:], [-1.0] * (len(full) - 2), weight_version=1, finish_reason=FinishReason.STOP
+    )
     conv.finish(Message("assistant", "It is 153."))
     report = conv.check(strict=True)
     assert report.exact
@@ -192,8 +215,12 @@ def test_mismatch_kinds_and_strict_mode(tiny, toks):
     text = "The answer is 153."
     odd = [i for ch in text for i in tiny.encode(ch)]
     assert odd != tiny.encode(text)
-    conv.append_generation(odd + [tiny.close_token_id], [-0.1] * (len(odd) + 1), weight_version=0,
-                           finish_reason=FinishReason.STOP)
+    conv.append_generation(
+        odd + [tiny.close_token_id],
+        [-0.1] * (len(odd) + 1),
+        weight_version=0,
+        finish_reason=FinishReason.STOP,
+    )
     conv.finish(Message("assistant", text))
     report = conv.check()
     assert {m.kind for m in report.mismatches} == {MismatchKind.ASSISTANT_TEXT} and not report.ok
@@ -217,7 +244,7 @@ def test_qwen3_thinking_is_kept_and_explained(toks):
     _gen(q, conv, second)
     conv.finish(second)
     traj = conv.trajectory
-    assert traj.token_ids[traj.spans[1].start:traj.spans[1].end] == ids  # thinking tokens kept verbatim
+    assert traj.token_ids[traj.spans[1].start : traj.spans[1].end] == ids  # thinking tokens kept verbatim
     report = conv.check(strict=True)  # explained differences do not raise
     assert not report.exact and report.ok
     assert [m.explanation for m in report.mismatches] == ["qwen3_thinking_stripped"]
@@ -236,8 +263,11 @@ def test_qwen3_enable_thinking_false(toks):
 
 
 def test_non_append_only_template_raises_delta_prefix_error(toks):
-    bad = load_tiny_tokenizer().chat_template.replace("miles-tiny", "counted") \
+    bad = (
+        load_tiny_tokenizer()
+        .chat_template.replace("miles-tiny", "counted")
         .replace("{%- if tools %}", "{{- messages | length }}{%- if tools %}", 1)
+    )
     tito = TITOTokenizer(toks["tiny"], chat_template=bad)
     assert tito.family == "chatml"
     with pytest.raises(DeltaPrefixError, match="not append-only"):
@@ -255,14 +285,25 @@ def _with_template(template):
 
 def test_llama3_template_renders_tools_and_ipython_turns(toks):
     lt = TITOTokenizer(toks["llama3"])
-    two = Message("assistant", "", [ToolCall("calculate", {"expression": "1+1"}, id="call_0"),
-                                    ToolCall("calculate", {"expression": "2+2"}, id="call_1")])
-    text = lt.render_text(START + [two] + [Message("tool", "2", tool_call_id="call_0")], TOOLS,
-                          add_generation_prompt=True)
-    assert text.startswith("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nEnvironment: ipython\n")
+    two = Message(
+        "assistant",
+        "",
+        [
+            ToolCall("calculate", {"expression": "1+1"}, id="call_0"),
+            ToolCall("calculate", {"expression": "2+2"}, id="call_1"),
+        ],
+    )
+    text = lt.render_text(
+        START + [two] + [Message("tool", "2", tool_call_id="call_0")], TOOLS, add_generation_prompt=True
+    )
+    assert text.startswith(
+        "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nEnvironment: ipython\n"
+    )
     assert '"name": "calculate"' in text.split("<|eot_id|>")[0]
-    assert ('{"name": "calculate", "parameters": {"expression": "1+1"}}\n'
-            '{"name": "calculate", "parameters": {"expression": "2+2"}}<|eot_id|>') in text
+    assert (
+        '{"name": "calculate", "parameters": {"expression": "1+1"}}\n'
+        '{"name": "calculate", "parameters": {"expression": "2+2"}}<|eot_id|>'
+    ) in text
     assert "<|start_header_id|>ipython<|end_header_id|>\n\n2<|eot_id|>" in text
     assert lt.render_ids(START)[0] == toks["llama3"].bos_token_id
     assert lt.render_ids(START).count(toks["llama3"].bos_token_id) == 1
@@ -273,8 +314,14 @@ def test_run_check_append_only_families(spec):
     report = run_check(spec)
     assert report.append_only and report.ok, format_report(report)
     names = {s.name for s in report.scenarios}
-    assert {"parallel_tool_calls", "empty_tool_output", "unicode", "long_output", "thinking",
-            "max_tokens"} <= names
+    assert {
+        "parallel_tool_calls",
+        "empty_tool_output",
+        "unicode",
+        "long_output",
+        "thinking",
+        "max_tokens",
+    } <= names
     assert "append-only in every scenario" in format_report(report)
 
 

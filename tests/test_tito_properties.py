@@ -21,11 +21,22 @@ from miles.tools import get_parser
 from miles.types import Message, ToolCall
 
 TOOLS = [
-    {"type": "function", "function": {"name": "calculate", "description": "Evaluate arithmetic.",
-                                      "parameters": {"type": "object",
-                                                     "properties": {"expression": {"type": "string"}}}}},
-    {"type": "function", "function": {"name": "lookup", "description": "Look up a key.",
-                                      "parameters": {"type": "object", "properties": {"key": {"type": "string"}}}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "calculate",
+            "description": "Evaluate arithmetic.",
+            "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}},
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "lookup",
+            "description": "Look up a key.",
+            "parameters": {"type": "object", "properties": {"key": {"type": "string"}}},
+        },
+    },
 ]
 
 _chars = st.characters(codec="utf-8", exclude_categories=("Cs", "Cc", "Co", "Cn"), exclude_characters="<")
@@ -35,13 +46,15 @@ _alphabet = st.one_of(_chars, st.sampled_from(list("abc xyz 0123456789.,:;!?\n{}
 def _text(max_size: int = 30, min_size: int = 0) -> st.SearchStrategy[str]:
     """Text without markup that starts and ends with a visible character (templates trim or lstrip edges)."""
     return st.text(_alphabet, min_size=min_size, max_size=max_size).map(
-        lambda s: unicodedata.normalize("NFC", s).strip())
+        lambda s: unicodedata.normalize("NFC", s).strip()
+    )
 
 
 _json_value = st.recursive(
-    st.none() | st.booleans() | st.integers(-10**6, 10**6) | _text(12),
+    st.none() | st.booleans() | st.integers(-(10**6), 10**6) | _text(12),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from("abcxyz"), inner, max_size=3),
-    max_leaves=6)
+    max_leaves=6,
+)
 
 
 @dataclass
@@ -63,19 +76,33 @@ def scenario(draw, family: str, vocab_size: int, special_ids: frozenset[int], ga
     n = draw(st.integers(1, 5))
     for i in range(n):
         last = i == n - 1
-        calls = [] if last else [
-            ToolCall(name=draw(st.sampled_from(["calculate", "lookup"])),
-                     arguments=draw(st.dictionaries(st.sampled_from(["expression", "key", "n"]), _json_value,
-                                                    max_size=2)), id=f"call_{j}")
-            for j in range(draw(st.integers(0, 3)))]
+        calls = (
+            []
+            if last
+            else [
+                ToolCall(
+                    name=draw(st.sampled_from(["calculate", "lookup"])),
+                    arguments=draw(
+                        st.dictionaries(st.sampled_from(["expression", "key", "n"]), _json_value, max_size=2)
+                    ),
+                    id=f"call_{j}",
+                )
+                for j in range(draw(st.integers(0, 3)))
+            ]
+        )
         reasoning = draw(st.one_of(st.none(), _text(30, 1))) if family == "qwen3" else None
         content = draw(_text(40))
         if not content and not calls:
             content = "ok"
-        mode = draw(st.sampled_from(["perfect"] * int(10 * (1 - garbage_rate)) + ["truncated", "garbage"]
-                                    * max(1, int(5 * garbage_rate))))
-        garbage = draw(st.lists(st.integers(0, vocab_size - 1).filter(lambda t: t not in special_ids),
-                                max_size=24))
+        mode = draw(
+            st.sampled_from(
+                ["perfect"] * int(10 * (1 - garbage_rate))
+                + ["truncated", "garbage"] * max(1, int(5 * garbage_rate))
+            )
+        )
+        garbage = draw(
+            st.lists(st.integers(0, vocab_size - 1).filter(lambda t: t not in special_ids), max_size=24)
+        )
         observation: list[Message] | None = None
         if not last or draw(st.booleans()):
             observation = [Message("tool", draw(_text(30)), tool_call_id=c.id, name=c.name) for c in calls]
@@ -83,8 +110,16 @@ def scenario(draw, family: str, vocab_size: int, special_ids: frozenset[int], ga
             wants_user = not calls or draw(st.integers(0, 3)) == 0
             if wants_user and (family == "qwen3" or calls or draw(st.integers(0, 4)) > 0):
                 observation.append(Message("user", draw(_text(30, 1))))
-        steps.append(Step(Message("assistant", content, calls, reasoning=reasoning), mode, garbage,
-                          draw(st.booleans()), draw(st.floats(0.0, 1.0)), observation))
+        steps.append(
+            Step(
+                Message("assistant", content, calls, reasoning=reasoning),
+                mode,
+                garbage,
+                draw(st.booleans()),
+                draw(st.floats(0.0, 1.0)),
+                observation,
+            )
+        )
     return messages, tools, steps
 
 
@@ -102,7 +137,7 @@ def play(tito: TITOTokenizer, messages, tools, steps, parser=None):
         else:
             ids = tito.expected_generation(conv.messages, step.assistant, tools)
             if step.mode == "truncated":
-                ids = ids[:int(step.cut_fraction * (len(ids) - 1))]
+                ids = ids[: int(step.cut_fraction * (len(ids) - 1))]
         logprobs = [-0.01 * (k + 1) for k in range(len(ids))]
         finish = FinishReason.STOP if ids and tito.is_stop(ids[-1]) else FinishReason.LENGTH
         text = conv.append_generation(ids, logprobs, weight_version=version, finish_reason=finish)
@@ -149,13 +184,24 @@ def titos():
     qwen = load_tokenizer("qwen3")
     qwen_chatml = load_tokenizer("qwen3")
     qwen_chatml.chat_template = load_tiny_tokenizer().chat_template  # Qwen2.5-style template, real vocab
-    return {"tiny": TITOTokenizer(load_tokenizer("tiny")), "chatml": TITOTokenizer(qwen_chatml, "chatml"),
-            "qwen3": TITOTokenizer(qwen), "llama3": TITOTokenizer(load_tokenizer("llama3"))}
+    return {
+        "tiny": TITOTokenizer(load_tokenizer("tiny")),
+        "chatml": TITOTokenizer(qwen_chatml, "chatml"),
+        "qwen3": TITOTokenizer(qwen),
+        "llama3": TITOTokenizer(load_tokenizer("llama3")),
+    }
 
 
-_SETTINGS = settings(max_examples=60, deadline=None, derandomize=True,
-                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
-                                            HealthCheck.data_too_large])
+_SETTINGS = settings(
+    max_examples=60,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[
+        HealthCheck.function_scoped_fixture,
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+    ],
+)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -230,7 +276,8 @@ def test_parsed_template_outputs_render_back_exactly(titos, family, data):
         want = step.assistant
         assert got.content == want.content and "<think>" not in got.content and "</think>" not in got.content
         assert [(c.name, c.arguments, c.id) for c in got.tool_calls] == [
-            (c.name, c.arguments, c.id) for c in want.tool_calls]
+            (c.name, c.arguments, c.id) for c in want.tool_calls
+        ]
         assert (got.reasoning or None) == (want.reasoning or None)
     report = conv.check()
     if family == "qwen3":
@@ -241,8 +288,13 @@ def test_parsed_template_outputs_render_back_exactly(titos, family, data):
 
 
 _args = st.dictionaries(st.sampled_from(["expression", "key", "n", "é"]), _json_value, max_size=3)
-_formats = st.fixed_dictionaries({"indent": st.sampled_from([None, 0, 1]), "ensure_ascii": st.booleans(),
-                                  "separators": st.sampled_from([(",", ":"), (", ", ": "), (" , ", " :\t")])})
+_formats = st.fixed_dictionaries(
+    {
+        "indent": st.sampled_from([None, 0, 1]),
+        "ensure_ascii": st.booleans(),
+        "separators": st.sampled_from([(",", ":"), (", ", ": "), (" , ", " :\t")]),
+    }
+)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -255,9 +307,14 @@ def test_string_arguments_round_trip_byte_exactly(titos, family, data):
     tito = titos[family]
     raws = [json.dumps(data.draw(_args), **data.draw(_formats)) for _ in range(data.draw(st.integers(1, 2)))]
     content = data.draw(_text(20).filter(unambiguous_after_llama3_calls))
-    client_msg = {"role": "assistant", "content": content, "tool_calls": [
-        {"id": f"call_{i}", "type": "function", "function": {"name": "calculate", "arguments": raw}}
-        for i, raw in enumerate(raws)]}
+    client_msg = {
+        "role": "assistant",
+        "content": content,
+        "tool_calls": [
+            {"id": f"call_{i}", "type": "function", "function": {"name": "calculate", "arguments": raw}}
+            for i, raw in enumerate(raws)
+        ],
+    }
     history = [Message("user", data.draw(_text(30, 1)))]
     as_message = Message.from_dict(client_msg)
     assert [c.raw_arguments for c in as_message.tool_calls] == raws
@@ -268,8 +325,9 @@ def test_string_arguments_round_trip_byte_exactly(titos, family, data):
     text = conv.append_generation(ids, None, weight_version=0, finish_reason=FinishReason.STOP)
     parsed = get_parser(PARSERS[family]).parse(text).to_message()
     assert [c.raw_arguments for c in parsed.tool_calls] == raws and parsed.content == content
-    conv.append_observation(parsed, [Message("tool", "1", tool_call_id=f"call_{i}", name="calculate")
-                                     for i in range(len(raws))])
+    conv.append_observation(
+        parsed, [Message("tool", "1", tool_call_id=f"call_{i}", name="calculate") for i in range(len(raws))]
+    )
     final = tito.expected_generation(conv.messages, Message("assistant", "done"), TOOLS)
     conv.append_generation(final, None, weight_version=1, finish_reason=FinishReason.STOP)
     conv.finish(Message("assistant", "done"))

@@ -17,17 +17,23 @@ def test_resolve_chat_template_names_files_and_errors(tmp_path):
     custom = tmp_path / "mine.jinja"
     custom.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
     assert resolve_chat_template(str(custom)) == custom.read_text()
-    assert "<tool_call>" in resolve_chat_template("chatml-tools") and "ipython" in resolve_chat_template("llama3-tools")
-    with pytest.raises(ChatTemplateError, match=r"^'fancy' is neither a template name \(compact, chatml-tools, "
-                                                r"llama3-tools\) nor a \.jinja file$"):
+    assert "<tool_call>" in resolve_chat_template("chatml-tools") and "ipython" in resolve_chat_template(
+        "llama3-tools"
+    )
+    with pytest.raises(
+        ChatTemplateError,
+        match=r"^'fancy' is neither a template name \(compact, chatml-tools, "
+        r"llama3-tools\) nor a \.jinja file$",
+    ):
         resolve_chat_template("fancy")
 
 
 def test_build_records_the_template_it_used():
     tito = TokenizerSpec("tiny", "compact").build()
     assert tito.chat_template == compact_chat_template()
-    assert tito.spec == TokenizerSpec("tiny", "compact", {},
-                                      hashlib.sha256(compact_chat_template().encode()).hexdigest())
+    assert tito.spec == TokenizerSpec(
+        "tiny", "compact", {}, hashlib.sha256(compact_chat_template().encode()).hexdigest()
+    )
     assert TokenizerSpec.from_record(tito.spec.to_record()) == tito.spec
     own = TokenizerSpec("tiny").build()
     assert own.spec is not None and own.spec.template_sha256 != tito.spec.template_sha256
@@ -41,6 +47,9 @@ def test_build_tito_keeps_naming_the_config_key():
     from miles.trainers.train_config import ModelConfig
 
     assert build_tito(ModelConfig(chat_template="compact")).spec.chat_template == "compact"
-    with pytest.raises(ModelSpecError, match=r"model.chat_template.*'nope' is neither a template name .* nor a "
-                                             r"\.jinja file$"):
+    with pytest.raises(
+        ModelSpecError,
+        match=r"model.chat_template.*'nope' is neither a template name .* nor a "
+        r"\.jinja file$",
+    ):
         build_tito(ModelConfig(chat_template="nope"))

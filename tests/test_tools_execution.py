@@ -98,8 +98,11 @@ def make_box(*extra, **kw):
 
 async def test_success_and_order_and_conversion():
     box = make_box()
-    calls = [call("add", {"a": 2, "b": 3}, "x1"), call("aecho", {"text": "hi"}, "x2"),
-             call("area", {"box": {"width": 2, "height": 3, "unit": "inch"}, "scale": 2}, "x3")]
+    calls = [
+        call("add", {"a": 2, "b": 3}, "x1"),
+        call("aecho", {"text": "hi"}, "x2"),
+        call("area", {"box": {"width": 2, "height": 3, "unit": "inch"}, "scale": 2}, "x3"),
+    ]
     results = await box.execute(calls)
     assert [r.call_id for r in results] == ["x1", "x2", "x3"]
     assert [r.content for r in results] == ["5", "hi", json.dumps({"area": 12.0, "unit": "inch"})]
@@ -128,17 +131,24 @@ async def test_invalid_json_arguments_not_object():
 async def test_unknown_tool():
     [result] = await make_box().execute([call("subtract", {"a": 1})])
     assert result.error is ToolErrorType.UNKNOWN_TOOL
-    assert result.content == ("Error: unknown tool 'subtract'. "
-                              "Available tools: area, add, boom, shout, aecho.")
+    assert result.content == (
+        "Error: unknown tool 'subtract'. Available tools: area, add, boom, shout, aecho."
+    )
 
 
-@pytest.mark.parametrize(("args", "needles"), [
-    ({"a": 1}, ["'b' is a required property"]),
-    ({"a": "1", "b": 2}, ["at 'a': '1' is not of type 'integer'"]),
-    ({"a": True, "b": 2}, ["at 'a': True is not of type 'integer'"]),
-    ({"a": 1, "b": 2, "c": 3}, ["Additional properties are not allowed ('c' was unexpected)"]),
-    ({"a": 1.5, "b": [1]}, ["at 'a': 1.5 is not of type 'integer'", "at 'b': [1] is not of type 'integer'"]),
-])
+@pytest.mark.parametrize(
+    ("args", "needles"),
+    [
+        ({"a": 1}, ["'b' is a required property"]),
+        ({"a": "1", "b": 2}, ["at 'a': '1' is not of type 'integer'"]),
+        ({"a": True, "b": 2}, ["at 'a': True is not of type 'integer'"]),
+        ({"a": 1, "b": 2, "c": 3}, ["Additional properties are not allowed ('c' was unexpected)"]),
+        (
+            {"a": 1.5, "b": [1]},
+            ["at 'a': 1.5 is not of type 'integer'", "at 'b': [1] is not of type 'integer'"],
+        ),
+    ],
+)
 async def test_schema_violation(args, needles):
     [result] = await make_box().execute([call("add", args)])
     assert result.error is ToolErrorType.SCHEMA_VIOLATION
@@ -149,10 +159,12 @@ async def test_schema_violation(args, needles):
 
 async def test_schema_violation_nested_enum_and_conversion_failure():
     box = make_box()
-    r1, r2 = await box.execute([
-        call("area", {"box": {"width": 1, "height": 1, "unit": "mile"}}, "a"),
-        call("area", {"box": {"width": 5000, "height": 1}}, "b"),
-    ])
+    r1, r2 = await box.execute(
+        [
+            call("area", {"box": {"width": 1, "height": 1, "unit": "mile"}}, "a"),
+            call("area", {"box": {"width": 5000, "height": 1}}, "b"),
+        ]
+    )
     assert r1.error is ToolErrorType.SCHEMA_VIOLATION and "at 'box/unit': 'mile' is not one of" in r1.content
     assert r2.error is ToolErrorType.SCHEMA_VIOLATION
     assert "argument 'box': ValueError: width too large" in r2.content
@@ -168,7 +180,9 @@ async def test_exception_in_sync_and_async_tool():
         """
         raise KeyError("missing-key")
 
-    r1, r2 = await make_box(afail).execute([call("boom", {"message": "disk on fire"}), call("afail", {"x": 1})])
+    r1, r2 = await make_box(afail).execute(
+        [call("boom", {"message": "disk on fire"}), call("afail", {"x": 1})]
+    )
     assert r1.error is ToolErrorType.TOOL_EXCEPTION
     assert r1.content == "Error: tool 'boom' raised RuntimeError: disk on fire"
     assert r2.error is ToolErrorType.TOOL_EXCEPTION and "raised KeyError: 'missing-key'" in r2.content
@@ -215,12 +229,15 @@ async def test_timeout_async_tool_is_cancelled():
 
 async def test_output_truncation_per_tool_and_default():
     box = make_box(max_output_chars=50)
-    r1, r2, r3 = await box.execute([call("shout", {"n": 25}, "1"), call("shout", {"n": 10}, "2"),
-                                    call("aecho", {"text": "b" * 80}, "3")])
+    r1, r2, r3 = await box.execute(
+        [call("shout", {"n": 25}, "1"), call("shout", {"n": 10}, "2"), call("aecho", {"text": "b" * 80}, "3")]
+    )
     assert r1.error is ToolErrorType.OUTPUT_TRUNCATED
     assert r1.content == "a" * 10 + "\n[output truncated: 25 characters, limit 10]"
     assert r2.error is None and r2.content == "a" * 10
-    assert r3.error is ToolErrorType.OUTPUT_TRUNCATED and r3.content.startswith("b" * 50 + "\n[output truncated")
+    assert r3.error is ToolErrorType.OUTPUT_TRUNCATED and r3.content.startswith(
+        "b" * 50 + "\n[output truncated"
+    )
     assert count_errors([r1, r2, r3])["output_truncated"] == 2
 
 
@@ -336,18 +353,38 @@ async def test_count_errors_over_every_type():
         return ""
 
     box = make_box(stall)
-    results = await box.execute([*parsed.calls, call("nope", {}), call("add", {}), call("boom", {"message": "m"}),
-                                 call("stall", {}), call("shout", {"n": 11}), call("add", {"a": 1, "b": 2})])
-    assert [r.error for r in results] == [ToolErrorType.INVALID_JSON, ToolErrorType.UNKNOWN_TOOL,
-                                          ToolErrorType.SCHEMA_VIOLATION, ToolErrorType.TOOL_EXCEPTION,
-                                          ToolErrorType.TIMEOUT, ToolErrorType.OUTPUT_TRUNCATED, None]
+    results = await box.execute(
+        [
+            *parsed.calls,
+            call("nope", {}),
+            call("add", {}),
+            call("boom", {"message": "m"}),
+            call("stall", {}),
+            call("shout", {"n": 11}),
+            call("add", {"a": 1, "b": 2}),
+        ]
+    )
+    assert [r.error for r in results] == [
+        ToolErrorType.INVALID_JSON,
+        ToolErrorType.UNKNOWN_TOOL,
+        ToolErrorType.SCHEMA_VIOLATION,
+        ToolErrorType.TOOL_EXCEPTION,
+        ToolErrorType.TIMEOUT,
+        ToolErrorType.OUTPUT_TRUNCATED,
+        None,
+    ]
     assert count_errors(results) == {t.value: 1 for t in ToolErrorType}
     assert results[-1].to_message().content == "3"
 
 
 @tool
-def pack(boxes: list[Box], units: dict[str, Unit], corner: tuple[int, float], spare: Box | None = None,
-         tags: frozenset[str] = frozenset()) -> str:
+def pack(
+    boxes: list[Box],
+    units: dict[str, Unit],
+    corner: tuple[int, float],
+    spare: Box | None = None,
+    tags: frozenset[str] = frozenset(),
+) -> str:
     """Pack boxes.
 
     Args:
@@ -362,17 +399,30 @@ def pack(boxes: list[Box], units: dict[str, Unit], corner: tuple[int, float], sp
     assert isinstance(corner, tuple) and isinstance(corner[1], float)
     assert spare is None or isinstance(spare, Box)
     assert isinstance(tags, frozenset)
-    return f"{len(boxes)} {sorted(u.value for u in units.values())} {corner} {spare is not None} {sorted(tags)}"
+    return (
+        f"{len(boxes)} {sorted(u.value for u in units.values())} {corner} {spare is not None} {sorted(tags)}"
+    )
 
 
 async def test_nested_conversion_into_python_types():
     box = ToolBox([pack])
-    r1, r2, r3 = await box.execute([
-        call("pack", {"boxes": [{"width": 1, "height": 2}], "units": {"a": "cm", "b": "inch"}, "corner": [1, 2],
-                      "spare": {"width": 3, "height": 4}, "tags": ["x", "y"]}, "1"),
-        call("pack", {"boxes": [], "units": {}, "corner": [0, 0.5], "spare": None}, "2"),
-        call("pack", {"boxes": [], "units": {}, "corner": [0, 0.5, 9]}, "3"),
-    ])
+    r1, r2, r3 = await box.execute(
+        [
+            call(
+                "pack",
+                {
+                    "boxes": [{"width": 1, "height": 2}],
+                    "units": {"a": "cm", "b": "inch"},
+                    "corner": [1, 2],
+                    "spare": {"width": 3, "height": 4},
+                    "tags": ["x", "y"],
+                },
+                "1",
+            ),
+            call("pack", {"boxes": [], "units": {}, "corner": [0, 0.5], "spare": None}, "2"),
+            call("pack", {"boxes": [], "units": {}, "corner": [0, 0.5, 9]}, "3"),
+        ]
+    )
     assert r1.content == "1 ['cm', 'inch'] (1, 2.0) True ['x', 'y']" and r1.error is None
     assert r2.content == "0 [] (0, 0.5) False []" and r2.error is None
     assert r3.error is ToolErrorType.SCHEMA_VIOLATION and "at 'corner'" in r3.content
@@ -396,7 +446,6 @@ def test_daemon_thread_pool_grows_bounded_and_shrinks():
     assert pool.workers == 0
     with pytest.raises(ZeroDivisionError):
         pool.submit(lambda: 1 / 0).result(timeout=10)
-
 
 
 def test_tool_boxes_share_one_pool_so_sessions_do_not_leave_a_thread_each():
@@ -454,7 +503,9 @@ def test_a_forked_child_runs_sync_tools_on_a_pool_of_its_own():
         pytest.fail("the forked child's tool call never ran")
     assert os.waitstatus_to_exitcode(status) == 0
 
+
 # ---- int parameters through the executor (hypothesis) -------------------------------------------------------
+
 
 @dataclass
 class Order:
@@ -470,8 +521,16 @@ _received: list[dict] = []
 
 
 @tool
-def record_ints(n: int, counts: list[int], by_name: dict[str, int], maybe: Optional[int],  # noqa: UP045
-                pair: tuple[int, str], order: Order, part: Part, level: Literal[1, 2, 3] = 1) -> str:
+def record_ints(
+    n: int,
+    counts: list[int],
+    by_name: dict[str, int],
+    maybe: Optional[int],  # noqa: UP045
+    pair: tuple[int, str],
+    order: Order,
+    part: Part,
+    level: Literal[1, 2, 3] = 1,
+) -> str:
     """Record what the tool received.
 
     Args:
@@ -484,8 +543,18 @@ def record_ints(n: int, counts: list[int], by_name: dict[str, int], maybe: Optio
         part: A part.
         level: A level.
     """
-    _received.append({"n": n, "counts": counts, "by_name": by_name, "maybe": maybe, "pair": pair,
-                      "order": order, "part": part, "level": level})
+    _received.append(
+        {
+            "n": n,
+            "counts": counts,
+            "by_name": by_name,
+            "maybe": maybe,
+            "pair": pair,
+            "order": order,
+            "part": part,
+            "level": level,
+        }
+    )
     return "ok"
 
 
@@ -500,8 +569,15 @@ INT_SLOTS = {
     "order": (lambda v: {"order": {"sku": "s", "qty": v}}, lambda r: r["order"].qty),
     "part": (lambda v: {"part": {"qty": v}}, lambda r: r["part"]["qty"]),
 }
-_BASE = {"n": 0, "counts": [], "by_name": {}, "maybe": None, "pair": [0, "x"], "order": {"sku": "s", "qty": 0},
-         "part": {"qty": 0}}
+_BASE = {
+    "n": 0,
+    "counts": [],
+    "by_name": {},
+    "maybe": None,
+    "pair": [0, "x"],
+    "order": {"sku": "s", "qty": 0},
+    "part": {"qty": 0},
+}
 _finite = st.floats(allow_nan=False, allow_infinity=False)
 
 
@@ -513,9 +589,12 @@ def _run_slot(slot, value):
 
 
 @settings(max_examples=150, deadline=None)
-@given(slot=st.sampled_from(sorted(INT_SLOTS)),
-       value=_finite.filter(float.is_integer) | st.integers(-2**53, 2**53).map(float) | st.sampled_from(
-           [-0.0, 0.0, 1e300, -1e308, 2.0**63, 2.0**64 + 2**12]))
+@given(
+    slot=st.sampled_from(sorted(INT_SLOTS)),
+    value=_finite.filter(float.is_integer)
+    | st.integers(-(2**53), 2**53).map(float)
+    | st.sampled_from([-0.0, 0.0, 1e300, -1e308, 2.0**63, 2.0**64 + 2**12]),
+)
 def test_integral_floats_reach_int_parameters_as_ints(slot, value):
     result = _run_slot(slot, value)
     assert result.error is None and result.content == "ok", result.content
@@ -524,9 +603,11 @@ def test_integral_floats_reach_int_parameters_as_ints(slot, value):
 
 
 @settings(max_examples=100, deadline=None)
-@given(slot=st.sampled_from(sorted(INT_SLOTS)),
-       value=_finite.filter(lambda f: not f.is_integer()) | st.sampled_from(
-           [0.5, -2.5, 1e-300, float("nan"), float("inf"), float("-inf"), True, False, "3", [3]]))
+@given(
+    slot=st.sampled_from(sorted(INT_SLOTS)),
+    value=_finite.filter(lambda f: not f.is_integer())
+    | st.sampled_from([0.5, -2.5, 1e-300, float("nan"), float("inf"), float("-inf"), True, False, "3", [3]]),
+)
 def test_non_integral_values_for_int_parameters_are_schema_errors(slot, value):
     result = _run_slot(slot, value)
     assert result.error is ToolErrorType.SCHEMA_VIOLATION
@@ -537,8 +618,10 @@ def test_non_integral_values_for_int_parameters_are_schema_errors(slot, value):
 
 def test_literal_int_level_and_model_facing_error():
     _received.clear()
-    ok, bad = INT_BOX.execute_sync([call("record_ints", {**_BASE, "level": 2.0}, "a"),
-                                    call("record_ints", {**_BASE, "n": 30.5}, "b")])
+    ok, bad = INT_BOX.execute_sync(
+        [call("record_ints", {**_BASE, "level": 2.0}, "a"), call("record_ints", {**_BASE, "n": 30.5}, "b")]
+    )
     assert ok.error is None and type(_received[0]["level"]) is int and _received[0]["level"] == 2
-    assert bad.to_message().content == ("Error: invalid arguments for tool 'record_ints': at 'n': 30.5 is not of "
-                                        "type 'integer'")
+    assert bad.to_message().content == (
+        "Error: invalid arguments for tool 'record_ints': at 'n': 30.5 is not of type 'integer'"
+    )

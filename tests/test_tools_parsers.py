@@ -22,8 +22,10 @@ LLAMA = get_parser("llama3_json")
 
 
 def test_hermes_several_calls_and_content():
-    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
-            '<tool_call>{"name": "get_time", "arguments": {"tz": "CET", "n": [1, 2]}}</tool_call>')
+    text = (
+        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+        '<tool_call>{"name": "get_time", "arguments": {"tz": "CET", "n": [1, 2]}}</tool_call>'
+    )
     out = HERMES.parse(text)
     assert out.content == "Let me check."
     assert [(c.id, c.name, c.arguments, c.parse_error) for c in out.calls] == [
@@ -45,16 +47,19 @@ def test_hermes_no_calls_and_variants():
     assert out.calls[0].arguments == {"y": 2}
 
 
-@pytest.mark.parametrize(("text", "name", "needle"), [
-    ('<tool_call>{"name": "add", "arguments": {"a": 1,</tool_call>', "add", "invalid JSON"),
-    ("<tool_call>hello world</tool_call>", "", "invalid JSON"),
-    ('<tool_call>[1, 2]</tool_call>', "", "must be a JSON object, got list"),
-    ('<tool_call>{"arguments": {}}</tool_call>', "", 'no "name"'),
-    ('<tool_call>{"name": "f", "arguments": [1]}</tool_call>', "f", "arguments must be a JSON object"),
-    ('<tool_call>{"name": "f", "arguments": "{oops"}</tool_call>', "f", "invalid JSON in arguments"),
-    ('<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>', "f", "NaN is not valid JSON"),
-    ("<tool_call>" + "[" * 100000 + "</tool_call>", "", "invalid JSON"),
-])
+@pytest.mark.parametrize(
+    ("text", "name", "needle"),
+    [
+        ('<tool_call>{"name": "add", "arguments": {"a": 1,</tool_call>', "add", "invalid JSON"),
+        ("<tool_call>hello world</tool_call>", "", "invalid JSON"),
+        ("<tool_call>[1, 2]</tool_call>", "", "must be a JSON object, got list"),
+        ('<tool_call>{"arguments": {}}</tool_call>', "", 'no "name"'),
+        ('<tool_call>{"name": "f", "arguments": [1]}</tool_call>', "f", "arguments must be a JSON object"),
+        ('<tool_call>{"name": "f", "arguments": "{oops"}</tool_call>', "f", "invalid JSON in arguments"),
+        ('<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>', "f", "NaN is not valid JSON"),
+        ("<tool_call>" + "[" * 100000 + "</tool_call>", "", "invalid JSON"),
+    ],
+)
 def test_hermes_garbage_becomes_parse_error(text, name, needle):
     [c] = HERMES.parse(text).calls
     assert c.arguments is None and c.name == name and c.id == "call_0"
@@ -71,10 +76,14 @@ def test_hermes_unclosed_tag():
 
 
 def test_llama3_json():
-    out = LLAMA.parse('<|python_tag|>{"name": "search", "parameters": {"q": "x"}}; '
-                      '{"name": "fetch", "arguments": {"id": 3}}<|eom_id|>')
-    assert [(c.id, c.name, c.arguments) for c in out.calls] == [("call_0", "search", {"q": "x"}),
-                                                                 ("call_1", "fetch", {"id": 3})]
+    out = LLAMA.parse(
+        '<|python_tag|>{"name": "search", "parameters": {"q": "x"}}; '
+        '{"name": "fetch", "arguments": {"id": 3}}<|eom_id|>'
+    )
+    assert [(c.id, c.name, c.arguments) for c in out.calls] == [
+        ("call_0", "search", {"q": "x"}),
+        ("call_1", "fetch", {"id": 3}),
+    ]
     assert out.content == ""
     out = LLAMA.parse('{"name": "f", "parameters": {}}\nDone.')
     assert out.calls[0].name == "f" and out.content == "Done."
@@ -120,17 +129,53 @@ def test_registry():
 
 # ---- properties -------------------------------------------------------------------------------------------
 
-json_scalars = st.none() | st.booleans() | st.integers(-10**12, 10**12) | st.text(max_size=20) | st.floats(
-    allow_nan=False, allow_infinity=False)
-json_values = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
-    st.text(max_size=8), inner, max_size=4), max_leaves=12)
+json_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(10**12), 10**12)
+    | st.text(max_size=20)
+    | st.floats(allow_nan=False, allow_infinity=False)
+)
+json_values = st.recursive(
+    json_scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
 names = st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,20}", fullmatch=True)
-calls_st = st.lists(st.builds(lambda n, a: ToolCall(name=n, arguments=a),
-                              names, st.dictionaries(st.text(max_size=8), json_values, max_size=4)), max_size=4)
-content_st = st.text(max_size=60).filter(lambda t: "<tool_call>" not in t and "</tool_call>" not in t).map(
-    str.strip)
-tokens = st.sampled_from(["<tool_call>", "</tool_call>", "{", "}", '"name"', ":", '"arguments"', "[", "]", ",",
-                          '"', "<|python_tag|>", ";", "\\", "NaN", "null", " ", "\n", "x"])
+calls_st = st.lists(
+    st.builds(
+        lambda n, a: ToolCall(name=n, arguments=a),
+        names,
+        st.dictionaries(st.text(max_size=8), json_values, max_size=4),
+    ),
+    max_size=4,
+)
+content_st = (
+    st.text(max_size=60).filter(lambda t: "<tool_call>" not in t and "</tool_call>" not in t).map(str.strip)
+)
+tokens = st.sampled_from(
+    [
+        "<tool_call>",
+        "</tool_call>",
+        "{",
+        "}",
+        '"name"',
+        ":",
+        '"arguments"',
+        "[",
+        "]",
+        ",",
+        '"',
+        "<|python_tag|>",
+        ";",
+        "\\",
+        "NaN",
+        "null",
+        " ",
+        "\n",
+        "x",
+    ]
+)
 chaotic_text = st.lists(tokens | st.text(max_size=5), max_size=40).map("".join)
 
 
@@ -150,7 +195,9 @@ def test_parsers_never_raise(text):
 def test_hermes_round_trip(content, calls):
     out = HERMES.parse(HERMES.render(content, calls))
     assert out.content == content
-    assert [(c.name, c.arguments, c.parse_error) for c in out.calls] == [(c.name, c.arguments, None) for c in calls]
+    assert [(c.name, c.arguments, c.parse_error) for c in out.calls] == [
+        (c.name, c.arguments, None) for c in calls
+    ]
 
 
 @settings(max_examples=60, deadline=None)
@@ -159,11 +206,17 @@ def test_llama3_round_trip(calls, tag):
     text = LLAMA.render("", calls)
     out = LLAMA.parse(("<|python_tag|>" if tag else "") + text)
     assert out.content == ""
-    assert [(c.name, c.arguments, c.parse_error) for c in out.calls] == [(c.name, c.arguments, None) for c in calls]
+    assert [(c.name, c.arguments, c.parse_error) for c in out.calls] == [
+        (c.name, c.arguments, None) for c in calls
+    ]
 
 
 @settings(max_examples=100, deadline=None)
-@given(prefix=content_st, garbage=st.text(max_size=80).filter(lambda t: "</tool_call>" not in t), closed=st.booleans())
+@given(
+    prefix=content_st,
+    garbage=st.text(max_size=80).filter(lambda t: "</tool_call>" not in t),
+    closed=st.booleans(),
+)
 def test_hermes_garbage_inside_tags_is_a_parse_error_not_a_crash(prefix, garbage, closed):
     body = "{" + garbage  # an object that never validly closes, or trailing junk
     try:
@@ -190,11 +243,18 @@ def json_with_hole(draw):
     value: object = HOLE
     for _ in range(draw(st.integers(0, 5))):
         if draw(st.booleans()):
-            value = [*draw(st.lists(json_values, max_size=2)), value, *draw(st.lists(json_values, max_size=2))]
+            value = [
+                *draw(st.lists(json_values, max_size=2)),
+                value,
+                *draw(st.lists(json_values, max_size=2)),
+            ]
         else:
             key = draw(st.text(max_size=6))
-            others = {k: v for k, v in draw(st.dictionaries(st.text(max_size=6), json_values, max_size=2)).items()
-                      if k != key}
+            others = {
+                k: v
+                for k, v in draw(st.dictionaries(st.text(max_size=6), json_values, max_size=2)).items()
+                if k != key
+            }
             value = {**others, key: value}
     text = json.dumps({draw(st.text(max_size=6)): value}, ensure_ascii=draw(st.booleans()))
     marker = json.dumps(HOLE)
@@ -211,16 +271,24 @@ def test_non_finite_numbers_are_rejected_anywhere(template, literal):
     text = template.replace("{}", literal)
     with pytest.raises(ValueError, match="not valid JSON|out of range"):
         loads_strict(text)
-    for model_text in (f'<tool_call>{{"name": "f", "arguments": {text}}}</tool_call>',
-                       f'<tool_call>{{"name": "f", "arguments": {json.dumps(text)}}}</tool_call>'):
+    for model_text in (
+        f'<tool_call>{{"name": "f", "arguments": {text}}}</tool_call>',
+        f'<tool_call>{{"name": "f", "arguments": {json.dumps(text)}}}</tool_call>',
+    ):
         [c] = HERMES.parse(model_text).calls
-        assert c.arguments is None and c.name == "f" and ("not valid JSON" in c.parse_error
-                                                          or "out of range" in c.parse_error)
+        assert (
+            c.arguments is None
+            and c.name == "f"
+            and ("not valid JSON" in c.parse_error or "out of range" in c.parse_error)
+        )
     [c] = LLAMA.parse(f'<|python_tag|>{{"name": "f", "parameters": {text}}}').calls
     assert c.arguments is None and c.parse_error
     c = ToolCall.from_dict({"function": {"name": "f", "arguments": text}})
-    assert c.arguments is None and c.raw_arguments == text and ("not valid JSON" in c.parse_error
-                                                                or "out of range" in c.parse_error)
+    assert (
+        c.arguments is None
+        and c.raw_arguments == text
+        and ("not valid JSON" in c.parse_error or "out of range" in c.parse_error)
+    )
 
 
 def test_overflowing_literal_error_names_the_number():
@@ -230,14 +298,21 @@ def test_overflowing_literal_error_names_the_number():
         loads_strict('{"x": 1e400}')
     with pytest.raises(ValueError, match="Infinity is not valid JSON"):
         loads_strict('{"x": [1, {"y": -Infinity}]}')
-    assert loads_strict('{"x": 1.7976931348623157e308, "y": -0.0, "z": 5e-324}')["x"] == 1.7976931348623157e308
+    assert (
+        loads_strict('{"x": 1.7976931348623157e308, "y": -0.0, "z": 5e-324}')["x"] == 1.7976931348623157e308
+    )
 
 
 # ---- the arguments' original text is kept and rendered as it came -------------------------------------------
 
 arg_dicts = st.dictionaries(st.text(max_size=8), json_values, max_size=4)
-formats = st.fixed_dictionaries({"indent": st.sampled_from([None, 0, 2]), "ensure_ascii": st.booleans(),
-                                 "separators": st.sampled_from([(",", ":"), (", ", ": "), (" ,", " :  ")])})
+formats = st.fixed_dictionaries(
+    {
+        "indent": st.sampled_from([None, 0, 2]),
+        "ensure_ascii": st.booleans(),
+        "separators": st.sampled_from([(",", ":"), (", ", ": "), (" ,", " :  ")]),
+    }
+)
 
 
 @settings(max_examples=100, deadline=None)
@@ -258,7 +333,9 @@ def test_argument_text_survives_parse_and_render_byte_exactly(args, fmt, pad, co
 
 
 def test_argument_text_edge_cases():
-    [c] = HERMES.parse('<tool_call>{"name": "f", "arguments": {"a": 1}, "arguments": {"b":2}}</tool_call>').calls
+    [c] = HERMES.parse(
+        '<tool_call>{"name": "f", "arguments": {"a": 1}, "arguments": {"b":2}}</tool_call>'
+    ).calls
     assert c.arguments == {"b": 2} and c.raw_arguments == '{"b":2}'  # the last key wins, as in json.loads
     [c] = HERMES.parse('<tool_call>{"name": "f", "arguments": "{\\"x\\":1}"}</tool_call>').calls
     assert c.raw_arguments == '{"x":1}' and c.to_dict(verbatim=True)["function"]["arguments"] == '{"x":1}'
@@ -276,10 +353,15 @@ QWEN3 = get_parser("qwen3")
 
 
 def test_qwen3_reasoning_and_calls():
-    out = QWEN3.parse('<think>\nMultiply first.\n</think>\n\nOK.\n<tool_call>\n{"name": "calc", "arguments": '
-                      '{"e": "58*2"}}\n</tool_call>')
-    assert (out.reasoning, out.content, [c.arguments for c in out.calls]) == ("Multiply first.", "OK.",
-                                                                              [{"e": "58*2"}])
+    out = QWEN3.parse(
+        '<think>\nMultiply first.\n</think>\n\nOK.\n<tool_call>\n{"name": "calc", "arguments": '
+        '{"e": "58*2"}}\n</tool_call>'
+    )
+    assert (out.reasoning, out.content, [c.arguments for c in out.calls]) == (
+        "Multiply first.",
+        "OK.",
+        [{"e": "58*2"}],
+    )
     msg = out.to_message()
     assert msg.reasoning == "Multiply first." and msg.content == "OK." and msg.tool_calls == out.calls
     assert msg.to_dict()["reasoning_content"] == "Multiply first."
@@ -304,17 +386,36 @@ think_free = st.text(max_size=60).filter(lambda t: "<think>" not in t and "</thi
 
 
 @settings(max_examples=150, deadline=None)
-@given(reasoning=think_free.filter(lambda t: t == t.strip("\n")), content=content_st.filter(
-    lambda t: "<think>" not in t and "</think>" not in t), calls=calls_st)
+@given(
+    reasoning=think_free.filter(lambda t: t == t.strip("\n")),
+    content=content_st.filter(lambda t: "<think>" not in t and "</think>" not in t),
+    calls=calls_st,
+)
 def test_qwen3_round_trip(reasoning, content, calls):
     out = QWEN3.parse(QWEN3.render(content, calls, reasoning=reasoning))
     assert out.reasoning == reasoning and out.content == content
-    assert [(c.name, c.arguments, c.parse_error) for c in out.calls] == [(c.name, c.arguments, None) for c in calls]
+    assert [(c.name, c.arguments, c.parse_error) for c in out.calls] == [
+        (c.name, c.arguments, None) for c in calls
+    ]
     assert QWEN3.parse(QWEN3.render(content, calls)) == HERMES.parse(HERMES.render(content, calls))
 
 
-think_tokens = st.sampled_from(["<think>", "</think>", "<thi", "nk>", "</", "think>", "<tool_call>", "</tool_call>",
-                                '{"name": "f", "arguments": {}}', "\n", " ", "x"])
+think_tokens = st.sampled_from(
+    [
+        "<think>",
+        "</think>",
+        "<thi",
+        "nk>",
+        "</",
+        "think>",
+        "<tool_call>",
+        "</tool_call>",
+        '{"name": "f", "arguments": {}}',
+        "\n",
+        " ",
+        "x",
+    ]
+)
 
 
 @settings(max_examples=200, deadline=None)

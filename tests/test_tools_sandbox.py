@@ -78,12 +78,15 @@ def _survivors(marker: str, wait_s: float = 5.0) -> list[int]:
 
 # ---- both backends ---------------------------------------------------------------------------------------
 
+
 def test_runs_code_with_files_and_captures_output(backend):
     res = run_python_sandboxed(
         "import sys, helper\nprint(helper.double(21))\nprint('oops', file=sys.stderr)\n"
         "open('out.txt', 'w').write('inside is fine')\nprint(open('out.txt').read())\nprint('é')\n"
         "open('helper.py', 'a').write('# mine')",
-        files={"helper.py": "def double(x):\n    return 2 * x\n", "data/in.txt": "x"}, backend=backend)
+        files={"helper.py": "def double(x):\n    return 2 * x\n", "data/in.txt": "x"},
+        backend=backend,
+    )
     assert res.ok and res.returncode == 0 and not res.timed_out and res.backend == backend, res.stderr
     assert res.stdout == "42\ninside is fine\né\n" and res.stderr == "oops\n"
 
@@ -100,15 +103,18 @@ def test_error_exit_code_and_clean_traceback(backend):
 
 def test_secrets_in_the_environment_are_not_visible(backend, monkeypatch):
     monkeypatch.setenv("MILES_TEST_API_KEY", "sk-very-secret")
-    res = run_python_sandboxed("import os\nprint(sorted(os.environ))\nprint(os.environ['HOME'] == os.getcwd())",
-                               backend=backend)
+    res = run_python_sandboxed(
+        "import os\nprint(sorted(os.environ))\nprint(os.environ['HOME'] == os.getcwd())", backend=backend
+    )
     assert res.returncode == 0, res.stderr
     assert "MILES_TEST_API_KEY" not in res.stdout and res.stdout.endswith("True\n")
 
 
 def test_infinite_loop_is_killed_at_the_timeout_with_its_children(backend):
-    code = ("import os, time\nprint(os.getcwd(), flush=True)\n"
-            "if os.fork() == 0:\n    time.sleep(60)\n    os._exit(0)\nwhile True:\n    pass")
+    code = (
+        "import os, time\nprint(os.getcwd(), flush=True)\n"
+        "if os.fork() == 0:\n    time.sleep(60)\n    os._exit(0)\nwhile True:\n    pass"
+    )
     res = run_python_sandboxed(code, timeout_s=4.0, cpu_s=60, allow_subprocess=True, backend=backend)
     assert res.timed_out and res.returncode == -signal.SIGKILL and not res.ok
     workdir = res.stdout.split()[0]  # output printed before the kill is kept
@@ -116,8 +122,9 @@ def test_infinite_loop_is_killed_at_the_timeout_with_its_children(backend):
 
 
 def test_memory_limit(backend):
-    res = run_python_sandboxed("x = bytearray(1024 * 1024 * 1024)\nprint('allocated')", memory_mb=256,
-                               backend=backend)
+    res = run_python_sandboxed(
+        "x = bytearray(1024 * 1024 * 1024)\nprint('allocated')", memory_mb=256, backend=backend
+    )
     assert res.returncode == 1 and "MemoryError" in res.stderr and "allocated" not in res.stdout
 
 
@@ -127,8 +134,9 @@ def test_cpu_limit(backend):
 
 
 def test_file_size_limit(backend):
-    res = run_python_sandboxed("open('big.bin', 'wb').write(b'x' * (3 * 1024 * 1024))", max_file_mb=1,
-                               backend=backend)
+    res = run_python_sandboxed(
+        "open('big.bin', 'wb').write(b'x' * (3 * 1024 * 1024))", max_file_mb=1, backend=backend
+    )
     assert res.returncode == 1 and not res.timed_out and "File too large" in res.stderr
 
 
@@ -136,8 +144,12 @@ def test_huge_output_is_capped(backend):
     res = run_python_sandboxed("print('y' * 100000)", max_output_bytes=1000, backend=backend)
     assert res.output_truncated and res.stdout.startswith("y" * 1000)
     assert res.stdout.endswith("[output truncated: 100001 bytes, limit 1000]")
-    endless = run_python_sandboxed("import sys\nwhile True:\n    sys.stdout.write('z' * 65536)", timeout_s=4.0,
-                                   max_output_bytes=5000, backend=backend)
+    endless = run_python_sandboxed(
+        "import sys\nwhile True:\n    sys.stdout.write('z' * 65536)",
+        timeout_s=4.0,
+        max_output_bytes=5000,
+        backend=backend,
+    )
     assert endless.timed_out and endless.output_truncated
     assert endless.stdout.startswith("z" * 5000) and "z" * 5001 not in endless.stdout
 
@@ -149,25 +161,38 @@ def test_working_directory_is_removed(backend):
 
 
 def test_subprocesses_are_refused_unless_allowed(backend):
-    code = "import subprocess\ntry:\n    subprocess.run(['true'])\n    print('ran')\nexcept PermissionError:\n" \
-           "    print('blocked')"
+    code = (
+        "import subprocess\ntry:\n    subprocess.run(['true'])\n    print('ran')\nexcept PermissionError:\n"
+        "    print('blocked')"
+    )
     assert run_python_sandboxed(code, backend=backend).stdout == "blocked\n"
     assert run_python_sandboxed(code, allow_subprocess=True, backend=backend).stdout == "ran\n"
 
 
 # ---- the bwrap backend -----------------------------------------------------------------------------------
 
+
 def test_bwrap_refuses_reads_outside_its_directory(bwrap):
-    with tempfile.NamedTemporaryFile("w", dir=Path.home(), prefix="miles-sandbox-test-", suffix=".txt") as secret:
+    with tempfile.NamedTemporaryFile(
+        "w", dir=Path.home(), prefix="miles-sandbox-test-", suffix=".txt"
+    ) as secret:
         secret.write("home secret")
         secret.flush()
-        targets = ["/etc/passwd", "/proc/1/environ", "/proc/self/environ", str(REPO / "README.md"),
-                   str(Path(__file__).resolve()), secret.name]
-        code = ("import os\nprint(os.path.dirname(os.getcwd()), os.path.basename(os.getcwd()), "
-                "*sorted(os.listdir(os.path.dirname(os.getcwd()))))\n"
-                f"for path in {targets!r}:\n"
-                "    try:\n        print(path, open(path).read()[:20])\n"
-                "    except OSError as exc:\n        print(path, 'refused', type(exc).__name__)\n")
+        targets = [
+            "/etc/passwd",
+            "/proc/1/environ",
+            "/proc/self/environ",
+            str(REPO / "README.md"),
+            str(Path(__file__).resolve()),
+            secret.name,
+        ]
+        code = (
+            "import os\nprint(os.path.dirname(os.getcwd()), os.path.basename(os.getcwd()), "
+            "*sorted(os.listdir(os.path.dirname(os.getcwd()))))\n"
+            f"for path in {targets!r}:\n"
+            "    try:\n        print(path, open(path).read()[:20])\n"
+            "    except OSError as exc:\n        print(path, 'refused', type(exc).__name__)\n"
+        )
         res = run_python_sandboxed(code, backend=bwrap)
         audit = run_python_sandboxed(code, backend="audit")
     assert res.returncode == 0 and res.backend == "bwrap", res.stderr
@@ -175,7 +200,9 @@ def test_bwrap_refuses_reads_outside_its_directory(bwrap):
     parent, own, *seen = lines[0].split(" ")
     # Beside its own directory, the parent shows only where the read-only runtime is mounted (a virtualenv
     # under /tmp, say): other runs' directories, and whatever else is there on the host, are not visible.
-    runtime = {m.dest[len(parent) + 1:].split("/")[0] for m in runtime_mounts() if m.dest.startswith(parent + "/")}
+    runtime = {
+        m.dest[len(parent) + 1 :].split("/")[0] for m in runtime_mounts() if m.dest.startswith(parent + "/")
+    }
     assert own in seen and set(seen) - {own} <= runtime, (seen, runtime)
     assert lines[1:] == [f"{path} refused FileNotFoundError" for path in targets]
     # The same reads under the audit backend succeed: the refusal above is bwrap's doing.
@@ -221,7 +248,14 @@ print(open('inside.txt').read())
     assert last == "private"
     assert victim.read_text() == "original" and not created.exists()
     assert not Path(workdir).exists()
-    for place in (Path(workdir).parent, Path("/tmp"), Path(sys.prefix), Path("/usr/lib"), Path("/"), Path("/dev/shm")):
+    for place in (
+        Path(workdir).parent,
+        Path("/tmp"),
+        Path(sys.prefix),
+        Path("/usr/lib"),
+        Path("/"),
+        Path("/dev/shm"),
+    ):
         assert not (place / escape).exists()
 
 
@@ -244,9 +278,11 @@ def test_bwrap_has_no_network(bwrap):
                 conn.close()
                 return
 
-        code = (f"import socket\ntry:\n    s = socket.create_connection(('127.0.0.1', {port}), timeout=5)\n"
-                "    s.sendall(b'hello host')\n    print('connected')\n"
-                "except OSError as exc:\n    print('refused', type(exc).__name__)\n")
+        code = (
+            f"import socket\ntry:\n    s = socket.create_connection(('127.0.0.1', {port}), timeout=5)\n"
+            "    s.sendall(b'hello host')\n    print('connected')\n"
+            "except OSError as exc:\n    print('refused', type(exc).__name__)\n"
+        )
         thread = threading.Thread(target=accept, daemon=True)
         thread.start()
         isolated = run_python_sandboxed(code, backend=bwrap)
@@ -282,19 +318,23 @@ except BlockingIOError:
 
 
 def test_bwrap_fork_limit_defaults_on(bwrap):
-    res = run_python_sandboxed("import resource; print(resource.getrlimit(resource.RLIMIT_NPROC)[0])",
-                               backend=bwrap)
+    res = run_python_sandboxed(
+        "import resource; print(resource.getrlimit(resource.RLIMIT_NPROC)[0])", backend=bwrap
+    )
     assert res.stdout == "64\n"
 
 
 # ---- choosing the backend --------------------------------------------------------------------------------
+
 
 def test_backend_choice_and_errors(monkeypatch):
     monkeypatch.setenv("MILES_SANDBOX", "audit")
     assert sandbox_backend() == "audit" and run_python_sandboxed("print(1)").backend == "audit"
     assert run_python_sandboxed("print(open('/etc/passwd').read() != '')").stdout == "True\n"  # audit reads
     monkeypatch.setenv("MILES_SANDBOX", "docker")
-    with pytest.raises(SandboxError, match="MILES_SANDBOX='docker' is not a sandbox backend; use one of auto"):
+    with pytest.raises(
+        SandboxError, match="MILES_SANDBOX='docker' is not a sandbox backend; use one of auto"
+    ):
         run_python_sandboxed("print(1)")
     with pytest.raises(SandboxError, match="backend='nope'"):
         sandbox_backend("nope")
@@ -320,10 +360,12 @@ def test_falls_back_to_audit_with_one_warning_where_bwrap_is_missing(monkeypatch
         run_python_sandboxed("print(1)", backend="bwrap")
     assert str(failed.value).startswith(
         "the bwrap sandbox was asked for but bubblewrap (bwrap) is not on PATH; "
-        "install bubblewrap (Debian/Ubuntu: apt-get install -y bubblewrap)")
+        "install bubblewrap (Debian/Ubuntu: apt-get install -y bubblewrap)"
+    )
 
 
 # ---- the audit backend (the fallback) --------------------------------------------------------------------
+
 
 def test_audit_cannot_write_outside_working_directory(tmp_path):
     victim = tmp_path / "victim.txt"
@@ -338,7 +380,7 @@ attempts = {{
     'parent': lambda: open('../escape.txt', 'w'),
     'remove': lambda: os.remove({str(victim)!r}),
     'rename': lambda: os.rename({str(victim)!r}, 'stolen.txt'),
-    'mkdir': lambda: os.mkdir({str(tmp_path / 'newdir')!r}),
+    'mkdir': lambda: os.mkdir({str(tmp_path / "newdir")!r}),
     'chmod': lambda: os.chmod({str(victim)!r}, 0o777),
     'rmtree': lambda: shutil.rmtree({str(tmp_path)!r}),
     'copy': lambda: shutil.copy('mine.txt', {str(target)!r}),
@@ -387,18 +429,21 @@ def test_bad_arguments_raise_named_error():
 
 # ---- the run_python tool ---------------------------------------------------------------------------------
 
+
 async def test_run_python_tool_through_toolbox():
     spec = get_spec(run_python)
     assert spec.name == "run_python" and list(spec.parameters["properties"]) == ["code"]
     slow = make_run_python_tool(timeout_s=0.5, name="run_python_fast")
     audit = make_run_python_tool(name="run_python_audit", backend="audit")
     box = ToolBox([run_python, slow, audit])
-    ok, failing, timeout, hooked = await box.execute([
-        ToolCall("run_python", {"code": "print(6 * 7)"}, id="a"),
-        ToolCall("run_python", {"code": "1/0"}, id="b"),
-        ToolCall("run_python_fast", {"code": "import time; time.sleep(10)"}, id="c"),
-        ToolCall("run_python_audit", {"code": "import os; os.system('true')"}, id="d"),
-    ])
+    ok, failing, timeout, hooked = await box.execute(
+        [
+            ToolCall("run_python", {"code": "print(6 * 7)"}, id="a"),
+            ToolCall("run_python", {"code": "1/0"}, id="b"),
+            ToolCall("run_python_fast", {"code": "import time; time.sleep(10)"}, id="c"),
+            ToolCall("run_python_audit", {"code": "import os; os.system('true')"}, id="d"),
+        ]
+    )
     assert ok.content == "42" and ok.error is None
     assert "ZeroDivisionError" in failing.content and failing.content.endswith("[exit code 1]")
     assert "[timed out after" in timeout.content

@@ -71,8 +71,10 @@ def test_primitives_and_google_docstring():
         "required": ["query", "limit", "ratio", "exact"],
         "additionalProperties": False,
     }
-    assert spec.openai_schema() == {"type": "function", "function": {
-        "name": "search", "description": spec.description, "parameters": spec.parameters}}
+    assert spec.openai_schema() == {
+        "type": "function",
+        "function": {"name": "search", "description": spec.description, "parameters": spec.parameters},
+    }
     assert not spec.is_async and spec.injected == ()
     assert search("x", 1, 0.5, True) == "x"  # the decorated function stays callable
 
@@ -92,7 +94,9 @@ def test_numpy_docstring_and_defaults():
         return key
 
     spec = get_spec(lookup)
-    assert spec.name == "lookup_v2" and spec.is_async and spec.timeout_s == 3.0 and spec.max_output_chars == 100
+    assert (
+        spec.name == "lookup_v2" and spec.is_async and spec.timeout_s == 3.0 and spec.max_output_chars == 100
+    )
     assert spec.parameters["required"] == ["key"]
     assert spec.parameters["properties"] == {
         "key": {"type": "string", "description": "The key."},
@@ -140,15 +144,25 @@ def test_complex_types():
         "title": "Address",
         "description": "A postal address.",
     }
-    assert props["items"] == {"type": "array", "items": {
-        "type": "object",
-        "properties": {"sku": {"type": "string"}, "qty": {"type": "integer"}, "note": {"type": "string"}},
-        "required": ["sku", "qty"], "additionalProperties": False}}
+    assert props["items"] == {
+        "type": "array",
+        "items": {
+            "type": "object",
+            "properties": {"sku": {"type": "string"}, "qty": {"type": "integer"}, "note": {"type": "string"}},
+            "required": ["sku", "qty"],
+            "additionalProperties": False,
+        },
+    }
     assert props["meta"] == {"type": "object", "additionalProperties": {"type": "integer"}}
     assert props["note"] == {"anyOf": [{"type": "string"}, {"type": "null"}], "default": None}
     assert props["alt"] == props["note"]
-    assert props["point"] == {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "integer"}],
-                              "minItems": 2, "maxItems": 2, "default": [0, 0]}
+    assert props["point"] == {
+        "type": "array",
+        "prefixItems": [{"type": "integer"}, {"type": "integer"}],
+        "minItems": 2,
+        "maxItems": 2,
+        "default": [0, 0],
+    }
     assert props["anything"] == {"default": None}
     assert props["level"] == {"type": "integer", "description": "Level from 1 to 5.", "default": 1}
     assert props["mixed"] == {"enum": [1, "a"], "default": 1}
@@ -219,20 +233,23 @@ def _nope(*args: int) -> None:
     """Varargs."""
 
 
-@pytest.mark.parametrize(("make", "needle"), [
-    (lambda: tool(_no_doc), "tool '_no_doc' has no description"),
-    (lambda: tool(lambda x: x), "tool name '<lambda>' must match"),
-    (lambda: tool(_nope), "*args cannot be described"),
-    (lambda: tool(_missing_annotation), "parameter 'x': missing type annotation"),
-    (lambda: tool(_kwargs), "**kw cannot be described"),
-    (lambda: tool(_bad_type), "cannot derive a JSON schema for type"),
-    (lambda: tool(_int_keys), "dict keys must be str"),
-    (lambda: tool(_undocumented_doc), "documents unknown parameter(s) ['y']"),
-    (lambda: tool(_missing_annotation, name="bad name!"), "must match"),
-    (lambda: tool(_ok, timeout_s=0), "timeout_s must be positive"),
-    (lambda: tool(_recursive), "recursive type Node"),
-    (lambda: tool(_generator), "generator functions cannot be tools"),
-])
+@pytest.mark.parametrize(
+    ("make", "needle"),
+    [
+        (lambda: tool(_no_doc), "tool '_no_doc' has no description"),
+        (lambda: tool(lambda x: x), "tool name '<lambda>' must match"),
+        (lambda: tool(_nope), "*args cannot be described"),
+        (lambda: tool(_missing_annotation), "parameter 'x': missing type annotation"),
+        (lambda: tool(_kwargs), "**kw cannot be described"),
+        (lambda: tool(_bad_type), "cannot derive a JSON schema for type"),
+        (lambda: tool(_int_keys), "dict keys must be str"),
+        (lambda: tool(_undocumented_doc), "documents unknown parameter(s) ['y']"),
+        (lambda: tool(_missing_annotation, name="bad name!"), "must match"),
+        (lambda: tool(_ok, timeout_s=0), "timeout_s must be positive"),
+        (lambda: tool(_recursive), "recursive type Node"),
+        (lambda: tool(_generator), "generator functions cannot be tools"),
+    ],
+)
 def test_undescribable_tools_fail_at_definition(make, needle):
     with pytest.raises(ToolDefinitionError) as info:
         make()
@@ -293,6 +310,7 @@ def _generator(n: int):  # noqa: ANN202
 
 # ---- int parameters: only integral numbers, always delivered as int ------------------------------------------
 
+
 @dataclass
 class Stock:
     sku: str
@@ -308,7 +326,10 @@ def test_int_converters_turn_integral_floats_into_ints_at_every_depth():
     from miles.tools.schema import make_converter
 
     cases = [
-        (int, 3.0, 3), (int, -0.0, 0), (int, 1e300, int(1e300)), (int, 7, 7),
+        (int, 3.0, 3),
+        (int, -0.0, 0),
+        (int, 1e300, int(1e300)),
+        (int, 7, 7),
         (list[int], [1.0, 2, -3.0], [1, 2, -3]),
         (dict[str, int], {"a": 4.0}, {"a": 4}),
         (Optional[int], 5.0, 5),  # noqa: UP045 - Optional spelled out on purpose
@@ -353,11 +374,17 @@ def test_int_schema_admits_integral_numbers_only_and_never_bools():
 
     spec = get_spec(transfer)
     assert spec.validation_errors({"amount": 30.0, "splits": [1.0, 2]}) == []
-    assert spec.validation_errors({"amount": 30.5, "splits": []}) == ["at 'amount': 30.5 is not of type 'integer'"]
+    assert spec.validation_errors({"amount": 30.5, "splits": []}) == [
+        "at 'amount': 30.5 is not of type 'integer'"
+    ]
     assert spec.validation_errors({"amount": True, "splits": [False]}) == [
-        "at 'amount': True is not of type 'integer'", "at 'splits/0': False is not of type 'integer'"]
+        "at 'amount': True is not of type 'integer'",
+        "at 'splits/0': False is not of type 'integer'",
+    ]
     assert spec.validation_errors({"amount": float("nan"), "splits": [float("-inf")]}) == [
-        "at 'amount': nan is not of type 'integer'", "at 'splits/0': -inf is not of type 'integer'"]
+        "at 'amount': nan is not of type 'integer'",
+        "at 'splits/0': -inf is not of type 'integer'",
+    ]
 
 
 def test_non_finite_numbers_are_violations_even_where_the_schema_allows_any_number():
@@ -374,4 +401,6 @@ def test_non_finite_numbers_are_violations_even_where_the_schema_allows_any_numb
     spec = get_spec(measure)
     assert spec.validation_errors({"x": 1e308, "extra": {"a": [1.5]}}) == []
     assert spec.validation_errors({"x": float("inf"), "extra": {"a": [0.0, float("nan")]}}) == [
-        "at 'extra/a/1': nan is not a finite number", "at 'x': inf is not a finite number"]
+        "at 'extra/a/1': nan is not a finite number",
+        "at 'x': inf is not a finite number",
+    ]

@@ -31,8 +31,15 @@ def make_batch(lengths=LENGTHS, *, seed=1, temperature=None) -> TrajectoryBatch:
         gen = n - 2
         lps = (-torch.rand(gen, generator=g) * 4).tolist()
         sp = {} if temperature is None else {"temperature": temperature}
-        trajs.append(Trajectory(token_ids=ids, loss_mask=[0, 0] + [1] * gen, rollout_logprobs=[0.0, 0.0] + lps,
-                                reward=float(i % 2), meta=TrajectoryMeta(group_id=f"g{i // 3}", sampling_params=sp)))
+        trajs.append(
+            Trajectory(
+                token_ids=ids,
+                loss_mask=[0, 0] + [1] * gen,
+                rollout_logprobs=[0.0, 0.0] + lps,
+                reward=float(i % 2),
+                meta=TrajectoryMeta(group_id=f"g{i // 3}", sampling_params=sp),
+            )
+        )
     return TrajectoryBatch.from_trajectories(trajs)
 
 
@@ -89,9 +96,15 @@ def test_temperature_from_batch_and_from_config():
 
 def test_mixed_temperatures_are_rejected():
     a, b = make_batch((4, 5), temperature=0.7), make_batch((4, 5), temperature=1.0)
-    mixed = TrajectoryBatch(token_ids=a.token_ids, loss_mask=a.loss_mask, rollout_logprobs=a.rollout_logprobs,
-                            cu_seqlens=a.cu_seqlens, rewards=a.rewards, group_ids=a.group_ids,
-                            meta=[a.meta[0], b.meta[1]])
+    mixed = TrajectoryBatch(
+        token_ids=a.token_ids,
+        loss_mask=a.loss_mask,
+        rollout_logprobs=a.rollout_logprobs,
+        cu_seqlens=a.cu_seqlens,
+        rewards=a.rewards,
+        group_ids=a.group_ids,
+        meta=[a.meta[0], b.meta[1]],
+    )
     with pytest.raises(ValueError, match="temperature"):
         TorchTrainer(tiny()).train_step(mixed)
 
@@ -125,10 +138,17 @@ def test_gradient_accumulation_equals_one_full_batch(aggregation):
 
 def test_grpo_steps_raise_logprob_of_rewarded_sequences():
     batch = make_batch()
-    trainer = TorchTrainer(tiny(), TorchTrainerConfig(lr=3e-3, micro_batch_tokens=24),
-                           AlgorithmConfig(num_mini_batches=2, ppo_epochs=2))
-    rewarded = torch.cat([torch.full((batch.sequence(i).stop - batch.sequence(i).start,), float(batch.rewards[i]))
-                          for i in range(batch.num_sequences)])
+    trainer = TorchTrainer(
+        tiny(),
+        TorchTrainerConfig(lr=3e-3, micro_batch_tokens=24),
+        AlgorithmConfig(num_mini_batches=2, ppo_epochs=2),
+    )
+    rewarded = torch.cat(
+        [
+            torch.full((batch.sequence(i).stop - batch.sequence(i).start,), float(batch.rewards[i]))
+            for i in range(batch.num_sequences)
+        ]
+    )
     mask = batch.loss_mask
 
     def gap() -> float:
@@ -202,8 +222,12 @@ def test_bf16_parameters_train_float32_masters():
     batch = make_batch()
     results = []
     for budget in (10_000, 12):  # one micro-batch vs five
-        trainer = TorchTrainer(tiny(), TorchTrainerConfig(precision="bf16", micro_batch_tokens=budget, lr=1.0,
-                                                          adam_eps=1.0, max_grad_norm=None))
+        trainer = TorchTrainer(
+            tiny(),
+            TorchTrainerConfig(
+                precision="bf16", micro_batch_tokens=budget, lr=1.0, adam_eps=1.0, max_grad_norm=None
+            ),
+        )
         assert all(p.dtype == torch.bfloat16 for p in trainer.model.parameters())
         masters = trainer.masters.masters
         assert all(m.dtype == torch.float32 for m in masters)
@@ -232,7 +256,9 @@ def test_bf16_checkpoint_keeps_the_float32_masters(tmp_path):
     resumed.load_checkpoint(tmp_path)
     for a, b in zip(first.masters.masters, resumed.masters.masters, strict=True):
         assert torch.equal(a, b)
-    assert not all(torch.equal(m, m.to(torch.bfloat16).float()) for m in first.masters.masters)  # not just bf16
+    assert not all(
+        torch.equal(m, m.to(torch.bfloat16).float()) for m in first.masters.masters
+    )  # not just bf16
     for _ in range(2):
         assert first.train_step(batch)["loss"] == resumed.train_step(batch)["loss"]
     for a, b in zip(first.masters.masters, resumed.masters.masters, strict=True):
@@ -262,9 +288,17 @@ def test_models_with_a_soft_capped_head_take_the_full_logits():
     from miles.trainers.logprobs import token_logprobs_from_hidden
     from miles.trainers.torch_backend import fused_lm_head
 
-    cfg = Gemma2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                       num_attention_heads=2, num_key_value_heads=1, head_dim=16, final_logit_softcapping=0.05,
-                       pad_token_id=0)
+    cfg = Gemma2Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        final_logit_softcapping=0.05,
+        pad_token_id=0,
+    )
     torch.manual_seed(0)
     model = Gemma2ForCausalLM(cfg)
     assert fused_lm_head(model) is None and fused_lm_head(tiny()) is not None
@@ -285,6 +319,7 @@ def test_lr_schedule_warmup_then_cosine():
     got = [lr_lambda(s, cfg) for s in range(7)]
     # warmup 1/2, 2/2; then 0.1 + 0.9 * 0.5 (1 + cos(pi * k / 4)) for k = 0..4
     import math
+
     want = [0.5, 1.0] + [0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * k / 4)) for k in range(5)]
     assert got == pytest.approx(want)
     trainer = TorchTrainer(tiny(), cfg)
@@ -301,10 +336,16 @@ def test_hf_state_dict_loads_into_a_fresh_hf_model():
     assert torch.allclose(per_sequence_logprobs(other, batch), trainer.compute_logprobs(batch), atol=1e-5)
 
 
-@pytest.mark.parametrize("kwargs,key", [
-    ({"lr": 0.0}, "lr"), ({"lr_schedule": "cosine"}, "total_steps"), ({"packing": "zigzag"}, "packing"),
-    ({"micro_batch_tokens": 0}, "micro_batch_tokens"), ({"precision": "fp8"}, "precision"),
-])
+@pytest.mark.parametrize(
+    "kwargs,key",
+    [
+        ({"lr": 0.0}, "lr"),
+        ({"lr_schedule": "cosine"}, "total_steps"),
+        ({"packing": "zigzag"}, "packing"),
+        ({"micro_batch_tokens": 0}, "micro_batch_tokens"),
+        ({"precision": "fp8"}, "precision"),
+    ],
+)
 def test_trainer_config_validation(kwargs, key):
     with pytest.raises(ConfigError) as e:
         TorchTrainerConfig(**kwargs)
@@ -312,9 +353,15 @@ def test_trainer_config_validation(kwargs, key):
 
 
 def test_algorithm_config_from_dict_names_bad_keys():
-    alg = from_dict(AlgorithmConfig, {"advantage": {"estimator": "dr_grpo"},
-                                      "loss": {"policy_loss": "gspo", "icepop": [0.5, 2.0]}, "ppo_epochs": 2},
-                    "algorithm")
+    alg = from_dict(
+        AlgorithmConfig,
+        {
+            "advantage": {"estimator": "dr_grpo"},
+            "loss": {"policy_loss": "gspo", "icepop": [0.5, 2.0]},
+            "ppo_epochs": 2,
+        },
+        "algorithm",
+    )
     assert alg.loss.icepop == (0.5, 2.0) and alg.advantage.estimator == "dr_grpo"
     with pytest.raises(ConfigError) as e:
         from_dict(AlgorithmConfig, {"loss": {"eps_clip": 0.2}}, "algorithm")
@@ -326,8 +373,14 @@ def test_algorithm_config_from_dict_names_bad_keys():
 
 def test_malformed_batch_is_rejected():
     b = make_batch((4, 5))
-    bad = TrajectoryBatch(token_ids=b.token_ids, loss_mask=b.loss_mask[:-1], rollout_logprobs=b.rollout_logprobs,
-                          cu_seqlens=b.cu_seqlens, rewards=b.rewards, group_ids=b.group_ids)
+    bad = TrajectoryBatch(
+        token_ids=b.token_ids,
+        loss_mask=b.loss_mask[:-1],
+        rollout_logprobs=b.rollout_logprobs,
+        cu_seqlens=b.cu_seqlens,
+        rewards=b.rewards,
+        group_ids=b.group_ids,
+    )
     with pytest.raises(ValueError, match="disagree"):
         TorchTrainer(tiny()).train_step(bad)
 

@@ -26,12 +26,19 @@ PER_STEP = TASKS_PER_STEP * GROUP_SIZE
 
 def tiny_config(output_dir: Path, **top: object) -> TrainConfig:
     data = {
-        "seed": 3, "output_dir": str(output_dir), "steps": 2,
+        "seed": 3,
+        "output_dir": str(output_dir),
+        "steps": 2,
         "env": {"id": "Calculator-v0", "num_train_tasks": 64},
         "model": {"name": "tiny", "size": "0.1m"},
-        "rollout": {"tasks_per_step": TASKS_PER_STEP,
-                    "scheduler": {"group_size": GROUP_SIZE, "progress": False,
-                                  "session": {"sampling": {"temperature": 1.0, "max_new_tokens": 48}}}},
+        "rollout": {
+            "tasks_per_step": TASKS_PER_STEP,
+            "scheduler": {
+                "group_size": GROUP_SIZE,
+                "progress": False,
+                "session": {"sampling": {"temperature": 1.0, "max_new_tokens": 48}},
+            },
+        },
         "trainer": {"lr": 1e-3},
         "sft": {"enabled": True, "num_demos": 8, "batch_size": 8},
         "eval": {"num_tasks": 2, "max_new_tokens": 48},
@@ -52,7 +59,9 @@ def task_ids_by_step(out: Path) -> list[list[str]]:
     """Each step's task ids, in recording order (a step's sessions all end before the next step starts)."""
     records = read_sessions(out / "sessions.jsonl").records
     assert len(records) % PER_STEP == 0
-    return [sorted(r.task["task_id"] for r in records[i:i + PER_STEP]) for i in range(0, len(records), PER_STEP)]
+    return [
+        sorted(r.task["task_id"] for r in records[i : i + PER_STEP]) for i in range(0, len(records), PER_STEP)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +73,14 @@ def uninterrupted(tmp_path_factory) -> tuple[Path, object]:
 
 def test_a_run_writes_every_artifact(uninterrupted):
     out, summary = uninterrupted
-    for name in ("config.yaml", "sessions.jsonl", "eval_sessions.jsonl", "metrics.jsonl", "curves.png",
-                 "summary.json"):
+    for name in (
+        "config.yaml",
+        "sessions.jsonl",
+        "eval_sessions.jsonl",
+        "metrics.jsonl",
+        "curves.png",
+        "summary.json",
+    ):
         assert (out / name).is_file() and (out / name).stat().st_size > 0, name
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == ["step_00000004"]
@@ -89,17 +104,22 @@ def test_every_session_is_recorded_with_its_weight_version(uninterrupted):
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert all(r["sessions"] == PER_STEP for r in rows)
     # the routing stats of each step: every turn counted, later turns found their session's cache
-    turns = [sum(len(r.turns) for r in result.records[i:i + PER_STEP]) for i in range(0, 4 * PER_STEP, PER_STEP)]
+    turns = [
+        sum(len(r.turns) for r in result.records[i : i + PER_STEP]) for i in range(0, 4 * PER_STEP, PER_STEP)
+    ]
     assert [r["router_turns"] for r in rows] == turns
     assert all(0 < r["router_cached_token_ratio"] <= 1 for r in rows if r["router_stayed"] > 0)
     step_versions = []
     for i in range(0, len(result.records), PER_STEP):
-        versions = {v for r in result.records[i:i + PER_STEP] for v in r.weight_versions}
+        versions = {v for r in result.records[i : i + PER_STEP] for v in r.weight_versions}
         assert versions and None not in versions
-        assert all(r.turns for r in result.records[i:i + PER_STEP])
-        assert all(span.weight_version is not None
-                   for r in result.records[i:i + PER_STEP] for span in r.trajectory.spans
-                   if span.role == "assistant")
+        assert all(r.turns for r in result.records[i : i + PER_STEP])
+        assert all(
+            span.weight_version is not None
+            for r in result.records[i : i + PER_STEP]
+            for span in r.trajectory.spans
+            if span.role == "assistant"
+        )
         step_versions.append(versions)
     # drain policy: one version per step, and each step's rollouts use newer weights than the last
     assert all(len(v) == 1 for v in step_versions)
@@ -126,7 +146,9 @@ def test_resume_continues_at_the_next_step_with_the_same_data(uninterrupted, tmp
     assert [r["step"] for r in train_rows(out)] == [0, 1, 2, 3]  # none repeated, none lost
     assert read_sessions(out / "sessions.jsonl").bad_lines == []
     assert task_ids_by_step(out) == task_ids_by_step(full)  # the data cursor continued
-    start_evals = [r for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "eval" and r["stage"] == "start"]
+    start_evals = [
+        r for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "eval" and r["stage"] == "start"
+    ]
     assert len(start_evals) == 1
 
 
@@ -145,13 +167,17 @@ def test_resume_without_a_checkpoint_starts_from_scratch(tmp_path):
     assert len([r for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "eval"]) == 2  # start, final
 
 
-def test_a_new_run_into_a_folder_holding_a_run_is_refused_and_touches_nothing(uninterrupted, tmp_path, capsys):
+def test_a_new_run_into_a_folder_holding_a_run_is_refused_and_touches_nothing(
+    uninterrupted, tmp_path, capsys
+):
     out, _ = uninterrupted
     before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name != ".miles.lock"}
     with pytest.raises(ConfigError, match="already holds a run .*continue it with --resume") as err:
         run(tiny_config(out, steps=1))
     assert err.value.key == "output_dir"
-    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name != ".miles.lock"} == before
+    assert {
+        p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name != ".miles.lock"
+    } == before
     assert cli_main(["train", "--config", str(out / "config.yaml")]) == 2  # through the CLI: one line
     assert capsys.readouterr().err.count("\n") == 1
 
@@ -167,12 +193,19 @@ def test_config_errors_name_the_bad_key(tmp_path, capsys):
 
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"output_dir: {tmp_path / 'never'}\nsteps: 1\n")
-    proc = subprocess.run([sys.executable, "-m", "miles.cli", "train", "--config", str(cfg), "--set", "trainer.lrr=1"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "miles.cli", "train", "--config", str(cfg), "--set", "trainer.lrr=1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr
     assert "trainer.lrr" in proc.stderr and "unknown key" in proc.stderr and "Traceback" not in proc.stderr
-    for override, key in (("steps=-1", "steps"), ("engine.kind=warp", "engine.kind"),
-                          ("sft.lr=fast", "sft.lr")):
+    for override, key in (
+        ("steps=-1", "steps"),
+        ("engine.kind=warp", "engine.kind"),
+        ("sft.lr=fast", "sft.lr"),
+    ):
         assert cli_main(["train", "--config", str(cfg), "--set", override]) == 2
         assert key in capsys.readouterr().err
     assert cli_main(["sft", "--config", str(cfg), "--set", "sft.bogus=1"]) == 2
@@ -185,8 +218,13 @@ def test_groups_without_reward_spread_are_dropped_and_counted():
     from miles.trajectory import Trajectory, TrajectoryMeta
 
     def traj(group: str, reward: float) -> Trajectory:
-        return Trajectory(token_ids=[1, 2], loss_mask=[0, 1], rollout_logprobs=[0.0, -0.5], reward=reward,
-                          meta=TrajectoryMeta(group_id=group))
+        return Trajectory(
+            token_ids=[1, 2],
+            loss_mask=[0, 1],
+            rollout_logprobs=[0.0, -0.5],
+            reward=reward,
+            meta=TrajectoryMeta(group_id=group),
+        )
 
     trajs = [traj("a", 0.0), traj("a", 0.0), traj("b", 1.0), traj("b", 0.0), traj("c", 1.0), traj("c", 1.0)]
     kept, num_groups, flat = split_by_reward_spread(trajs)
@@ -205,11 +243,16 @@ def test_one_run_at_a_time_writes_a_folder(tmp_path):
     held = OutputDirLock(out)
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"output_dir: {out}\nsteps: 1\n")
-    proc = subprocess.run([sys.executable, "-m", "miles.cli", "train", "--config", str(cfg), "--resume"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "miles.cli", "train", "--config", str(cfg), "--resume"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         f"miles train: config error: output_dir: {str(out)!r} is being written by another run (pid {os.getpid()}); "
-        "wait for it to end, or give another --output-dir"], proc.stderr
+        "wait for it to end, or give another --output-dir"
+    ], proc.stderr
     held.release()
     loop = TrainLoop(tiny_config(out, steps=1, sft={"enabled": False}), resume=True, echo=lambda _: None)
     with pytest.raises(ConfigError, match="is being written by another run"):  # the loop holds it now
@@ -229,11 +272,16 @@ def test_a_ray_run_into_a_folder_another_ray_run_drives_stops_before_it_starts_a
     held = OutputDirLock(out, DRIVER_LOCK_NAME)
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"output_dir: {out}\nsteps: 1\ncluster: {{kind: ray}}\n")
-    proc = subprocess.run([sys.executable, "-m", "miles.cli", "train", "--config", str(cfg)],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "miles.cli", "train", "--config", str(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         f"miles train: config error: output_dir: {str(out)!r} is being written by another run (pid {os.getpid()}); "
-        "wait for it to end, or give another --output-dir"], proc.stderr
+        "wait for it to end, or give another --output-dir"
+    ], proc.stderr
     assert sorted(p.name for p in out.iterdir()) == [DRIVER_LOCK_NAME]
     held.release()
 
@@ -256,8 +304,13 @@ def test_a_file_system_without_locks_runs_unguarded_with_a_warning(tmp_path, mon
 # context_full: the policy ran out of room) trains; one the infrastructure ended (engine_error, aborted,
 # env_error) never does; a timed-out one trains with reward 0 under `rollout.on_timeout: zero`, else never.
 TRAINED_BY_TERMINATION = {
-    "done": (True, True), "max_turns": (True, True), "context_full": (True, True),
-    "timeout": (False, True), "env_error": (False, False), "engine_error": (False, False), "aborted": (False, False),
+    "done": (True, True),
+    "max_turns": (True, True),
+    "context_full": (True, True),
+    "timeout": (False, True),
+    "env_error": (False, False),
+    "engine_error": (False, False),
+    "aborted": (False, False),
 }
 
 
@@ -273,8 +326,9 @@ def test_which_sessions_train_follows_how_they_ended(termination):
         traj.append([1, 2, 3], role="user", generated=False)
         if generated:
             traj.append([4, 5], role="assistant", generated=True, logprobs=[-0.1, -0.2], weight_version=0)
-        return SessionRecord(session_id="s", termination=TerminationReason(termination), reward=0.5,
-                             trajectory=traj)
+        return SessionRecord(
+            session_id="s", termination=TerminationReason(termination), reward=0.5, trajectory=traj
+        )
 
     drop_timeouts, zero_timeouts = TRAINED_BY_TERMINATION[termination]
     assert bool(trainable([record(True)], on_timeout="drop")) is drop_timeouts

@@ -28,11 +28,14 @@ from miles.trajectory import Trajectory, TrajectoryBatch, TrajectoryMeta
 megatron_process = test_megatron_train.megatron_process  # the module-scoped world of one
 
 CONFIG = {
-    "seed": 0, "steps": 2,
+    "seed": 0,
+    "steps": 2,
     "env": {"id": "Calculator-v0", "num_train_tasks": 64},
     "model": {"name": "tiny", "size": "0.1m"},
-    "rollout": {"tasks_per_step": 2, "scheduler": {"group_size": 4, "session": {
-        "sampling": {"temperature": 1.0, "max_new_tokens": 24}}}},
+    "rollout": {
+        "tasks_per_step": 2,
+        "scheduler": {"group_size": 4, "session": {"sampling": {"temperature": 1.0, "max_new_tokens": 24}}},
+    },
     "algorithm": {"loss": {"entropy_coef": 0.01, "kl_coef": 0.1}},
     "trainer": {"lr": 1e-3, "micro_batch_tokens": 256},
     "eval": {"num_tasks": 2, "max_new_tokens": 24},
@@ -49,12 +52,19 @@ def miles_train(config: Path, *args: str, env: dict[str, str] | None = None) -> 
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         full_env.pop(key, None)
-    return subprocess.run([sys.executable, "-m", "miles.cli", "train", "--config", str(config), *args],
-                          env=full_env, capture_output=True, text=True, timeout=420)
+    return subprocess.run(
+        [sys.executable, "-m", "miles.cli", "train", "--config", str(config), *args],
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=420,
+    )
 
 
 def rows(run_dir: Path, kind: str) -> list[dict]:
-    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind]
+    return [
+        r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind
+    ]
 
 
 def tiny_hf(seed: int = 0):
@@ -68,10 +78,15 @@ def batch() -> TrajectoryBatch:
     trajs = []
     for i in range(4):
         length, prompt = 8 + 3 * i, 3
-        trajs.append(Trajectory(token_ids=torch.randint(0, 100, (length,), generator=g).tolist(),
-                                loss_mask=[0] * prompt + [1] * (length - prompt),
-                                rollout_logprobs=[0.0] * prompt + [-1.0] * (length - prompt),
-                                reward=float(i % 2), meta=TrajectoryMeta(group_id=str(i // 2))))
+        trajs.append(
+            Trajectory(
+                token_ids=torch.randint(0, 100, (length,), generator=g).tolist(),
+                loss_mask=[0] * prompt + [1] * (length - prompt),
+                rollout_logprobs=[0.0] * prompt + [-1.0] * (length - prompt),
+                reward=float(i % 2),
+                meta=TrajectoryMeta(group_id=str(i // 2)),
+            )
+        )
     return TrajectoryBatch.from_trajectories(trajs)
 
 
@@ -111,8 +126,6 @@ def test_collective_trainer_is_a_trainer():
     assert methods == set(COLLECTIVE_METHODS)  # every protocol call reaches the worker ranks
 
 
-
-
 def test_megatron_trainer_is_a_trainer_exports_a_snapshot_and_keeps_a_reference(megatron_process):
     from miles.trainers.megatron import MegatronTrainer, MegatronTrainerConfig
 
@@ -121,7 +134,9 @@ def test_megatron_trainer_is_a_trainer_exports_a_snapshot_and_keeps_a_reference(
     assert_export_is_a_snapshot(trainer, list(trainer.model.parameters()))
 
     # kl_coef > 0: a frozen copy of the initial policy, re-taken from the policy when RL follows SFT.
-    kl = MegatronTrainer(tiny_hf(), MegatronTrainerConfig(lr=1e-2), AlgorithmConfig(loss=LossConfig(kl_coef=0.5)))
+    kl = MegatronTrainer(
+        tiny_hf(), MegatronTrainerConfig(lr=1e-2), AlgorithmConfig(loss=LossConfig(kl_coef=0.5))
+    )
     assert all(not p.requires_grad for p in kl.ref_model.parameters())
     assert kl.train_step(batch())["ref_kl"] == pytest.approx(0.0, abs=1e-7)
     assert kl.train_step(batch())["ref_kl"] > 1e-6
@@ -150,16 +165,19 @@ def test_megatron_recompute_reruns_layers_in_backward_with_the_same_step(megatro
 # ------------------------------------------------------------------ setup errors
 
 
-@pytest.mark.parametrize("overrides,key", [
-    (["megatron.attention=local"], "megatron.attention"),  # a Megatron knob with the torch backend
-    (["backend=megatron", "torch.packing=varlen"], "torch.packing"),
-    (["parallel.tp=2"], "parallel.tp"),  # the torch backend has no tensor parallelism
-    (["parallel.dp=0"], "parallel.dp"),
-    (["backend=megatron", "megatron.recompute=most"], "megatron.recompute"),
-    (["backend=megatron", "megatron.vocab_divisible_by=0"], "megatron.vocab_divisible_by"),
-    (["trainer.packing=padded"], "trainer.packing"),  # a torch knob lives in torch:, not trainer:
-    (["trainer.betas=[0.9, 1.5]"], "trainer.betas"),
-])
+@pytest.mark.parametrize(
+    "overrides,key",
+    [
+        (["megatron.attention=local"], "megatron.attention"),  # a Megatron knob with the torch backend
+        (["backend=megatron", "torch.packing=varlen"], "torch.packing"),
+        (["parallel.tp=2"], "parallel.tp"),  # the torch backend has no tensor parallelism
+        (["parallel.dp=0"], "parallel.dp"),
+        (["backend=megatron", "megatron.recompute=most"], "megatron.recompute"),
+        (["backend=megatron", "megatron.vocab_divisible_by=0"], "megatron.vocab_divisible_by"),
+        (["trainer.packing=padded"], "trainer.packing"),  # a torch knob lives in torch:, not trainer:
+        (["trainer.betas=[0.9, 1.5]"], "trainer.betas"),
+    ],
+)
 def test_trainer_config_errors_name_the_key(overrides, key):
     from miles.trainers.train_config import load_train_config
 
@@ -179,7 +197,9 @@ def test_model_that_does_not_split_over_tp_or_pp_is_named():
         check_model_fits(load_train_config(None, ["backend=megatron", f"parallel.tp={kv + 1}"]), hf_config)
     assert e.value.key == "parallel.tp"
     with pytest.raises(ConfigError) as e:
-        check_model_fits(load_train_config(None, ["backend=megatron", f"parallel.pp={layers + 1}"]), hf_config)
+        check_model_fits(
+            load_train_config(None, ["backend=megatron", f"parallel.pp={layers + 1}"]), hf_config
+        )
     assert e.value.key == "parallel.pp"
 
 
@@ -198,13 +218,20 @@ def test_cli_setup_errors_are_one_line(tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines() == [
         "miles train: config error: megatron.distributed_optimizer: a megatron-backend setting, but backend is "
-        "torch: remove it, or set backend: megatron"]
+        "torch: remove it, or set backend: megatron"
+    ]
 
     # Without megatron-core (an empty `megatron` package shadows the installed one).
     (tmp_path / "shadow" / "megatron").mkdir(parents=True)
     (tmp_path / "shadow" / "megatron" / "__init__.py").write_text("")
-    proc = miles_train(config, "--backend", "megatron", "--output-dir", str(tmp_path / "run"),
-                       env={"PYTHONPATH": str(tmp_path / "shadow")})
+    proc = miles_train(
+        config,
+        "--backend",
+        "megatron",
+        "--output-dir",
+        str(tmp_path / "run"),
+        env={"PYTHONPATH": str(tmp_path / "shadow")},
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "backend: the megatron backend needs megatron-core" in lines[0]
@@ -258,10 +285,13 @@ def test_kl_reference_on_the_torch_backend(torch_runs):
 def megatron_run(tmp_path_factory):
     """`miles train` on Megatron with two Megatron-only knobs from YAML, SFT at its own lr, and a KL penalty."""
     base = tmp_path_factory.mktemp("megatron_layouts")
-    config = write_config(base, backend="megatron",
-                          trainer={"lr": 1e-3, "micro_batch_tokens": 4096},
-                          megatron={"attention": "local", "distributed_optimizer": False},
-                          sft={"enabled": True, "num_demos": 40, "batch_size": 4, "lr": 4e-3})
+    config = write_config(
+        base,
+        backend="megatron",
+        trainer={"lr": 1e-3, "micro_batch_tokens": 4096},
+        megatron={"attention": "local", "distributed_optimizer": False},
+        sft={"enabled": True, "num_demos": 40, "batch_size": 4, "lr": 4e-3},
+    )
     out = base / "run"
     proc = miles_train(config, "--output-dir", str(out))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

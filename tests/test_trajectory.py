@@ -23,16 +23,25 @@ def tool_calls(draw):
         raw = draw(st.sampled_from([json.dumps(args), json.dumps(args, separators=(",", ":")), ""]))
         return ToolCall(name=draw(_text), arguments=args, id=draw(_text), raw_arguments=raw)
     raw = draw(st.one_of(_text, st.just('{"a": 1}')))  # unparsed even though it is valid JSON
-    return ToolCall(name=draw(_text), arguments=None, id=draw(_text), raw_arguments=raw,
-                    parse_error=draw(st.one_of(st.none(), _text)))
+    return ToolCall(
+        name=draw(_text),
+        arguments=None,
+        id=draw(_text),
+        raw_arguments=raw,
+        parse_error=draw(st.one_of(st.none(), _text)),
+    )
 
 
 @st.composite
 def messages(draw):
-    return Message(role=draw(st.sampled_from(["system", "user", "assistant", "tool"])), content=draw(_text),
-                   tool_calls=draw(st.lists(tool_calls(), max_size=2)),
-                   tool_call_id=draw(st.one_of(st.none(), _text)), name=draw(st.one_of(st.none(), _text)),
-                   reasoning=draw(st.one_of(st.none(), _text)))
+    return Message(
+        role=draw(st.sampled_from(["system", "user", "assistant", "tool"])),
+        content=draw(_text),
+        tool_calls=draw(st.lists(tool_calls(), max_size=2)),
+        tool_call_id=draw(st.one_of(st.none(), _text)),
+        name=draw(st.one_of(st.none(), _text)),
+        reasoning=draw(st.one_of(st.none(), _text)),
+    )
 
 
 @st.composite
@@ -42,14 +51,25 @@ def trajectories(draw):
         ids = draw(st.lists(st.integers(0, 2**31 - 1), max_size=12))
         generated = draw(st.booleans())
         lps = [draw(st.floats(-50, 0, allow_nan=False)) for _ in ids] if generated else None
-        traj.append(ids, role="assistant" if generated else "observation", generated=generated, logprobs=lps,
-                    weight_version=k if generated else None)
+        traj.append(
+            ids,
+            role="assistant" if generated else "observation",
+            generated=generated,
+            logprobs=lps,
+            weight_version=k if generated else None,
+        )
     traj.reward = draw(_floats)
     traj.reward_components = draw(st.dictionaries(_text, _floats, max_size=3))
     traj.termination = draw(st.one_of(st.none(), st.sampled_from(list(TerminationReason))))
-    traj.meta = TrajectoryMeta(env_id=draw(_text), task_id=draw(_text), seed=draw(st.one_of(st.none(), st.integers())),
-                               group_id=draw(_text), sample_index=draw(st.integers(0, 64)), session_id=draw(_text),
-                               sampling_params={"temperature": draw(_floats), "stop_token_ids": [1, 2]})
+    traj.meta = TrajectoryMeta(
+        env_id=draw(_text),
+        task_id=draw(_text),
+        seed=draw(st.one_of(st.none(), st.integers())),
+        group_id=draw(_text),
+        sample_index=draw(st.integers(0, 64)),
+        session_id=draw(_text),
+        sampling_params={"temperature": draw(_floats), "stop_token_ids": [1, 2]},
+    )
     traj.messages = draw(st.lists(messages(), max_size=4))
     return traj
 
@@ -80,7 +100,10 @@ def test_batch_safetensors_round_trip(tmp_path_factory, trajs):
         sl = back.sequence(i)
         assert back.token_ids[sl].tolist() == t.token_ids
         assert back.loss_mask[sl].tolist() == [float(m) for m in t.loss_mask]
-        assert back.rollout_logprobs[sl].tolist() == torch.tensor(t.rollout_logprobs, dtype=torch.float32).tolist()
+        assert (
+            back.rollout_logprobs[sl].tolist()
+            == torch.tensor(t.rollout_logprobs, dtype=torch.float32).tolist()
+        )
 
 
 def test_group_ids_follow_first_appearance():
@@ -103,11 +126,16 @@ def test_mask_values_and_masked_logprobs_are_checked():
 
 def test_spans_must_be_ordered_and_inside():
     with pytest.raises(TrajectoryInvariantError, match="span"):
-        Trajectory(token_ids=[1, 2], loss_mask=[0, 0], rollout_logprobs=[0.0, 0.0],
-                   spans=[TurnSpan("a", 0, 3)])
+        Trajectory(
+            token_ids=[1, 2], loss_mask=[0, 0], rollout_logprobs=[0.0, 0.0], spans=[TurnSpan("a", 0, 3)]
+        )
     with pytest.raises(TrajectoryInvariantError, match="span"):
-        Trajectory(token_ids=[1, 2], loss_mask=[0, 0], rollout_logprobs=[0.0, 0.0],
-                   spans=[TurnSpan("a", 1, 2), TurnSpan("b", 0, 1)])
+        Trajectory(
+            token_ids=[1, 2],
+            loss_mask=[0, 0],
+            rollout_logprobs=[0.0, 0.0],
+            spans=[TurnSpan("a", 1, 2), TurnSpan("b", 0, 1)],
+        )
 
 
 def test_generated_tokens_need_one_logprob_each():
@@ -122,7 +150,9 @@ def test_generated_tokens_need_one_logprob_each():
 def test_append_records_spans_and_mask():
     traj = Trajectory()
     traj.append([5, 6], role="prompt", generated=False)
-    span = traj.append([7, 8, 9], role="assistant", generated=True, logprobs=[-1.0, -2.0, -3.0], weight_version=4)
+    span = traj.append(
+        [7, 8, 9], role="assistant", generated=True, logprobs=[-1.0, -2.0, -3.0], weight_version=4
+    )
     assert span == TurnSpan("assistant", 2, 5, 4)
     assert traj.loss_mask == [0, 0, 1, 1, 1] and traj.num_generated == 3
     assert traj.rollout_logprobs == [0.0, 0.0, -1.0, -2.0, -3.0]

@@ -48,20 +48,38 @@ register("Counter-v0", CounterEnv)
 
 def _config(tmp_path: Path, **env: object) -> Path:
     cfg = tmp_path / "c.yaml"
-    cfg.write_text(json.dumps({
-        "output_dir": str(tmp_path / "run"), "steps": 1,
-        "env": {"id": "Counter-v0", "num_train_tasks": 16, **env},
-        "model": {"name": "tiny", "size": "0.1m"},
-        "rollout": {"tasks_per_step": 1, "scheduler": {"group_size": 2, "progress": False,
-                                                       "session": {"sampling": {"max_new_tokens": 16}}}},
-        "eval": {"num_tasks": 2}}))
+    cfg.write_text(
+        json.dumps(
+            {
+                "output_dir": str(tmp_path / "run"),
+                "steps": 1,
+                "env": {"id": "Counter-v0", "num_train_tasks": 16, **env},
+                "model": {"name": "tiny", "size": "0.1m"},
+                "rollout": {
+                    "tasks_per_step": 1,
+                    "scheduler": {
+                        "group_size": 2,
+                        "progress": False,
+                        "session": {"sampling": {"max_new_tokens": 16}},
+                    },
+                },
+                "eval": {"num_tasks": 2},
+            }
+        )
+    )
     return cfg
 
 
 def _miles(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    return subprocess.run([sys.executable, "-m", "miles.cli", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=300, env={**env, "OMP_NUM_THREADS": "1"})
+    return subprocess.run(
+        [sys.executable, "-m", "miles.cli", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**env, "OMP_NUM_THREADS": "1"},
+    )
 
 
 @pytest.fixture()
@@ -75,7 +93,9 @@ def user_package(tmp_path: Path) -> Path:
 
 @pytest.mark.slow
 def test_env_import_in_the_yaml_trains_the_user_env(user_package: Path, tmp_path: Path):
-    proc = _miles(user_package, "train", "--config", str(_config(tmp_path, **{"import": ["counter_pkg.envs"]})))
+    proc = _miles(
+        user_package, "train", "--config", str(_config(tmp_path, **{"import": ["counter_pkg.envs"]}))
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = read_sessions(tmp_path / "run" / "sessions.jsonl").records
     assert {r.env_id for r in records} == {"Counter-v0"} and len(records) == 2
@@ -84,15 +104,19 @@ def test_env_import_in_the_yaml_trains_the_user_env(user_package: Path, tmp_path
 
 @pytest.mark.slow
 def test_the_import_flag_works_the_same_and_adds_to_the_yaml(user_package: Path, tmp_path: Path):
-    proc = _miles(user_package, "train", "--config", str(_config(tmp_path)), "--import", "counter_pkg/envs.py")
+    proc = _miles(
+        user_package, "train", "--config", str(_config(tmp_path)), "--import", "counter_pkg/envs.py"
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "run" / "sessions.jsonl").is_file()
 
 
 def test_setup_mistakes_about_the_env_are_one_line(user_package: Path, tmp_path: Path):
-    for args, key in ((["--import", "no_such_module"], "env.import"),
-                      (["--set", "env.id=Nope-v0"], "env.id"),
-                      (["--import", "counter_pkg.envs", "--set", "env.kwargs={colour: red}"], "env.kwargs")):
+    for args, key in (
+        (["--import", "no_such_module"], "env.import"),
+        (["--set", "env.id=Nope-v0"], "env.id"),
+        (["--import", "counter_pkg.envs", "--set", "env.kwargs={colour: red}"], "env.kwargs"),
+    ):
         proc = _miles(user_package, "train", "--config", str(_config(tmp_path)), *args)
         assert proc.returncode == 2, (args, proc.stderr[-2000:])
         lines = proc.stderr.strip().splitlines()

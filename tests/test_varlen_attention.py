@@ -15,14 +15,20 @@ from miles.trainers import varlen_attention
 def _per_sequence(q, k, v, lengths, scale):
     outs = []
     for qs, ks, vs in zip(q.split(lengths, 2), k.split(lengths, 2), v.split(lengths, 2), strict=True):
-        outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
-                                                   enable_gqa=q.shape[1] != k.shape[1]))
+        outs.append(
+            F.scaled_dot_product_attention(
+                qs, ks, vs, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+            )
+        )
     return torch.cat(outs, 2).transpose(1, 2)
 
 
 @settings(max_examples=25, deadline=None)
-@given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=9), kv_heads=st.sampled_from([1, 2, 4]),
-       seed=st.integers(0, 2**16))
+@given(
+    lengths=st.lists(st.integers(1, 40), min_size=1, max_size=9),
+    kv_heads=st.sampled_from([1, 2, 4]),
+    seed=st.integers(0, 2**16),
+)
 def test_equals_causal_attention_per_sequence_with_gradients(lengths, kv_heads, seed):
     g = torch.Generator().manual_seed(seed)
     total, dim = sum(lengths), 8
@@ -31,8 +37,9 @@ def test_equals_causal_attention_per_sequence_with_gradients(lengths, kv_heads, 
     v = torch.randn(1, kv_heads, total, dim, generator=g, dtype=torch.float64, requires_grad=True)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
     module = nn.Module().eval()
-    got, _ = varlen_attention.varlen_sdpa_forward(module, q, k, v, None, scaling=0.3, cu_seq_lens_q=cu,
-                                                  max_length_q=max(lengths))
+    got, _ = varlen_attention.varlen_sdpa_forward(
+        module, q, k, v, None, scaling=0.3, cu_seq_lens_q=cu, max_length_q=max(lengths)
+    )
     want = _per_sequence(q, k, v, lengths, 0.3)
     assert got.shape == (1, total, 4, dim)
     torch.testing.assert_close(got, want)

@@ -22,7 +22,7 @@ WALKTHROUGH = REPO / "docs" / "walkthrough"
 def _section() -> str:
     readme = (REPO / "README.md").read_text()
     start = readme.index("## Train your own environment")
-    return readme[start:readme.index("\n## ", start + 1)]
+    return readme[start : readme.index("\n## ", start + 1)]
 
 
 def test_the_readme_shows_both_files_verbatim():
@@ -42,8 +42,9 @@ def test_the_walkthrough_commands_train_then_replay_with_every_session_checked(t
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"OMP_NUM_THREADS": "1"}
     outputs = []
     for command in commands:
-        proc = subprocess.run(command, shell=True, cwd=tmp_path, capture_output=True, text=True, timeout=600,
-                              env=env)
+        proc = subprocess.run(
+            command, shell=True, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env
+        )
         assert proc.returncode == 0, (command, proc.stdout[-2000:], proc.stderr[-2000:])
         outputs.append(proc.stdout)
     records = read_sessions(tmp_path / "runs" / "bank" / "sessions.jsonl").records
@@ -59,7 +60,8 @@ def test_sessions_of_the_python_api_replay_from_the_users_folder(tmp_path):
     tasks, and re-checks every session."""
     import sys
 
-    (tmp_path / "weather_env.py").write_text(textwrap.dedent("""\
+    (tmp_path / "weather_env.py").write_text(
+        textwrap.dedent("""\
         from miles.envs import ToolEnv, register, reward
         from miles.tools import tool
 
@@ -76,8 +78,10 @@ def test_sessions_of_the_python_api_replay_from_the_users_folder(tmp_path):
 
 
         register("Weather-v0", WeatherEnv, tasks=[{"prompt": "How warm is it in Oslo?", "answer": 4}])
-        """))
-    (tmp_path / "drive.py").write_text(textwrap.dedent("""\
+        """)
+    )
+    (tmp_path / "drive.py").write_text(
+        textwrap.dedent("""\
         import asyncio
 
         import weather_env  # noqa: F401  registers Weather-v0 and its tasks
@@ -101,11 +105,20 @@ def test_sessions_of_the_python_api_replay_from_the_users_folder(tmp_path):
 
 
         asyncio.run(main())
-        """))
-    drive = subprocess.run([sys.executable, "drive.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        """)
+    )
+    drive = subprocess.run(
+        [sys.executable, "drive.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
     assert drive.returncode == 0, drive.stderr[-2000:]
     miles = shutil.which("miles") or pytest.fail("the miles console script is not installed")
-    check = subprocess.run([miles, "replay", "sessions.jsonl", "--check"], cwd=tmp_path, capture_output=True,
-                           text=True, timeout=300, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    check = subprocess.run(
+        [miles, "replay", "sessions.jsonl", "--check"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+    )
     assert check.returncode == 0, check.stdout[-2000:] + check.stderr[-2000:]
     assert check.stdout.count("check ok") == 4

@@ -46,7 +46,7 @@ def trainer_greedy(trainer: TorchTrainer, prompt: list[int], n: int) -> list[int
     with torch.no_grad():
         for _ in range(n):
             ids.append(int(trainer.model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 @pytest.fixture
@@ -60,8 +60,9 @@ def trainer() -> TorchTrainer:
 
 def assert_matches_trainer(result, trainer: TorchTrainer) -> None:
     assert result.output_ids == trainer_greedy(trainer, PROMPT, len(result.output_ids))
-    assert result.output_logprobs == pytest.approx(trainer_logprobs(trainer, PROMPT, result.output_ids),
-                                                   abs=1e-4)
+    assert result.output_logprobs == pytest.approx(
+        trainer_logprobs(trainer, PROMPT, result.output_ids), abs=1e-4
+    )
 
 
 async def test_in_process_sync_makes_the_engine_match_the_trainer(trainer):
@@ -142,7 +143,9 @@ async def test_disk_sync_into_a_real_server(served, trainer, tmp_path):
 
 async def test_broadcast_sync_over_gloo_into_a_real_server(served, trainer, tmp_path):
     engine, client = served
-    sync = await build_weight_sync(SyncConfig(method="broadcast", timeout_s=60), [client], staging_dir=tmp_path)
+    sync = await build_weight_sync(
+        SyncConfig(method="broadcast", timeout_s=60), [client], staging_dir=tmp_path
+    )
     report = await sync.push(trainer.hf_state_dict())
     assert report.version == 1 == engine.weight_version and report.method == "broadcast"
     assert report.seconds > 0 and report.num_buckets == 1
@@ -166,7 +169,9 @@ def mixed_dtype_state(seed: int) -> dict[str, torch.Tensor]:
     out = {}
     for name, p in small_qwen2(0).state_dict().items():
         t = new.setdefault(p.data_ptr(), p + 0.1 * torch.randn(p.shape, generator=gen))
-        out[name] = t.to(torch.bfloat16 if "norm" in name else torch.float16 if "bias" in name else torch.float32)
+        out[name] = t.to(
+            torch.bfloat16 if "norm" in name else torch.float16 if "bias" in name else torch.float32
+        )
     return out
 
 
@@ -213,9 +218,13 @@ async def test_a_failed_bucket_keeps_the_group_usable_and_a_restarted_trainer_re
     with pytest.raises(EngineError, match="not_a_layer"):
         await sync.push(bad)
     assert engine.weight_version == 0 and not sync.broadcaster.broken  # the broadcast itself completed
-    async with httpx.AsyncClient(base_url=client.base_url) as http:  # SGLang 0.5.23: no update outside a session
-        resp = await http.post("/update_weights_from_distributed",
-                               json={"names": ["lm_head.weight"], "dtypes": ["float32"], "shapes": [[1]]})
+    async with httpx.AsyncClient(
+        base_url=client.base_url
+    ) as http:  # SGLang 0.5.23: no update outside a session
+        resp = await http.post(
+            "/update_weights_from_distributed",
+            json={"names": ["lm_head.weight"], "dtypes": ["float32"], "shapes": [[1]]},
+        )
         assert resp.status_code == 400 and "begin_weight_update" in resp.json()["message"]
     state = mixed_dtype_state(2)
     assert (await sync.push(state)).version == 1
@@ -280,7 +289,9 @@ async def test_pause_loads_while_a_generate_is_in_flight(trainer):
 async def test_an_engine_leaving_mid_sync_marks_the_group_unusable(served, tmp_path, monkeypatch):
     engine, client = served
     monkeypatch.setattr(weight_broadcast, "COLLECTIVE_GRACE_S", 0.5)
-    sync = await build_weight_sync(SyncConfig(method="broadcast", timeout_s=60), [client], staging_dir=tmp_path)
+    sync = await build_weight_sync(
+        SyncConfig(method="broadcast", timeout_s=60), [client], staging_dir=tmp_path
+    )
     async with httpx.AsyncClient(base_url=client.base_url) as http:  # the server drops its side of the group
         assert (await http.post("/destroy_weights_update_group", json={})).json()["success"]
     with pytest.raises(WeightGroupError):  # the engine refuses before the broadcast (and its side closed)
@@ -318,7 +329,9 @@ async def test_auto_follows_the_engine_kind_and_bad_combinations_fail_at_setup(t
         assert resolve_sync_method("auto", [embedded]) == "in_process"
         assert resolve_sync_method("auto", [http, http]) == "broadcast"
         assert resolve_sync_method("disk", [http]) == "disk" == resolve_sync_method("disk", [embedded])
-        assert (await build_weight_sync(SyncConfig(), [embedded], staging_dir=tmp_path)).method == "in_process"
+        assert (
+            await build_weight_sync(SyncConfig(), [embedded], staging_dir=tmp_path)
+        ).method == "in_process"
         with pytest.raises(ConfigError, match="use sync.method: broadcast") as err:
             await build_weight_sync(SyncConfig(method="in_process"), [http], staging_dir=tmp_path)
         assert err.value.key == "sync.method"
@@ -341,10 +354,17 @@ async def test_auto_follows_the_engine_kind_and_bad_combinations_fail_at_setup(t
         await embedded.close()
 
 
-@pytest.mark.parametrize(("override", "key"), [
-    ("sync.method=inprocess", "sync.method"), ("sync.bucket_mb=0", "sync.bucket_mb"),
-    ("sync.keep_versions=0", "sync.keep_versions"), ("sync.master_port=70000", "sync.master_port"),
-    ("sync.backend=mpi", "sync.backend"), ("sync.timeout_s=-1", "sync.timeout_s")])
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("sync.method=inprocess", "sync.method"),
+        ("sync.bucket_mb=0", "sync.bucket_mb"),
+        ("sync.keep_versions=0", "sync.keep_versions"),
+        ("sync.master_port=70000", "sync.master_port"),
+        ("sync.backend=mpi", "sync.backend"),
+        ("sync.timeout_s=-1", "sync.timeout_s"),
+    ],
+)
 def test_sync_config_errors_name_the_key(override, key):
     with pytest.raises(ConfigError) as err:
         load_train_config(None, [override])
@@ -364,9 +384,16 @@ async def test_disk_sync_keeps_only_the_last_versions(tmp_path):
         for seed in range(1, 5):
             await sync.push(mixed_dtype_state(seed))
             kept.append(sorted(p.name for p in staging.iterdir()))
-        assert kept == [["notes", "v1", "v3"], ["notes", "v1", "v2"], ["notes", "v2", "v3"], ["notes", "v3", "v4"]]
+        assert kept == [
+            ["notes", "v1", "v3"],
+            ["notes", "v1", "v2"],
+            ["notes", "v2", "v3"],
+            ["notes", "v3", "v4"],
+        ]
         assert engine.weight_version == 4
-        assert torch.equal(engine.model.state_dict()["lm_head.weight"], mixed_dtype_state(4)["lm_head.weight"])
+        assert torch.equal(
+            engine.model.state_dict()["lm_head.weight"], mixed_dtype_state(4)["lm_head.weight"]
+        )
         one = WeightSync([engine], method="disk", staging_dir=staging, keep_versions=1)
         await one.push(mixed_dtype_state(5), version=3)  # a resumed run writes v3 again: it stays, alone
         assert sorted(p.name for p in staging.iterdir()) == ["notes", "v3"]

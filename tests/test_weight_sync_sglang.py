@@ -46,14 +46,24 @@ GROUP = "weight_update_group"
 # ---------------------------------------------------------------------------- SGLang's code, from the wheel
 def _sglang_file(relpath: str) -> Path:
     spec = importlib.util.find_spec("sglang")
-    assert spec is not None and spec.submodule_search_locations, "sglang sources must be installed (--no-deps)"
+    assert spec is not None and spec.submodule_search_locations, (
+        "sglang sources must be installed (--no-deps)"
+    )
     return Path(next(iter(spec.submodule_search_locations))) / relpath
 
 
 def _exec_defs(relpath: str, nodes: list[ast.stmt], namespace: dict[str, Any]) -> dict[str, Any]:
     flags = __future__.annotations.compiler_flag  # these modules use postponed annotations
-    exec(compile(ast.Module(body=nodes, type_ignores=[]), str(_sglang_file(relpath)), "exec", flags=flags,
-                 dont_inherit=True), namespace)
+    exec(
+        compile(
+            ast.Module(body=nodes, type_ignores=[]),
+            str(_sglang_file(relpath)),
+            "exec",
+            flags=flags,
+            dont_inherit=True,
+        ),
+        namespace,
+    )
     return namespace
 
 
@@ -121,7 +131,9 @@ def _sglang_engine_main(port: int, dump_path: str) -> None:
     app = fastapi.FastAPI()
 
     def answer(ok: bool, message: str) -> fastapi.responses.JSONResponse:
-        return fastapi.responses.JSONResponse({"success": ok, "message": message}, status_code=200 if ok else 400)
+        return fastapi.responses.JSONResponse(
+            {"success": ok, "message": message}, status_code=200 if ok else 400
+        )
 
     @app.get("/get_server_info")
     def server_info() -> dict[str, int]:
@@ -137,9 +149,13 @@ def _sglang_engine_main(port: int, dump_path: str) -> None:
         check(body, "InitWeightsUpdateGroupReqInput")
         rank = body["rank_offset"] + 0  # rank_offset + tp_rank, as SGLang's weight updater computes it
         updater._model_update_group[body["group_name"]] = init_group(
-            backend=body["backend"], init_method=f"tcp://{body['master_address']}:{body['master_port']}",
-            world_size=body["world_size"], rank=rank, group_name=body["group_name"],
-            timeout=datetime.timedelta(seconds=60))
+            backend=body["backend"],
+            init_method=f"tcp://{body['master_address']}:{body['master_port']}",
+            world_size=body["world_size"],
+            rank=rank,
+            group_name=body["group_name"],
+            timeout=datetime.timedelta(seconds=60),
+        )
         log.append({"op": "init", "rank": rank, "world_size": body["world_size"], "backend": body["backend"]})
         return answer(True, "Succeeded to initialize custom process group.")
 
@@ -161,14 +177,28 @@ def _sglang_engine_main(port: int, dump_path: str) -> None:
     def update(body: dict[str, Any]) -> Any:
         check(body, "UpdateWeightsFromDistributedReqInput")
         if not session["open"]:  # SGLang 0.5.23's scheduler refuses updates outside a session
-            return answer(False, "update_weights_from_distributed must run between begin_weight_update() and "
-                                 "end_weight_update()")
+            return answer(
+                False,
+                "update_weights_from_distributed must run between begin_weight_update() and "
+                "end_weight_update()",
+            )
         weights = updater.receive_weights_from_distributed(
-            names=body["names"], dtypes=body["dtypes"], shapes=body["shapes"], group_name=body["group_name"],
-            load_format=body.get("load_format"))
+            names=body["names"],
+            dtypes=body["dtypes"],
+            shapes=body["shapes"],
+            group_name=body["group_name"],
+            load_format=body.get("load_format"),
+        )
         received.update({name: t.clone() for name, t in weights})
-        log.append({"op": "update", "names": body["names"], "flush_cache": body.get("flush_cache", True),
-                    "weight_version": body.get("weight_version"), "load_format": body.get("load_format")})
+        log.append(
+            {
+                "op": "update",
+                "names": body["names"],
+                "flush_cache": body.get("flush_cache", True),
+                "weight_version": body.get("weight_version"),
+                "load_format": body.get("load_format"),
+            }
+        )
         return answer(True, "Succeeded to update parameter online.")
 
     @app.post("/dump")
@@ -207,8 +237,9 @@ async def _wait_up(url: str, proc: Any, timeout_s: float = 120.0) -> None:
 @pytest.mark.slow
 async def test_miles_trainer_to_sglang_engine(tmp_path):
     port = free_port()
-    proc = multiprocessing.get_context("spawn").Process(target=_sglang_engine_main,
-                                                        args=(port, str(tmp_path / "received.safetensors")))
+    proc = multiprocessing.get_context("spawn").Process(
+        target=_sglang_engine_main, args=(port, str(tmp_path / "received.safetensors"))
+    )
     proc.start()
     client = SGLangClient(f"http://127.0.0.1:{port}")
     owned = not dist.is_initialized()
@@ -219,8 +250,9 @@ async def test_miles_trainer_to_sglang_engine(tmp_path):
     try:
         await _wait_up(client.base_url, proc)
         state = _trainer_state()
-        sync = await build_weight_sync(SyncConfig(bucket_mb=8 / 1024, timeout_s=60), [client],
-                                       staging_dir=tmp_path / "unused")
+        sync = await build_weight_sync(
+            SyncConfig(bucket_mb=8 / 1024, timeout_s=60), [client], staging_dir=tmp_path / "unused"
+        )
         assert sync.method == "broadcast"  # auto, for HTTP engines
         report = await sync.push(state, version=5)
         assert report.num_buckets >= 6 and report.version == 5 == client.weight_version
@@ -276,6 +308,7 @@ def _sglang_trainer_main(url: str, master_port: int, sent_path: str) -> None:
     sent = {n: new[n] for n in per_tensor} | bucketed
 
     with httpx.Client(base_url=url, timeout=120) as http, ThreadPoolExecutor(1) as pool:
+
         def post(path: str, body: dict[str, Any]) -> Any:
             return pool.submit(http.post, path, json=body)
 
@@ -283,25 +316,54 @@ def _sglang_trainer_main(url: str, master_port: int, sent_path: str) -> None:
             resp = future.result()
             assert resp.status_code == 200 and resp.json()["success"], resp.text
 
-        joining = post("/init_weights_update_group", {
-            "master_address": "127.0.0.1", "master_port": master_port, "rank_offset": 1, "world_size": 2,
-            "group_name": GROUP, "backend": "gloo"})
-        group = init_group(backend="gloo", init_method=f"tcp://127.0.0.1:{master_port}", world_size=2, rank=0,
-                           group_name=GROUP, timeout=datetime.timedelta(seconds=60))
+        joining = post(
+            "/init_weights_update_group",
+            {
+                "master_address": "127.0.0.1",
+                "master_port": master_port,
+                "rank_offset": 1,
+                "world_size": 2,
+                "group_name": GROUP,
+                "backend": "gloo",
+            },
+        )
+        group = init_group(
+            backend="gloo",
+            init_method=f"tcp://127.0.0.1:{master_port}",
+            world_size=2,
+            rank=0,
+            group_name=GROUP,
+            timeout=datetime.timedelta(seconds=60),
+        )
         ok(joining)
         ok(post("/begin_weight_update", {}))
-        call = post("/update_weights_from_distributed", {
-            "names": per_tensor, "dtypes": ["float32"] * len(per_tensor),
-            "shapes": [list(new[n].shape) for n in per_tensor], "group_name": GROUP, "flush_cache": False})
+        call = post(
+            "/update_weights_from_distributed",
+            {
+                "names": per_tensor,
+                "dtypes": ["float32"] * len(per_tensor),
+                "shapes": [list(new[n].shape) for n in per_tensor],
+                "group_name": GROUP,
+                "flush_cache": False,
+            },
+        )
         for n in per_tensor:
             dist.broadcast(new[n], src=0, group=group)
         ok(call)
         bucket = bucket_cls(named_tensors=list(bucketed.items()))
         meta = bucket.get_metadata()
-        call = post("/update_weights_from_distributed", {
-            "names": [m.name for m in meta], "dtypes": [str(m.dtype).removeprefix("torch.") for m in meta],
-            "shapes": [list(m.shape) for m in meta], "group_name": GROUP, "load_format": "flattened_bucket",
-            "flush_cache": True, "weight_version": "7"})
+        call = post(
+            "/update_weights_from_distributed",
+            {
+                "names": [m.name for m in meta],
+                "dtypes": [str(m.dtype).removeprefix("torch.") for m in meta],
+                "shapes": [list(m.shape) for m in meta],
+                "group_name": GROUP,
+                "load_format": "flattened_bucket",
+                "flush_cache": True,
+                "weight_version": "7",
+            },
+        )
         dist.broadcast(bucket.get_flattened_tensor(), src=0, group=group)
         ok(call)
         ok(post("/end_weight_update", {}))
@@ -316,7 +378,8 @@ async def test_sglang_trainer_to_miles_server(tmp_path):
     handle = serve_in_thread(engine)
     client = SGLangClient(handle.url)
     proc = multiprocessing.get_context("spawn").Process(
-        target=_sglang_trainer_main, args=(handle.url, free_port(), str(tmp_path / "sent.safetensors")))
+        target=_sglang_trainer_main, args=(handle.url, free_port(), str(tmp_path / "sent.safetensors"))
+    )
     try:
         before = await client.generate([5, 6, 7], SamplingParams(temperature=0.0, max_new_tokens=4))
         proc.start()

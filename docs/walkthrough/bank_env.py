@@ -7,8 +7,11 @@ from miles.tools import tool
 
 def make_task(rng) -> Task:  # "Send 37 dollars from alice to bob." and the balances that must result
     amount = int(rng.integers(1, 100))
-    return Task(id="", prompt=f"Send {amount} dollars from alice to bob.",
-                data={"expected": {"alice": 100 - amount, "bob": 20 + amount}})
+    return Task(
+        id="",
+        prompt=f"Send {amount} dollars from alice to bob.",
+        data={"expected": {"alice": 100 - amount, "bob": 20 + amount}},
+    )
 
 
 class BankEnv(ToolEnv):

@@ -16,7 +16,19 @@ from miles.engines.weight_broadcast import (
 )
 
 __all__ = [
-    "AdapterError", "AdapterWeights", "EmbeddedEngine", "EngineLoad", "InvalidRequestError", "SGLangClient", "SGLangRouter",
-    "WeightBroadcaster", "WeightReceiver", "broadcast_weights", "create_app", "init_weight_update_group",
-    "run_server", "serve", "serve_in_thread",
+    "AdapterError",
+    "AdapterWeights",
+    "EmbeddedEngine",
+    "EngineLoad",
+    "InvalidRequestError",
+    "SGLangClient",
+    "SGLangRouter",
+    "WeightBroadcaster",
+    "WeightReceiver",
+    "broadcast_weights",
+    "create_app",
+    "init_weight_update_group",
+    "run_server",
+    "serve",
+    "serve_in_thread",
 ]

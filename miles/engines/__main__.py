@@ -14,7 +14,9 @@ from miles.engines.server import DTYPES, run_server
 def server_parser(prog: str = "python -m miles.engines") -> argparse.ArgumentParser:
     """The flags of one embedded engine server (shared by the server with the OpenAI endpoint mounted)."""
     ap = argparse.ArgumentParser(prog=prog, description=__doc__)
-    ap.add_argument("--model", required=True, help="'tiny', 'tiny-<size>', 'smollm2-135m' or an HF checkpoint folder")
+    ap.add_argument(
+        "--model", required=True, help="'tiny', 'tiny-<size>', 'smollm2-135m' or an HF checkpoint folder"
+    )
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=30001)
     ap.add_argument("--device", default="cpu")
@@ -27,8 +29,13 @@ def server_parser(prog: str = "python -m miles.engines") -> argparse.ArgumentPar
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """`load_engine`'s keywords from the parsed flags."""
-    return {"device": args.device, "max_batch_size": args.max_batch_size, "context_length": args.context_length,
-            "dtype": args.dtype, "engine_id": args.engine_id}
+    return {
+        "device": args.device,
+        "max_batch_size": args.max_batch_size,
+        "context_length": args.context_length,
+        "dtype": args.dtype,
+        "engine_id": args.engine_id,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

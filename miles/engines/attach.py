@@ -23,8 +23,10 @@ import httpx
 from miles.config import ConfigError
 
 #: Text whose token ids tell tokenizers apart: digits, punctuation, markup, whitespace runs and non-ASCII.
-PROBE_TEXT = ('<tool_call>{"name": "calculate", "arguments": {"expression": "37 + 58 * 2"}}</tool_call>\n'
-              "  The answer is 153. Grüße, naïve café — 東京 🙂\t")
+PROBE_TEXT = (
+    '<tool_call>{"name": "calculate", "arguments": {"expression": "37 + 58 * 2"}}</tool_call>\n'
+    "  The answer is 153. Grüße, naïve café — 東京 🙂\t"
+)
 
 
 @dataclass(frozen=True)
@@ -70,8 +72,11 @@ async def read_server_facts(url: str, *, timeout_s: float = 30.0) -> ServerFacts
             model_info = await _get_first(http, ("/model_info", "/get_model_info"))
             server_info = await _get_first(http, ("/server_info", "/get_server_info"))
             if model_info is None or server_info is None:
-                raise ConfigError("engine.urls", f"{url} answers neither /model_info nor /get_model_info: it is "
-                                  "not an SGLang server (start one with `miles rollout`)")
+                raise ConfigError(
+                    "engine.urls",
+                    f"{url} answers neither /model_info nor /get_model_info: it is "
+                    "not an SGLang server (start one with `miles rollout`)",
+                )
             models = await _get_first(http, ("/v1/models",))
             resp = await http.post("/tokenize", json={"prompt": PROBE_TEXT, "add_special_tokens": False})
             probe = None
@@ -80,28 +85,43 @@ async def read_server_facts(url: str, *, timeout_s: float = 30.0) -> ServerFacts
                 if isinstance(tokens, list) and all(isinstance(t, int) for t in tokens):
                     probe = tuple(tokens)
     except httpx.HTTPError as exc:
-        raise ConfigError("engine.urls", f"cannot reach {url} ({type(exc).__name__}: {exc}); start the server "
-                          "first (`miles rollout ...`) or fix the URL") from None
-    return ServerFacts(url=url, model_path=str(model_info.get("model_path") or ""),
-                       tokenizer_path=str(model_info.get("tokenizer_path") or server_info.get("tokenizer_path") or ""),
-                       context_length=_context_length(server_info, models),
-                       weight_version=(None if model_info.get("weight_version") is None
-                                       else str(model_info["weight_version"])),
-                       probe_ids=probe)
+        raise ConfigError(
+            "engine.urls",
+            f"cannot reach {url} ({type(exc).__name__}: {exc}); start the server "
+            "first (`miles rollout ...`) or fix the URL",
+        ) from None
+    return ServerFacts(
+        url=url,
+        model_path=str(model_info.get("model_path") or ""),
+        tokenizer_path=str(model_info.get("tokenizer_path") or server_info.get("tokenizer_path") or ""),
+        context_length=_context_length(server_info, models),
+        weight_version=(
+            None if model_info.get("weight_version") is None else str(model_info["weight_version"])
+        ),
+        probe_ids=probe,
+    )
 
 
 def check_tokenizer(facts: ServerFacts, tokenizer: Any, tokenizer_name: str) -> None:
     """Refuse a server whose tokenizer gives other ids for the probe text than the policy's `tokenizer`."""
     if facts.probe_ids is None:
-        raise ConfigError("engine.urls", f"{facts.url} has no working /tokenize endpoint, so its tokenizer can't be "
-                          "checked against the policy's; use an SGLang >= 0.5 server or `miles rollout`")
+        raise ConfigError(
+            "engine.urls",
+            f"{facts.url} has no working /tokenize endpoint, so its tokenizer can't be "
+            "checked against the policy's; use an SGLang >= 0.5 server or `miles rollout`",
+        )
     ours = tuple(tokenizer.encode(PROBE_TEXT, add_special_tokens=False))
     if ours != facts.probe_ids:
-        first = next((i for i, (a, b) in enumerate(zip(ours, facts.probe_ids, strict=False)) if a != b),
-                     min(len(ours), len(facts.probe_ids)))
-        raise ConfigError("model.tokenizer", f"the engine at {facts.url} (model {facts.model_path or '?'}) "
-                          f"tokenizes differently from the policy's tokenizer {tokenizer_name!r} (first difference "
-                          f"at token {first}); serve the policy's model, or set model.tokenizer to the server's")
+        first = next(
+            (i for i, (a, b) in enumerate(zip(ours, facts.probe_ids, strict=False)) if a != b),
+            min(len(ours), len(facts.probe_ids)),
+        )
+        raise ConfigError(
+            "model.tokenizer",
+            f"the engine at {facts.url} (model {facts.model_path or '?'}) "
+            f"tokenizes differently from the policy's tokenizer {tokenizer_name!r} (first difference "
+            f"at token {first}); serve the policy's model, or set model.tokenizer to the server's",
+        )
 
 
 async def attach(urls: list[str], tokenizer: Any, tokenizer_name: str) -> list[ServerFacts]:

@@ -29,12 +29,24 @@ TOKEN_FILE_ENV = "MILES_ADMIN_TOKEN_FILE"
 API_KEY_ENV = "MILES_API_KEY"
 
 #: The routes only the admin token opens (as SGLang marks them): weights, aborts, LoRA, the cache, pausing.
-ADMIN_PATHS = frozenset({
-    "/abort_request", "/flush_cache", "/pause_generation", "/continue_generation", "/update_weight_version",
-    "/get_weights_by_name", "/update_weights_from_disk", "/init_weights_update_group", "/begin_weight_update",
-    "/end_weight_update", "/update_weights_from_distributed", "/destroy_weights_update_group",
-    "/load_lora_adapter", "/unload_lora_adapter",
-})
+ADMIN_PATHS = frozenset(
+    {
+        "/abort_request",
+        "/flush_cache",
+        "/pause_generation",
+        "/continue_generation",
+        "/update_weight_version",
+        "/get_weights_by_name",
+        "/update_weights_from_disk",
+        "/init_weights_update_group",
+        "/begin_weight_update",
+        "/end_weight_update",
+        "/update_weights_from_distributed",
+        "/destroy_weights_update_group",
+        "/load_lora_adapter",
+        "/unload_lora_adapter",
+    }
+)
 #: Open whatever the keys: probes and scrapers carry no secrets (as in SGLang).
 OPEN_PREFIXES = ("/health", "/ready", "/metrics")
 
@@ -74,7 +86,9 @@ def admin_token(*, create: bool = False) -> str | None:
     return token
 
 
-def refusal(path: str, authorization: str | None, *, api_key: str | None, admin_key: str | None) -> int | None:
+def refusal(
+    path: str, authorization: str | None, *, api_key: str | None, admin_key: str | None
+) -> int | None:
     """401 when a request to `path` lacks the key it needs, else None: control routes need the admin key (the
     API key when the server has only that), other routes the API key when the server has one."""
     if path.startswith(OPEN_PREFIXES):

@@ -47,10 +47,18 @@ class SGLangClient(RolloutEngine):
     unloaded in the background (SGLang unloads it once its requests in flight are done: nothing drains).
     """
 
-    def __init__(self, base_url: str, *, timeout_s: float = 600.0, engine_id: str | None = None,
-                 lora_path: str | None = None, max_connections: int = 256,
-                 headers: dict[str, str] | None = None, admin_key: str | None = None,
-                 api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout_s: float = 600.0,
+        engine_id: str | None = None,
+        lora_path: str | None = None,
+        max_connections: int = 256,
+        headers: dict[str, str] | None = None,
+        admin_key: str | None = None,
+        api_key: str | None = None,
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         #: sent as the bearer of control calls (`miles.engines.auth`); by default the local admin token
         self.admin_key = admin_key if admin_key is not None else admin_token()
@@ -65,28 +73,42 @@ class SGLangClient(RolloutEngine):
         self._adapters: dict[str, tuple[str, int]] = {}  # adapter -> (served name, version)
         self._unloads: set[asyncio.Task[None]] = set()
         self._http = httpx.AsyncClient(
-            base_url=self.base_url, headers=headers,
+            base_url=self.base_url,
+            headers=headers,
             timeout=httpx.Timeout(timeout_s, connect=min(10.0, timeout_s)),
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections))
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+        )
 
     # ------------------------------------------------------------------ plumbing
-    async def _request(self, method: str, path: str, *, json: Any = None, headers: dict[str, str] | None = None,
-                       timeout: float | None = None) -> httpx.Response:
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        headers: dict[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> httpx.Response:
         kwargs: dict[str, Any] = {"json": json, "headers": self._headers(path, headers)}
         if timeout is not None:
             kwargs["timeout"] = timeout
         try:
             resp = await self._http.request(method, path, **kwargs)
         except httpx.TransportError as exc:  # connect/read/write errors, timeouts, protocol errors
-            raise EngineError(f"{method} {self.base_url}{path}: {type(exc).__name__}: {exc}",
-                              engine_id=self.engine_id) from exc
+            raise EngineError(
+                f"{method} {self.base_url}{path}: {type(exc).__name__}: {exc}", engine_id=self.engine_id
+            ) from exc
         self._check_auth(resp, path)
         if resp.status_code >= 500:
-            raise EngineError(f"{method} {self.base_url}{path}: HTTP {resp.status_code}: {resp.text[:300]}",
-                              engine_id=self.engine_id)
+            raise EngineError(
+                f"{method} {self.base_url}{path}: HTTP {resp.status_code}: {resp.text[:300]}",
+                engine_id=self.engine_id,
+            )
         if resp.status_code >= 400:
-            raise InvalidRequestError(f"{method} {self.base_url}{path}: HTTP {resp.status_code}: "
-                                      f"{resp.text[:300]}", engine_id=self.engine_id)
+            raise InvalidRequestError(
+                f"{method} {self.base_url}{path}: HTTP {resp.status_code}: {resp.text[:300]}",
+                engine_id=self.engine_id,
+            )
         return resp
 
     def _headers(self, path: str, headers: dict[str, str] | None) -> dict[str, str] | None:
@@ -97,19 +119,26 @@ class SGLangClient(RolloutEngine):
         if resp.status_code not in (401, 403):
             return
         if path in ADMIN_PATHS:
-            raise EngineAuthError(f"{self.base_url}{path} refused {'the' if self.admin_key else 'a call without an'} "
-                                  f"admin token: give miles the servers' token in {TOKEN_ENV} (miles rollout keeps "
-                                  f"it in {token_file()})")
-        raise EngineAuthError(f"{self.base_url}{path} refused {'the' if self.api_key else 'a call without an'} API "
-                              f"key: the servers were started with --api-key; give miles the key in {API_KEY_ENV}")
+            raise EngineAuthError(
+                f"{self.base_url}{path} refused {'the' if self.admin_key else 'a call without an'} "
+                f"admin token: give miles the servers' token in {TOKEN_ENV} (miles rollout keeps "
+                f"it in {token_file()})"
+            )
+        raise EngineAuthError(
+            f"{self.base_url}{path} refused {'the' if self.api_key else 'a call without an'} API "
+            f"key: the servers were started with --api-key; give miles the key in {API_KEY_ENV}"
+        )
 
     async def _json(self, method: str, path: str, **kwargs: Any) -> Any:
         resp = await self._request(method, path, **kwargs)
         try:
             return resp.json()
         except ValueError as exc:
-            raise EngineError(f"{path}: the answer is not JSON: {resp.text[:200]}", engine_id=self.engine_id,
-                              retryable=False) from exc
+            raise EngineError(
+                f"{path}: the answer is not JSON: {resp.text[:200]}",
+                engine_id=self.engine_id,
+                retryable=False,
+            ) from exc
 
     # ------------------------------------------------------------------ RolloutEngine
     @property
@@ -120,9 +149,15 @@ class SGLangClient(RolloutEngine):
     def num_in_flight(self) -> int:
         return self._in_flight
 
-    async def generate(self, input_ids: list[int], sampling_params: SamplingParams, *,
-                       session_id: str | None = None, rid: str | None = None,
-                       adapter: str | None = None) -> GenerateResult:
+    async def generate(
+        self,
+        input_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        session_id: str | None = None,
+        rid: str | None = None,
+        adapter: str | None = None,
+    ) -> GenerateResult:
         """`adapter`: an adapter this client loaded (`update_adapter`; the result then carries its version), or
         one the server was started with (version 0)."""
         lora_path, adapter_version = self.lora_path, None
@@ -152,14 +187,23 @@ class SGLangClient(RolloutEngine):
         behind this one (an sglang-router in front of workers)."""
         self._adapters[name] = (served_name(name, version), int(version))
 
-    async def update_adapter(self, name: str, *, weights: AdapterWeights | None = None, path: str | None = None,
-                             version: int | None = None) -> int:
+    async def update_adapter(
+        self,
+        name: str,
+        *,
+        weights: AdapterWeights | None = None,
+        path: str | None = None,
+        version: int | None = None,
+    ) -> int:
         """Load the PEFT folder `path` (readable by the server) as version `version` of adapter `name`
         (default: the current version plus 1); the previous version is unloaded in the background once its
         requests are done. In-memory `weights` cannot travel to an HTTP server: write them to a folder first."""
         if path is None or weights is not None:
-            raise InvalidRequestError("an HTTP engine loads an adapter from a PEFT folder it can read: pass path= "
-                                      "(weight sync writes one with sync.method disk)", engine_id=self.engine_id)
+            raise InvalidRequestError(
+                "an HTTP engine loads an adapter from a PEFT folder it can read: pass path= "
+                "(weight sync writes one with sync.method disk)",
+                engine_id=self.engine_id,
+            )
         current = self.adapter_version(name)
         new = (0 if current is None else current + 1) if version is None else int(version)
         served = served_name(name, new)
@@ -193,8 +237,11 @@ class SGLangClient(RolloutEngine):
     def _check_lora(self, status: int, data: Any, what: str) -> None:
         if status != 200 or not isinstance(data, dict) or not data.get("success"):
             message = data.get("error_message") if isinstance(data, dict) else data
-            raise EngineError(f"{what} failed on {self.base_url}: HTTP {status}: {str(message)[:300]}",
-                              engine_id=self.engine_id, retryable=False)
+            raise EngineError(
+                f"{what} failed on {self.base_url}: HTTP {status}: {str(message)[:300]}",
+                engine_id=self.engine_id,
+                retryable=False,
+            )
 
     async def abort(self, rid: str) -> None:
         await self._request("POST", "/abort_request", json=abort_body(rid))
@@ -218,8 +265,9 @@ class SGLangClient(RolloutEngine):
             return False
         return True
 
-    async def update_weights(self, *, state_dict: dict[str, Any] | None = None, path: str | None = None,
-                             version: int | None = None) -> int:
+    async def update_weights(
+        self, *, state_dict: dict[str, Any] | None = None, path: str | None = None, version: int | None = None
+    ) -> int:
         """From disk via `/update_weights_from_disk`, or an in-memory state dict by broadcast.
 
         The broadcast needs a group set up with `miles.engines.weight_broadcast.init_weight_update_group`
@@ -236,7 +284,8 @@ class SGLangClient(RolloutEngine):
             raise InvalidRequestError(
                 "an in-memory state dict reaches an HTTP engine only through a weight update group of this "
                 "engine alone (init_weight_update_group); use path= or broadcast_weights instead",
-                engine_id=self.engine_id)
+                engine_id=self.engine_id,
+            )
         from miles.engines.weight_broadcast import broadcast_weights
 
         await broadcast_weights(group, [self], state_dict, version=new)
@@ -269,18 +318,29 @@ class SGLangClient(RolloutEngine):
         return self._version
 
     async def update_weights_from_disk(self, path: str, *, weight_version: int | None = None) -> None:
-        data = await self._json("POST", "/update_weights_from_disk",
-                                json=update_from_disk_body(path, weight_version=weight_version))
+        data = await self._json(
+            "POST",
+            "/update_weights_from_disk",
+            json=update_from_disk_body(path, weight_version=weight_version),
+        )
         self._check_success(data, "update_weights_from_disk")
         if weight_version is not None:
             self._version = weight_version
 
-    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
-                                        world_size: int, *, group_name: str = "weight_update_group",
-                                        backend: str = "nccl") -> None:
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        *,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+    ) -> None:
         """Join the trainer's weight-update group (blocks until the whole group has met)."""
-        body = init_group_body(master_address, master_port, rank_offset, world_size, group_name=group_name,
-                               backend=backend)
+        body = init_group_body(
+            master_address, master_port, rank_offset, world_size, group_name=group_name, backend=backend
+        )
         data = await self._json("POST", "/init_weights_update_group", json=body)
         self._check_success(data, "init_weights_update_group")
 
@@ -317,14 +377,28 @@ class SGLangClient(RolloutEngine):
         _, data = await self._weight_call("/end_weight_update", {})
         self._check_success(data, "end_weight_update")
 
-    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                              *, group_name: str = "weight_update_group",
-                                              weight_version: int | None = None, flush_cache: bool = True,
-                                              load_format: str | None = None) -> None:
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        *,
+        group_name: str = "weight_update_group",
+        weight_version: int | None = None,
+        flush_cache: bool = True,
+        load_format: str | None = None,
+    ) -> None:
         """Announce one transfer the trainer broadcasts meanwhile; the server loads it, then (with `flush_cache`)
         flushes its cache and (with `weight_version`) takes that version."""
-        body = update_distributed_body(names, dtypes, shapes, group_name=group_name, weight_version=weight_version,
-                                       flush_cache=flush_cache, load_format=load_format)
+        body = update_distributed_body(
+            names,
+            dtypes,
+            shapes,
+            group_name=group_name,
+            weight_version=weight_version,
+            flush_cache=flush_cache,
+            load_format=load_format,
+        )
         data = await self._json("POST", "/update_weights_from_distributed", json=body)
         self._check_success(data, "update_weights_from_distributed")
         if weight_version is not None:
@@ -335,22 +409,28 @@ class SGLangClient(RolloutEngine):
         try:
             resp = await self._http.post(path, json=body, headers=self._headers(path, None))
         except httpx.TransportError as exc:
-            raise EngineError(f"POST {self.base_url}{path}: {type(exc).__name__}: {exc}",
-                              engine_id=self.engine_id) from exc
+            raise EngineError(
+                f"POST {self.base_url}{path}: {type(exc).__name__}: {exc}", engine_id=self.engine_id
+            ) from exc
         self._check_auth(resp, path)
         if resp.status_code >= 500:
-            raise EngineError(f"POST {self.base_url}{path}: HTTP {resp.status_code}: {resp.text[:300]}",
-                              engine_id=self.engine_id)
+            raise EngineError(
+                f"POST {self.base_url}{path}: HTTP {resp.status_code}: {resp.text[:300]}",
+                engine_id=self.engine_id,
+            )
         try:
             return resp.status_code, resp.json()
         except ValueError:
             return resp.status_code, resp.text
 
     async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> Any:
-        return await self._json("POST", "/get_weights_by_name", json={"name": name, "truncate_size": truncate_size})
+        return await self._json(
+            "POST", "/get_weights_by_name", json={"name": name, "truncate_size": truncate_size}
+        )
 
     def _check_success(self, data: Any, what: str) -> None:
         if not isinstance(data, dict) or not data.get("success"):
             message = data.get("message") if isinstance(data, dict) else data
-            raise EngineError(f"{what} failed on {self.base_url}: {message}", engine_id=self.engine_id,
-                              retryable=False)
+            raise EngineError(
+                f"{what} failed on {self.base_url}: {message}", engine_id=self.engine_id, retryable=False
+            )

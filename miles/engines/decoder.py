@@ -43,8 +43,10 @@ def check_supported(model: Any) -> None:
     cfg = getattr(model, "config", None)
     model_type = getattr(cfg, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise UnsupportedModelError(f"the embedded engine runs {', '.join(SUPPORTED_MODEL_TYPES)} models; "
-                                    f"got model_type {model_type!r}")
+        raise UnsupportedModelError(
+            f"the embedded engine runs {', '.join(SUPPORTED_MODEL_TYPES)} models; "
+            f"got model_type {model_type!r}"
+        )
     rope = getattr(getattr(model, "model", None), "rotary_emb", None)
     if rope is None or not hasattr(model, "lm_head"):
         raise UnsupportedModelError(f"{type(model).__name__} has no model.rotary_emb or lm_head")
@@ -53,7 +55,9 @@ def check_supported(model: Any) -> None:
         missing = [n for n in ("q_proj", "k_proj", "v_proj", "o_proj") if not hasattr(attn, n)]
         missing += [n for n in ("gate_proj", "up_proj", "down_proj", "act_fn") if not hasattr(mlp, n)]
         norms = [layer.input_layernorm, layer.post_attention_layernorm, model.model.norm]
-        missing += [f"{type(n).__name__}.variance_epsilon" for n in norms if not hasattr(n, "variance_epsilon")]
+        missing += [
+            f"{type(n).__name__}.variance_epsilon" for n in norms if not hasattr(n, "variance_epsilon")
+        ]
         if missing:
             raise UnsupportedModelError(f"{type(layer).__name__} lacks {missing}")
 
@@ -75,8 +79,9 @@ class AttentionGroups:
     gathered: tuple[tuple[tuple[int, ...], int], ...]
 
 
-def attention_groups(lengths: Sequence[int], *, overhead: int = GROUP_OVERHEAD,
-                     gather: float = GATHER_FACTOR) -> AttentionGroups | None:
+def attention_groups(
+    lengths: Sequence[int], *, overhead: int = GROUP_OVERHEAD, gather: float = GATHER_FACTOR
+) -> AttentionGroups | None:
     """A grouping of decode rows by context length (`AttentionGroups`) that reads fewer positions than one
     call over every row up to the longest context, or None when there is none.
 
@@ -182,19 +187,33 @@ class Decoder:
         self.layers: list[_Layer] = []
         for layer in base.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            window = getattr(attn, "sliding_window", None) if hasattr(attn, "sliding_window") \
+            window = (
+                getattr(attn, "sliding_window", None)
+                if hasattr(attn, "sliding_window")
                 else getattr(cfg, "sliding_window", None)
+            )
             qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
-            self.layers.append(_Layer(
-                input_norm=_Norm.of(layer.input_layernorm), post_norm=_Norm.of(layer.post_attention_layernorm),
-                q_norm=_Norm.of(attn.q_norm) if hasattr(attn, "q_norm") else None,
-                k_norm=_Norm.of(attn.k_norm) if hasattr(attn, "k_norm") else None,
-                qkv_weight=torch.cat([m.weight for m in qkv]), qkv_bias=_cat_bias(qkv), o_proj=attn.o_proj,
-                gate_up_weight=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), down_proj=mlp.down_proj,
-                act_fn=mlp.act_fn, scaling=float(attn.scaling), window=int(window) if window else None))
+            self.layers.append(
+                _Layer(
+                    input_norm=_Norm.of(layer.input_layernorm),
+                    post_norm=_Norm.of(layer.post_attention_layernorm),
+                    q_norm=_Norm.of(attn.q_norm) if hasattr(attn, "q_norm") else None,
+                    k_norm=_Norm.of(attn.k_norm) if hasattr(attn, "k_norm") else None,
+                    qkv_weight=torch.cat([m.weight for m in qkv]),
+                    qkv_bias=_cat_bias(qkv),
+                    o_proj=attn.o_proj,
+                    gate_up_weight=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+                    down_proj=mlp.down_proj,
+                    act_fn=mlp.act_fn,
+                    scaling=float(attn.scaling),
+                    window=int(window) if window else None,
+                )
+            )
         self._rotary = base.rotary_emb
         rope_type = str(getattr(self._rotary, "rope_type", "default"))
-        self._rope_per_call = "dynamic" in rope_type or "longrope" in rope_type  # cos/sin depend on the length
+        self._rope_per_call = (
+            "dynamic" in rope_type or "longrope" in rope_type
+        )  # cos/sin depend on the length
         if not self._rope_per_call:
             positions = torch.arange(self.max_positions, device=self.device)[None]
             cos, sin = self._rotary(weight[:1], positions)
@@ -217,8 +236,16 @@ class Decoder:
     def new_cache(self, slots: int, max_len: int, *, initial_len: int | None = None) -> SlotCache:
         """A `SlotCache` shaped for this model (`initial_len` positions allocated now; default: the cache's own)."""
         extra = {} if initial_len is None else {"initial_len": initial_len}
-        return SlotCache(layers=len(self.layers), slots=slots, kv_heads=self.kv_heads, head_dim=self.head_dim,
-                         max_len=max_len, dtype=self.dtype, device=self.device, **extra)
+        return SlotCache(
+            layers=len(self.layers),
+            slots=slots,
+            kv_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            max_len=max_len,
+            dtype=self.dtype,
+            device=self.device,
+            **extra,
+        )
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """Every projection of the forward pass (the hook for per-row adapters)."""
@@ -246,9 +273,17 @@ class Decoder:
             bias = bias[:, :, None].expand(rows, seq, groups, length).reshape(rows, seq * groups, length)
         return bias[:, None]
 
-    def forward(self, cache: SlotCache, ids: torch.Tensor, positions: torch.Tensor, first_slot: int, length: int,
-                write: torch.Tensor | None = None, last: torch.Tensor | None = None,
-                groups: AttentionGroups | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        cache: SlotCache,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        first_slot: int,
+        length: int,
+        write: torch.Tensor | None = None,
+        last: torch.Tensor | None = None,
+        groups: AttentionGroups | None = None,
+    ) -> torch.Tensor:
         """Run `ids` ([rows, S], row `r` in slot `first_slot + r`, at `positions`) and return float32 logits.
 
         The keys/values of every token (or of the flat token indices `write`) go into the cache; attention
@@ -265,12 +300,18 @@ class Decoder:
         cos, sin = cos[:, None], sin[:, None]
         # where each written token's keys and values go: (key|value, slot, kv head, position) of the cache
         dev = ids.device
-        slot = torch.arange(first_slot, first_slot + rows, device=dev)[:, None].expand(rows, seq).reshape(tokens)
+        slot = (
+            torch.arange(first_slot, first_slot + rows, device=dev)[:, None].expand(rows, seq).reshape(tokens)
+        )
         pos = flat_pos
         if write is not None:
             slot, pos = slot[write], pos[write]
-        dest = (torch.arange(2, device=dev)[:, None], slot[:, None, None], torch.arange(hkv, device=dev),
-                pos[:, None, None])
+        dest = (
+            torch.arange(2, device=dev)[:, None],
+            slot[:, None, None],
+            torch.arange(hkv, device=dev),
+            pos[:, None, None],
+        )
         masks: dict[Any, torch.Tensor] = {}
         gathered: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # (slots, row indices, length) per group
         if groups is not None:
@@ -283,20 +324,32 @@ class Decoder:
                 masks[layer.window] = self._mask(positions, length, layer.window)
                 for g, (_, members, n) in enumerate(gathered):
                     masks[g, layer.window] = self._mask(positions[members], n, layer.window)
-            qkv = self.linear(layer.input_norm(h), layer.qkv_weight, layer.qkv_bias).view(tokens, hq + 2 * hkv, d)
-            qk = qkv[:, :hq + hkv]
+            qkv = self.linear(layer.input_norm(h), layer.qkv_weight, layer.qkv_bias).view(
+                tokens, hq + 2 * hkv, d
+            )
+            qk = qkv[:, : hq + hkv]
             if layer.q_norm is not None:
                 qk = torch.cat([layer.q_norm(qk[:, :hq]), layer.k_norm(qk[:, hq:])], dim=1)
-            torch.add(qk * cos, torch.roll(qk, d // 2, dims=-1) * sin, out=qkv[:, :hq + hkv])  # RoPE in place
+            torch.add(
+                qk * cos, torch.roll(qk, d // 2, dims=-1) * sin, out=qkv[:, : hq + hkv]
+            )  # RoPE in place
             kv = qkv[:, hq:].view(tokens, 2, hkv, d)
             cache.layer(index).index_put_(dest, kv if write is None else kv[write])
-            q = qkv[:, :hq].reshape(rows, seq, hkv, per_kv, d).transpose(1, 2).reshape(rows, hkv, seq * per_kv, d)
-            keys, values = cache.layer(index)[:, first_slot:first_slot + rows, :, :length]
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=masks[layer.window], scale=layer.scaling)
+            q = (
+                qkv[:, :hq]
+                .reshape(rows, seq, hkv, per_kv, d)
+                .transpose(1, 2)
+                .reshape(rows, hkv, seq * per_kv, d)
+            )
+            keys, values = cache.layer(index)[:, first_slot : first_slot + rows, :, :length]
+            out = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=masks[layer.window], scale=layer.scaling
+            )
             for g, (slots, members, n) in enumerate(gathered):
                 keys, values = cache.layer(index)[:, slots, :, :n]
-                out[members] = F.scaled_dot_product_attention(q[members], keys, values,
-                                                              attn_mask=masks[g, layer.window], scale=layer.scaling)
+                out[members] = F.scaled_dot_product_attention(
+                    q[members], keys, values, attn_mask=masks[g, layer.window], scale=layer.scaling
+                )
             out = out.reshape(rows, hkv, seq, per_kv * d).transpose(1, 2).reshape(tokens, hq * d)
             h = h + self.linear(out, layer.o_proj.weight, layer.o_proj.bias)
             gate, up = self.linear(layer.post_norm(h), layer.gate_up_weight).chunk(2, dim=-1)

@@ -67,15 +67,19 @@ def kv_positions(model: Any, device: torch.device, fraction: float, slots: int) 
     cfg, layers = model.config, model.model.layers  # the shapes `Decoder.new_cache` gives the cache
     kv_heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
     head_dim = int(layers[0].self_attn.head_dim)
-    per_position = len(layers) * 2 * kv_heads * head_dim * model.model.embed_tokens.weight.dtype.itemsize * slots
+    per_position = (
+        len(layers) * 2 * kv_heads * head_dim * model.model.embed_tokens.weight.dtype.itemsize * slots
+    )
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
     else:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     positions = int(fraction * total // per_position)
     if positions < 2:
-        raise ValueError(f"{fraction} of {total / 2**30:.1f} GiB holds {positions} positions per slot for {slots} "
-                         f"slots ({per_position} bytes per position); raise it or lower max_batch_size")
+        raise ValueError(
+            f"{fraction} of {total / 2**30:.1f} GiB holds {positions} positions per slot for {slots} "
+            f"slots ({per_position} bytes per position); raise it or lower max_batch_size"
+        )
     return positions
 
 
@@ -138,13 +142,28 @@ class EmbeddedEngine(RolloutEngine):
     The model may still be moved or cast (`engine.model.to(...)`) until the first request.
     """
 
-    def __init__(self, model: Any, *, tokenizer: Any = None, device: str = "cpu", max_batch_size: int = 64,
-                 engine_id: str = "embedded-0", stop_at_eos: bool = True, max_cached_sessions: int = 1024,
-                 model_path: str = "", cuda_graphs: bool = True, prefill_tokens: int = 8192, max_loras: int = 8,
-                 max_lora_rank: int = 64, kv_cache_fraction: float | None = None) -> None:
+    def __init__(
+        self,
+        model: Any,
+        *,
+        tokenizer: Any = None,
+        device: str = "cpu",
+        max_batch_size: int = 64,
+        engine_id: str = "embedded-0",
+        stop_at_eos: bool = True,
+        max_cached_sessions: int = 1024,
+        model_path: str = "",
+        cuda_graphs: bool = True,
+        prefill_tokens: int = 8192,
+        max_loras: int = 8,
+        max_lora_rank: int = 64,
+        kv_cache_fraction: float | None = None,
+    ) -> None:
         check_supported(model)
         if max_batch_size < 1 or prefill_tokens < 1:
-            raise ValueError(f"max_batch_size ({max_batch_size}) and prefill_tokens ({prefill_tokens}) must be >= 1")
+            raise ValueError(
+                f"max_batch_size ({max_batch_size}) and prefill_tokens ({prefill_tokens}) must be >= 1"
+            )
         self.engine_id = engine_id
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:  # "cuda": the current device, by index
@@ -163,8 +182,9 @@ class EmbeddedEngine(RolloutEngine):
         self.max_context = int(getattr(cfg, "max_position_embeddings", 0) or 1 << 30)
         self._preallocate = kv_cache_fraction is not None
         if kv_cache_fraction is not None:
-            self.max_context = min(self.max_context, kv_positions(self.model, self.device, kv_cache_fraction,
-                                                                  max_batch_size))
+            self.max_context = min(
+                self.max_context, kv_positions(self.model, self.device, kv_cache_fraction, max_batch_size)
+            )
         eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         if eos is None:
             eos = getattr(cfg, "eos_token_id", None)
@@ -221,31 +241,45 @@ class EmbeddedEngine(RolloutEngine):
     async def health(self) -> bool:
         return not self._closed and self._thread.is_alive()
 
-    async def generate(self, input_ids: list[int], sampling_params: SamplingParams, *,
-                       session_id: str | None = None, rid: str | None = None, adapter: str | None = None,
-                       ignore_eos: bool = False) -> GenerateResult:
+    async def generate(
+        self,
+        input_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        session_id: str | None = None,
+        rid: str | None = None,
+        adapter: str | None = None,
+        ignore_eos: bool = False,
+    ) -> GenerateResult:
         """Continue `input_ids` (under LoRA adapter `adapter`, which must be loaded); `ignore_eos` disables the
         model's EOS as an implicit stop token."""
         if self._closed:
             raise EngineError("engine is closed", engine_id=self.engine_id)
         if adapter is not None and (adapter not in self.adapter_sources or adapter in self._unloading):
-            raise AdapterError(f"no LoRA adapter {adapter!r} is loaded (loaded: "
-                               f"{sorted(set(self.adapter_sources) - self._unloading) or 'none'})",
-                               engine_id=self.engine_id)
-        req = self._make_request(list(input_ids), sampling_params, session_id, rid or uuid.uuid4().hex,
-                                 ignore_eos)
+            raise AdapterError(
+                f"no LoRA adapter {adapter!r} is loaded (loaded: "
+                f"{sorted(set(self.adapter_sources) - self._unloading) or 'none'})",
+                engine_id=self.engine_id,
+            )
+        req = self._make_request(
+            list(input_ids), sampling_params, session_id, rid or uuid.uuid4().hex, ignore_eos
+        )
         if adapter is not None:
             req.adapter, req.weight_version_start = adapter, self.adapter_version(adapter) or 0
         with self._cond:
             if req.rid in self._rids:
-                raise InvalidRequestError(f"request id {req.rid!r} is already running", engine_id=self.engine_id)
+                raise InvalidRequestError(
+                    f"request id {req.rid!r} is already running", engine_id=self.engine_id
+                )
             self._rids.add(req.rid)
             self._pending.append(req)
             self._cond.notify()
         try:
             return await asyncio.shield(req.future)
         except asyncio.CancelledError:
-            req.future.add_done_callback(_retrieve)  # nobody awaits it now: an abort or close error is expected
+            req.future.add_done_callback(
+                _retrieve
+            )  # nobody awaits it now: an abort or close error is expected
             await self.abort(req.rid)
             raise
 
@@ -282,8 +316,9 @@ class EmbeddedEngine(RolloutEngine):
         """Whether decoding is held by `pause_generation`."""
         return self._paused
 
-    async def update_weights(self, *, state_dict: dict[str, Any] | None = None, path: str | None = None,
-                             version: int | None = None) -> int:
+    async def update_weights(
+        self, *, state_dict: dict[str, Any] | None = None, path: str | None = None, version: int | None = None
+    ) -> int:
         """Load weights (a subset of the model's parameters is fine) between decode steps.
 
         `version` sets the new version explicitly; by default it is the old one plus 1.
@@ -299,8 +334,14 @@ class EmbeddedEngine(RolloutEngine):
         """Thread-safe synchronous weight load (used by the distributed weight receiver)."""
         return self._load_weights(named_tensors, version)
 
-    async def update_adapter(self, name: str, *, weights: AdapterWeights | None = None, path: str | None = None,
-                             version: int | None = None) -> int:
+    async def update_adapter(
+        self,
+        name: str,
+        *,
+        weights: AdapterWeights | None = None,
+        path: str | None = None,
+        version: int | None = None,
+    ) -> int:
         """Load LoRA adapter `name` (in memory, or the PEFT folder at `path`) as version `version` (default: its
         current version plus 1, or 0). Between decode steps: requests of `name` in flight go on under the new
         version (their tokens' versions say so); other adapters and the base are untouched. Raises
@@ -387,30 +428,43 @@ class EmbeddedEngine(RolloutEngine):
         return self.num_active
 
     # ------------------------------------------------------------------ request setup
-    def _make_request(self, input_ids: list[int], params: SamplingParams, session_id: str | None,
-                      rid: str, ignore_eos: bool) -> _Request:
+    def _make_request(
+        self, input_ids: list[int], params: SamplingParams, session_id: str | None, rid: str, ignore_eos: bool
+    ) -> _Request:
         if not input_ids:
             raise InvalidRequestError("input_ids is empty", engine_id=self.engine_id)
         bad = [t for t in input_ids if not isinstance(t, int) or t < 0 or t >= self.vocab_size]
         if bad:
-            raise InvalidRequestError(f"token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}",
-                                      engine_id=self.engine_id)
+            raise InvalidRequestError(
+                f"token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}",
+                engine_id=self.engine_id,
+            )
         if len(input_ids) >= self.max_context:
-            raise InvalidRequestError(f"prompt of {len(input_ids)} tokens does not fit the context of "
-                                      f"{self.max_context}", engine_id=self.engine_id)
+            raise InvalidRequestError(
+                f"prompt of {len(input_ids)} tokens does not fit the context of {self.max_context}",
+                engine_id=self.engine_id,
+            )
         if params.max_new_tokens < 1:
             raise InvalidRequestError("max_new_tokens must be >= 1", engine_id=self.engine_id)
         if params.temperature < 0 or not 0 < params.top_p <= 1:
-            raise InvalidRequestError(f"bad temperature/top_p: {params.temperature}, {params.top_p}",
-                                      engine_id=self.engine_id)
+            raise InvalidRequestError(
+                f"bad temperature/top_p: {params.temperature}, {params.top_p}", engine_id=self.engine_id
+            )
         key = seed_key(params.seed) if params.seed is not None else self._keys.getrandbits(32)
         row = RowSampling(params.temperature, params.top_p, params.top_k, key)
         loop = asyncio.get_running_loop()
-        return _Request(rid=rid, input_ids=input_ids, params=params, session_id=session_id, loop=loop,
-                        future=loop.create_future(), row=row,
-                        stop_ids=frozenset(params.stop_token_ids) | (frozenset() if ignore_eos else self._eos_ids),
-                        max_new=min(params.max_new_tokens, self.max_context - len(input_ids)),
-                        weight_version_start=self._version)
+        return _Request(
+            rid=rid,
+            input_ids=input_ids,
+            params=params,
+            session_id=session_id,
+            loop=loop,
+            future=loop.create_future(),
+            row=row,
+            stop_ids=frozenset(params.stop_token_ids) | (frozenset() if ignore_eos else self._eos_ids),
+            max_new=min(params.max_new_tokens, self.max_context - len(input_ids)),
+            weight_version_start=self._version,
+        )
 
     # ------------------------------------------------------------------ weights
     def _load_weights(self, named: dict[str, Any], version: int | None) -> int:
@@ -420,8 +474,10 @@ class EmbeddedEngine(RolloutEngine):
             raise InvalidRequestError(f"unknown parameter names: {unknown[:5]}", engine_id=self.engine_id)
         for name, tensor in named.items():
             if tuple(tensor.shape) != tuple(params[name].shape):
-                raise InvalidRequestError(f"shape of {name}: got {tuple(tensor.shape)}, "
-                                          f"expected {tuple(params[name].shape)}", engine_id=self.engine_id)
+                raise InvalidRequestError(
+                    f"shape of {name}: got {tuple(tensor.shape)}, expected {tuple(params[name].shape)}",
+                    engine_id=self.engine_id,
+                )
         with self._model_lock.exclusive(), torch.no_grad():
             for name, tensor in named.items():
                 params[name].copy_(torch.as_tensor(tensor).to(params[name].dtype))
@@ -438,14 +494,18 @@ class EmbeddedEngine(RolloutEngine):
             torch.cuda.set_device(self.device)  # graphs capture on the thread's current device
         while True:
             with self._cond:
-                while not (self._closed or self._aborts or self._abort_all
-                           or (not self._paused and (self._pending or self._active))):
+                while not (
+                    self._closed
+                    or self._aborts
+                    or self._abort_all
+                    or (not self._paused and (self._pending or self._active))
+                ):
                     self._cond.wait()
                 if self._closed:
                     break
                 paused = self._paused
                 room = 0 if paused else self.max_batch_size - len(self._active)
-                new, self._pending = self._pending[:max(room, 0)], self._pending[max(room, 0):]
+                new, self._pending = self._pending[: max(room, 0)], self._pending[max(room, 0) :]
                 aborts, self._aborts = self._aborts, set()
                 abort_all, self._abort_all = self._abort_all, False
             try:
@@ -477,10 +537,17 @@ class EmbeddedEngine(RolloutEngine):
     def _ready_batch(self) -> DecodeBatch:
         if self._batch is None:
             static = self.cuda_graphs and self.device.type == "cuda"  # graphs: the adapter math is always in
-            self._decoder = LoraDecoder(self.model, max_slots=self.max_batch_size, max_adapters=self.max_loras,
-                                        max_rank=self.max_lora_rank, static=static)
+            self._decoder = LoraDecoder(
+                self.model,
+                max_slots=self.max_batch_size,
+                max_adapters=self.max_loras,
+                max_rank=self.max_lora_rank,
+                static=static,
+            )
             length = min(self.max_context, self._decoder.max_positions)
-            cache = self._decoder.new_cache(self.max_batch_size, length, initial_len=length if self._preallocate else None)
+            cache = self._decoder.new_cache(
+                self.max_batch_size, length, initial_len=length if self._preallocate else None
+            )
             self._batch = DecodeBatch(self._decoder, cache, self.max_batch_size, cuda_graphs=self.cuda_graphs)
         return self._batch
 
@@ -497,7 +564,9 @@ class EmbeddedEngine(RolloutEngine):
                 req.adapter_slot, req.adapter_epoch = served.slot, served.epoch
         kept = [self._reusable(req) for req in new]
         order = sorted(range(len(new)), key=lambda i: len(new[i].input_ids) - kept[i][1], reverse=True)
-        new = [new[i] for i in order]  # longest suffix first, so the rows of each prefill chunk are a run of slots
+        new = [
+            new[i] for i in order
+        ]  # longest suffix first, so the rows of each prefill chunk are a run of slots
         reused = []
         for slot, i in enumerate(order, start=first):
             entry, m = kept[i]
@@ -507,8 +576,9 @@ class EmbeddedEngine(RolloutEngine):
         self._decoder.bank.select([r.adapter_slot for r in [*self._active, *new]])
         logits = self._prefill(new, reused, first)
         rows = [r.row for r in new]
-        tokens, logprobs = sample(logits, SamplingTensors.build(rows, [0] * len(new), self.device),
-                                  SampleMode.of(rows))
+        tokens, logprobs = sample(
+            logits, SamplingTensors.build(rows, [0] * len(new), self.device), SampleMode.of(rows)
+        )
         batch.join(first, tokens, [len(r.input_ids) for r in new], rows, [1] * len(new))
         now = time.perf_counter()
         for req, tok, lp in zip(new, tokens.tolist(), logprobs.tolist(), strict=True):
@@ -558,15 +628,21 @@ class EmbeddedEngine(RolloutEngine):
                 for j, i in enumerate(rows):
                     lo = reused[i] + offset
                     hi = min(len(new[i].input_ids), lo + seq)
-                    ids[j, :hi - lo] = torch.tensor(new[i].input_ids[lo:hi])
-                    pos[j, :hi - lo] = torch.arange(lo, hi)
+                    ids[j, : hi - lo] = torch.tensor(new[i].input_ids[lo:hi])
+                    pos[j, : hi - lo] = torch.arange(lo, hi)
                     write.extend(range(j * seq, j * seq + hi - lo))
                     if hi == len(new[i].input_ids):
                         last.append((i, j * seq + hi - lo - 1))
                     length = max(length, hi)
-                logits = decoder.forward(cache, ids.to(device), pos.to(device), first + start, length,
-                                         write=torch.tensor(write, dtype=torch.int64, device=device),
-                                         last=torch.tensor([t for _, t in last], dtype=torch.int64, device=device))
+                logits = decoder.forward(
+                    cache,
+                    ids.to(device),
+                    pos.to(device),
+                    first + start,
+                    length,
+                    write=torch.tensor(write, dtype=torch.int64, device=device),
+                    last=torch.tensor([t for _, t in last], dtype=torch.int64, device=device),
+                )
                 for (i, _), row in zip(last, logits, strict=True):
                     out[i] = row
             start = end
@@ -578,8 +654,12 @@ class EmbeddedEngine(RolloutEngine):
         length = max(r.cache_len for r in active) + 1
         batch.grow(length)
         self._decoder.bank.select([r.adapter_slot for r in active])
-        tokens, logprobs = batch.step(len(active), length, SampleMode.of(r.row for r in active),
-                                      lengths=[r.cache_len + 1 for r in active])
+        tokens, logprobs = batch.step(
+            len(active),
+            length,
+            SampleMode.of(r.row for r in active),
+            lengths=[r.cache_len + 1 for r in active],
+        )
         self.stats["steps"] += 1
         self.histograms.batch_size.observe(len(tokens))
         self.stats["decode_tokens"] += len(tokens)
@@ -598,18 +678,30 @@ class EmbeddedEngine(RolloutEngine):
         return req.output_ids[-1] in req.stop_ids or len(req.output_ids) >= req.max_new
 
     def _finish_reason(self, req: _Request) -> FinishReason:
-        return FinishReason.STOP if req.output_ids and req.output_ids[-1] in req.stop_ids else FinishReason.LENGTH
+        return (
+            FinishReason.STOP
+            if req.output_ids and req.output_ids[-1] in req.stop_ids
+            else FinishReason.LENGTH
+        )
 
     def _drop_rows(self, indices: list[int], reason: FinishReason | None) -> None:
         """Finish the rows `indices` and pack the rest into slots `0 .. n-1` (the last rows fill the holes)."""
         batch = self._batch
         for i in indices:
             req = self._active[i]
-            if req.session_id is not None and not req.finished and req.weights_epoch == self._epoch and (
-                    req.adapter is None or self._decoder.bank.get(req.adapter).epoch == req.adapter_epoch):
+            if (
+                req.session_id is not None
+                and not req.finished
+                and req.weights_epoch == self._epoch
+                and (req.adapter is None or self._decoder.bank.get(req.adapter).epoch == req.adapter_epoch)
+            ):
                 covered = req.input_ids + req.output_ids[:-1]
-                self._sessions.put(req.session_id, covered, batch.cache.export(i, len(covered)),
-                                   policy=self._cache_policy(req))
+                self._sessions.put(
+                    req.session_id,
+                    covered,
+                    batch.cache.export(i, len(covered)),
+                    policy=self._cache_policy(req),
+                )
             self._finish(req, reason or self._finish_reason(req))
         n = len(self._active)
         gone = set(indices)
@@ -628,12 +720,17 @@ class EmbeddedEngine(RolloutEngine):
             return
         req.finished = True
         result = GenerateResult(
-            output_ids=list(req.output_ids), output_logprobs=list(req.output_logprobs), finish_reason=reason,
-            weight_version=self._policy_version(req), prompt_tokens=len(req.input_ids),
+            output_ids=list(req.output_ids),
+            output_logprobs=list(req.output_logprobs),
+            finish_reason=reason,
+            weight_version=self._policy_version(req),
+            prompt_tokens=len(req.input_ids),
             cached_tokens=req.cached_tokens,
-            latency_s=time.perf_counter() - req.start, engine_id=self.engine_id,
+            latency_s=time.perf_counter() - req.start,
+            engine_id=self.engine_id,
             extra={"rid": req.rid, "weight_version_start": req.weight_version_start},
-            token_versions=list(req.token_versions))
+            token_versions=list(req.token_versions),
+        )
         self._resolve(req, result)
 
     def _resolve(self, req: _Request, outcome: GenerateResult | BaseException) -> None:
@@ -685,8 +782,9 @@ def load_state_dict_from_folder(path: str) -> dict[str, torch.Tensor]:
         try:
             tensors = _read_weights(f)
         except Exception as exc:  # a truncated or forged file, a pickle with more than tensors in it
-            raise InvalidRequestError(f"cannot read the weights file {f.name}: {type(exc).__name__}: "
-                                      f"{str(exc).strip()[:200]}") from None
+            raise InvalidRequestError(
+                f"cannot read the weights file {f.name}: {type(exc).__name__}: {str(exc).strip()[:200]}"
+            ) from None
         if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
             raise InvalidRequestError(f"{f.name} does not hold a mapping of names to tensors")
         out.update(tensors)

@@ -20,11 +20,22 @@ import torch
 class SlotCache:
     """Per-slot key/value buffers of every layer (see the module docstring)."""
 
-    def __init__(self, *, layers: int, slots: int, kv_heads: int, head_dim: int, max_len: int,
-                 dtype: torch.dtype, device: torch.device, initial_len: int = 256) -> None:
+    def __init__(
+        self,
+        *,
+        layers: int,
+        slots: int,
+        kv_heads: int,
+        head_dim: int,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        initial_len: int = 256,
+    ) -> None:
         self.slots, self.kv_heads, self.head_dim, self.max_len = slots, kv_heads, head_dim, max_len
-        self.data = torch.zeros((layers, 2, slots, kv_heads, min(initial_len, max_len), head_dim), dtype=dtype,
-                                device=device)
+        self.data = torch.zeros(
+            (layers, 2, slots, kv_heads, min(initial_len, max_len), head_dim), dtype=dtype, device=device
+        )
 
     @property
     def capacity(self) -> int:
@@ -40,7 +51,7 @@ class SlotCache:
         while cap < length:
             cap *= 2
         grown = self.data.new_zeros((*self.data.shape[:4], min(cap, self.max_len), self.head_dim))
-        grown[:, :, :, :, :self.capacity].copy_(self.data)
+        grown[:, :, :, :, : self.capacity].copy_(self.data)
         self.data = grown
         return True
 
@@ -70,7 +81,9 @@ class SessionEntry:
 
     tokens: list[int]
     kv: torch.Tensor
-    policy: tuple[str, int] | None = None  # (LoRA adapter, its load epoch) the KV was computed under; None: base
+    policy: tuple[str, int] | None = (
+        None  # (LoRA adapter, its load epoch) the KV was computed under; None: base
+    )
 
 
 class SessionStore:
@@ -83,8 +96,9 @@ class SessionStore:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, session_id: str, tokens: list[int], kv: torch.Tensor,
-            policy: tuple[str, int] | None = None) -> None:
+    def put(
+        self, session_id: str, tokens: list[int], kv: torch.Tensor, policy: tuple[str, int] | None = None
+    ) -> None:
         self._entries.pop(session_id, None)
         self._entries[session_id] = SessionEntry(tokens, kv, policy)
         while len(self._entries) > self.max_sessions:

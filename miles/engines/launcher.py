@@ -44,11 +44,20 @@ ROUTER_INSTALL = 'pip install "sglang-router" (or --no-router)'
 
 #: SGLang flags that `miles rollout` sets itself, and the `miles rollout` flag to use instead.
 LAUNCHER_OWNED_FLAGS = {
-    "--model-path": "--model", "--model": "--model", "--tp-size": "--tp", "--tensor-parallel-size": "--tp",
-    "--pp-size": "--pp", "--pipeline-parallel-size": "--pp", "--host": "--host", "--port": "--port",
-    "--base-gpu-id": "--base-gpu-id", "--context-length": "--context-length",
-    "--mem-fraction-static": "--mem-fraction", "--max-running-requests": "--max-running-requests",
-    "--dtype": "--dtype", "--device": "--device",
+    "--model-path": "--model",
+    "--model": "--model",
+    "--tp-size": "--tp",
+    "--tensor-parallel-size": "--tp",
+    "--pp-size": "--pp",
+    "--pipeline-parallel-size": "--pp",
+    "--host": "--host",
+    "--port": "--port",
+    "--base-gpu-id": "--base-gpu-id",
+    "--context-length": "--context-length",
+    "--mem-fraction-static": "--mem-fraction",
+    "--max-running-requests": "--max-running-requests",
+    "--dtype": "--dtype",
+    "--device": "--device",
 }
 _SGLANG_DP_FLAGS = ("--dp-size", "--data-parallel-size")
 _WILDCARD_HOSTS = {"0.0.0.0": "127.0.0.1", "::": "::1"}
@@ -115,20 +124,27 @@ class LaunchSpec:
     router_policy: str = "manual"
     sglang_args: tuple[str, ...] = ()
     openai: tuple[str, ...] | None = None  # serve the OpenAI-compatible session endpoint (KEY=VALUE settings)
-    admin_key: str | None = None  # SGLang servers get it as --admin-api-key (embedded ones read it themselves)
+    admin_key: str | None = (
+        None  # SGLang servers get it as --admin-api-key (embedded ones read it themselves)
+    )
     api_key: str | None = None  # --api-key: SGLang servers get the flag, embedded ones MILES_API_KEY
 
     def __post_init__(self) -> None:
         if self.engine not in ("embedded", "sglang"):
             raise ConfigError("--engine", f"{self.engine!r}: use 'embedded' or 'sglang'")
         if self.openai is not None and self.engine != "embedded":
-            raise ConfigError("--openai", "the session endpoint is served by embedded servers; in front of SGLang "
-                              "servers mount it with `miles.sessions.mount_openai` over `SGLangClient`s")
+            raise ConfigError(
+                "--openai",
+                "the session endpoint is served by embedded servers; in front of SGLang "
+                "servers mount it with `miles.sessions.mount_openai` over `SGLangClient`s",
+            )
         for flag, value in (("--tp", self.tp), ("--pp", self.pp), ("--dp", self.dp)):
             if value < 1:
                 raise ConfigError(flag, f"must be >= 1, got {value}")
-        for flag, value in (("--context-length", self.context_length),
-                            ("--max-running-requests", self.max_running_requests)):
+        for flag, value in (
+            ("--context-length", self.context_length),
+            ("--max-running-requests", self.max_running_requests),
+        ):
             if value is not None and value < 1:
                 raise ConfigError(flag, f"must be >= 1, got {value}")
         if self.mem_fraction is not None and not 0.0 < self.mem_fraction <= 1.0:
@@ -138,13 +154,18 @@ class LaunchSpec:
         if self.base_gpu_id < 0:
             raise ConfigError("--base-gpu-id", f"must be >= 0, got {self.base_gpu_id}")
         if self.router_policy not in ROUTER_POLICIES:
-            raise ConfigError("--router-policy", f"{self.router_policy!r}: use one of {', '.join(ROUTER_POLICIES)}")
+            raise ConfigError(
+                "--router-policy", f"{self.router_policy!r}: use one of {', '.join(ROUTER_POLICIES)}"
+            )
         last = max(self.server_ports + ((self.resolved_router_port,) if self.use_router else ()))
         if self.port < 1 or last > 65535:
             raise ConfigError("--port", f"the ports {self.port}..{last} do not fit in 1..65535")
         if self.use_router and self.resolved_router_port in self.server_ports:
-            raise ConfigError("--router-port", f"{self.resolved_router_port} is one of the servers' ports "
-                              f"{self.server_ports[0]}..{self.server_ports[-1]}")
+            raise ConfigError(
+                "--router-port",
+                f"{self.resolved_router_port} is one of the servers' ports "
+                f"{self.server_ports[0]}..{self.server_ports[-1]}",
+            )
         if self.engine == "embedded":
             self._check_embedded()
         else:
@@ -152,12 +173,18 @@ class LaunchSpec:
 
     def _check_embedded(self) -> None:
         if self.tp > 1 or self.pp > 1:
-            raise ConfigError("--tp" if self.tp > 1 else "--pp", "the embedded engine runs on one device; use "
-                              "--engine sglang for tensor or pipeline parallelism (--dp N starts N servers)")
+            raise ConfigError(
+                "--tp" if self.tp > 1 else "--pp",
+                "the embedded engine runs on one device; use "
+                "--engine sglang for tensor or pipeline parallelism (--dp N starts N servers)",
+            )
         if self.mem_fraction is not None:
-            raise ConfigError("--mem-fraction", "is an SGLang setting (its static pool); an embedded server's KV "
-                              "cache grows on demand (`engine.kv_cache_fraction` sizes it for the engines `miles "
-                              "train` runs itself): drop it or use --engine sglang")
+            raise ConfigError(
+                "--mem-fraction",
+                "is an SGLang setting (its static pool); an embedded server's KV "
+                "cache grows on demand (`engine.kv_cache_fraction` sizes it for the engines `miles "
+                "train` runs itself): drop it or use --engine sglang",
+            )
         if self.sglang_args:
             raise ConfigError("--", f"SGLang flags {' '.join(self.sglang_args)!r} need --engine sglang")
         try:
@@ -167,8 +194,11 @@ class LaunchSpec:
 
     def _check_sglang(self) -> None:
         if self.model in ("tiny", SMOLLM2) or self.model.startswith("tiny-"):
-            raise ConfigError("--model", f"{self.model!r} is one of the embedded engine's built-in models; SGLang "
-                              "needs an HF checkpoint folder or hub id (or use --engine embedded)")
+            raise ConfigError(
+                "--model",
+                f"{self.model!r} is one of the embedded engine's built-in models; SGLang "
+                "needs an HF checkpoint folder or hub id (or use --engine embedded)",
+            )
         if Path(self.model).exists() and not (Path(self.model) / "config.json").is_file():
             raise ConfigError("--model", f"{self.model!r} is not an HF checkpoint folder (no config.json)")
         if self.sglang_args and not self.sglang_args[0].startswith("-"):
@@ -176,7 +206,9 @@ class LaunchSpec:
         for arg in self.sglang_args:
             name = arg.partition("=")[0]
             if name in LAUNCHER_OWNED_FLAGS:
-                raise ConfigError("--", f"{name} is set by miles rollout: use {LAUNCHER_OWNED_FLAGS[name]} instead")
+                raise ConfigError(
+                    "--", f"{name} is set by miles rollout: use {LAUNCHER_OWNED_FLAGS[name]} instead"
+                )
         dp_size = _flag_value(self.sglang_args, _SGLANG_DP_FLAGS)
         if dp_size is not None and not (dp_size.isdigit() and int(dp_size) >= 1):
             raise ConfigError("--", f"SGLang's --dp-size must be a positive integer, got {dp_size!r}")
@@ -239,12 +271,30 @@ class LaunchPlan:
 
 
 def _sglang_command(spec: LaunchSpec, index: int, port: int) -> tuple[str, ...]:
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", spec.model, "--host", spec.host,
-           "--port", str(port), "--tp-size", str(spec.tp), "--pp-size", str(spec.pp),
-           "--base-gpu-id", str(spec.base_gpu_id + index * spec.gpus_per_server)]
-    for flag, value in (("--context-length", spec.context_length), ("--mem-fraction-static", spec.mem_fraction),
-                        ("--max-running-requests", spec.max_running_requests), ("--dtype", spec.dtype),
-                        ("--device", spec.device)):
+    cmd = [
+        sys.executable,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        spec.model,
+        "--host",
+        spec.host,
+        "--port",
+        str(port),
+        "--tp-size",
+        str(spec.tp),
+        "--pp-size",
+        str(spec.pp),
+        "--base-gpu-id",
+        str(spec.base_gpu_id + index * spec.gpus_per_server),
+    ]
+    for flag, value in (
+        ("--context-length", spec.context_length),
+        ("--mem-fraction-static", spec.mem_fraction),
+        ("--max-running-requests", spec.max_running_requests),
+        ("--dtype", spec.dtype),
+        ("--device", spec.device),
+    ):
         if value is not None:
             cmd += [flag, str(value)]
     if spec.admin_key:
@@ -260,10 +310,26 @@ def _embedded_command(spec: LaunchSpec, index: int, port: int) -> tuple[str, ...
         device = f"cuda:{spec.base_gpu_id + index}"
     # The endpoint lives on a higher floor: its server is another module's entry point (named, not imported).
     module = "miles.sessions.openai_routes" if spec.openai is not None else "miles.engines"
-    cmd = [sys.executable, "-m", module, "--model", spec.model, "--host", spec.host, "--port", str(port),
-           "--device", device, "--engine-id", f"embedded-{index}"]
-    for flag, value in (("--context-length", spec.context_length), ("--max-batch-size", spec.max_running_requests),
-                        ("--dtype", spec.dtype)):
+    cmd = [
+        sys.executable,
+        "-m",
+        module,
+        "--model",
+        spec.model,
+        "--host",
+        spec.host,
+        "--port",
+        str(port),
+        "--device",
+        device,
+        "--engine-id",
+        f"embedded-{index}",
+    ]
+    for flag, value in (
+        ("--context-length", spec.context_length),
+        ("--max-batch-size", spec.max_running_requests),
+        ("--dtype", spec.dtype),
+    ):
         if value is not None:
             cmd += [flag, str(value)]
     for setting in spec.openai or ():
@@ -274,8 +340,10 @@ def _embedded_command(spec: LaunchSpec, index: int, port: int) -> tuple[str, ...
 def plan_launch(spec: LaunchSpec) -> LaunchPlan:
     """The command lines for `spec`: one server per `dp`, then the router when it fronts them."""
     build = _sglang_command if spec.engine == "sglang" else _embedded_command
-    servers = tuple(ServerPlan(f"server {i}", _url(spec.connect_host, port), build(spec, i, port))
-                    for i, port in enumerate(spec.server_ports))
+    servers = tuple(
+        ServerPlan(f"server {i}", _url(spec.connect_host, port), build(spec, i, port))
+        for i, port in enumerate(spec.server_ports)
+    )
     if not spec.use_router:
         return LaunchPlan(spec, servers, None, None)
     port = spec.resolved_router_port
@@ -283,7 +351,9 @@ def plan_launch(spec: LaunchSpec) -> LaunchPlan:
     return LaunchPlan(spec, servers, _url(spec.connect_host, port), tuple(cmd))
 
 
-def missing_requirement(spec: LaunchSpec, find_spec: Callable[[str], Any] = importlib.util.find_spec) -> str | None:
+def missing_requirement(
+    spec: LaunchSpec, find_spec: Callable[[str], Any] = importlib.util.find_spec
+) -> str | None:
     """One line naming what to install when `spec` cannot launch here, else None. Nothing is imported: SGLang's
     package is found by location, and its CUDA kernels (`sgl_kernel`) by name."""
     if spec.engine == "sglang":
@@ -293,8 +363,10 @@ def missing_requirement(spec: LaunchSpec, find_spec: Callable[[str], Any] = impo
         if not (Path(next(iter(root.submodule_search_locations))) / "launch_server.py").is_file():
             return f"--engine sglang needs sglang.launch_server, which this sglang lacks: {SGLANG_INSTALL}"
         if find_spec("sgl_kernel") is None:
-            return ("--engine sglang needs SGLang's CUDA kernels (the sgl_kernel module; sglang was installed "
-                    f"without its dependencies): {SGLANG_INSTALL}")
+            return (
+                "--engine sglang needs SGLang's CUDA kernels (the sgl_kernel module; sglang was installed "
+                f"without its dependencies): {SGLANG_INSTALL}"
+            )
     if spec.use_router and find_spec("sglang_router") is None:
         return f"the router needs sglang-router, which is not installed: {ROUTER_INSTALL}"
     return None
@@ -351,8 +423,13 @@ def _say(message: str) -> None:
     print(f"miles rollout: {message}", flush=True)
 
 
-async def serve(plan: LaunchPlan, *, log_dir: Path, startup_timeout_s: float = 600.0,
-                stop_event: asyncio.Event | None = None) -> None:
+async def serve(
+    plan: LaunchPlan,
+    *,
+    log_dir: Path,
+    startup_timeout_s: float = 600.0,
+    stop_event: asyncio.Event | None = None,
+) -> None:
     """Start `plan`, print where it serves, and block until `stop_event` is set (by SIGINT/SIGTERM when None).
     Every child is stopped on the way out. Raises `LaunchError` when a server fails or exits."""
     stop_event = stop_event or asyncio.Event()
@@ -362,8 +439,10 @@ async def serve(plan: LaunchPlan, *, log_dir: Path, startup_timeout_s: float = 6
     children: list[_Child] = []
     router: SGLangRouter | None = None
     try:
-        _say(f"starting {len(plan.servers)} {plan.spec.engine} server(s); logs in {log_dir}; their control routes "
-             f"(weights, aborts, LoRA) take the admin token ({TOKEN_ENV}, else {token_file()})")
+        _say(
+            f"starting {len(plan.servers)} {plan.spec.engine} server(s); logs in {log_dir}; their control routes "
+            f"(weights, aborts, LoRA) take the admin token ({TOKEN_ENV}, else {token_file()})"
+        )
         for i, server in enumerate(plan.servers):
             log = log_dir / f"server-{i}.log"
             children.append(_Child(server.name, server.url, spawn(list(server.command), log_path=log), log))
@@ -372,23 +451,32 @@ async def serve(plan: LaunchPlan, *, log_dir: Path, startup_timeout_s: float = 6
             _say(f"{child.name} (pid {child.process.pid}) is healthy at {child.url}")
         if plan.router_url:
             spec = plan.spec
-            router = SGLangRouter(plan.server_urls, host=spec.host, port=spec.resolved_router_port,
-                                  policy=spec.router_policy, log_path=str(log_dir / "router.log"),
-                                  startup_timeout_s=startup_timeout_s)
+            router = SGLangRouter(
+                plan.server_urls,
+                host=spec.host,
+                port=spec.resolved_router_port,
+                policy=spec.router_policy,
+                log_path=str(log_dir / "router.log"),
+                startup_timeout_s=startup_timeout_s,
+            )
             try:
                 await _until_stopped(stop_event, router.start())
             except EngineError as exc:
                 raise LaunchError(f"the sglang-router did not start: {exc}") from None
             assert router.process is not None
-            children.append(_Child("the sglang-router", plan.router_url, router.process, log_dir / "router.log"))
+            children.append(
+                _Child("the sglang-router", plan.router_url, router.process, log_dir / "router.log")
+            )
             _say(f"the sglang-router (pid {router.process.pid}) routes to them at {plan.router_url}")
         _say("ready. For a miles config:")
         print(plan.config_line(), flush=True)
         if plan.router_url:
             _say(f"clients that take one URL use the router: {plan.router_url}")
         if plan.spec.host in _WILDCARD_HOSTS:
-            _say(f"bound to {plan.spec.host}: other machines reach them at this host's name, "
-                 f"{socket.gethostname()}, on the same ports")
+            _say(
+                f"bound to {plan.spec.host}: other machines reach them at this host's name, "
+                f"{socket.gethostname()}, on the same ports"
+            )
         _say("Ctrl-C or SIGTERM stops every server")
         while not stop_event.is_set():
             for child in children:
@@ -413,16 +501,31 @@ def rollout_from_cli(args: argparse.Namespace) -> int:
     or a missing requirement (one line)."""
     host, host_port = split_host_port(args.host)
     if host_port is not None and args.port is not None and host_port != args.port:
-        raise ConfigError("--host", f"{args.host!r} names port {host_port} but --port says {args.port}; give it once")
-    spec = LaunchSpec(engine=args.engine, model=args.model, tp=args.tp, pp=args.pp, dp=args.dp,
-                      context_length=args.context_length, mem_fraction=args.mem_fraction,
-                      max_running_requests=args.max_running_requests, dtype=args.dtype, device=args.device,
-                      host=host, port=host_port or args.port or 30001, base_gpu_id=args.base_gpu_id,
-                      router=args.router, router_port=args.router_port, router_policy=args.router_policy,
-                      sglang_args=tuple(args.sglang_args),
-                      openai=tuple(args.openai) if args.openai is not None else None,
-                      admin_key=None if args.dry_run else admin_token(create=True),
-                      api_key=None if args.dry_run else args.api_key)
+        raise ConfigError(
+            "--host", f"{args.host!r} names port {host_port} but --port says {args.port}; give it once"
+        )
+    spec = LaunchSpec(
+        engine=args.engine,
+        model=args.model,
+        tp=args.tp,
+        pp=args.pp,
+        dp=args.dp,
+        context_length=args.context_length,
+        mem_fraction=args.mem_fraction,
+        max_running_requests=args.max_running_requests,
+        dtype=args.dtype,
+        device=args.device,
+        host=host,
+        port=host_port or args.port or 30001,
+        base_gpu_id=args.base_gpu_id,
+        router=args.router,
+        router_port=args.router_port,
+        router_policy=args.router_policy,
+        sglang_args=tuple(args.sglang_args),
+        openai=tuple(args.openai) if args.openai is not None else None,
+        admin_key=None if args.dry_run else admin_token(create=True),
+        api_key=None if args.dry_run else args.api_key,
+    )
     if args.api_key:  # embedded servers read it from the environment they inherit
         os.environ[API_KEY_ENV] = args.api_key
     plan = plan_launch(spec)

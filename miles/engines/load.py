@@ -50,14 +50,20 @@ def parse_loads(body: Any) -> EngineLoad:
     if not isinstance(loads, list) or not all(isinstance(x, dict) for x in loads):
         raise EngineError(f"/v1/loads: expected {{'loads': [...]}}, got {str(body)[:200]}", retryable=False)
     tokens = [x for x in loads if "num_waiting_uncached_tokens" in x]
-    return EngineLoad(running=sum(_count(x, "num_running_reqs") for x in loads),
-                      waiting=sum(_count(x, "num_waiting_reqs") for x in loads),
-                      waiting_tokens=sum(_count(x, "num_waiting_uncached_tokens") for x in tokens) if tokens else None)
+    return EngineLoad(
+        running=sum(_count(x, "num_running_reqs") for x in loads),
+        waiting=sum(_count(x, "num_waiting_reqs") for x in loads),
+        waiting_tokens=sum(_count(x, "num_waiting_uncached_tokens") for x in tokens) if tokens else None,
+    )
 
 
 def loads_body(load: EngineLoad) -> dict[str, Any]:
     """The `/v1/loads` answer of a one-rank engine with `load` (what the embedded server serves)."""
-    snapshot: dict[str, Any] = {"dp_rank": 0, "num_running_reqs": load.running, "num_waiting_reqs": load.waiting}
+    snapshot: dict[str, Any] = {
+        "dp_rank": 0,
+        "num_running_reqs": load.running,
+        "num_waiting_reqs": load.waiting,
+    }
     if load.waiting_tokens is not None:
         snapshot["num_waiting_uncached_tokens"] = load.waiting_tokens
     return {"loads": [snapshot]}

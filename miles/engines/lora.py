@@ -47,10 +47,14 @@ def check_adapter_name(name: str) -> str:
     from miles.engine import BASE_POLICY
 
     if not isinstance(name, str) or not NAME_RE.fullmatch(name):
-        raise AdapterError(f"adapter name {name!r} must be a letter followed by up to 63 letters, digits, _ or -")
+        raise AdapterError(
+            f"adapter name {name!r} must be a letter followed by up to 63 letters, digits, _ or -"
+        )
     if name == BASE_POLICY or name in "lora_":
-        raise AdapterError(f"adapter name {name!r} is reserved (the base policy is {BASE_POLICY!r}; peft's "
-                           "parameter prefix is 'lora_')")
+        raise AdapterError(
+            f"adapter name {name!r} is reserved (the base policy is {BASE_POLICY!r}; peft's "
+            "parameter prefix is 'lora_')"
+        )
     return name
 
 
@@ -79,8 +83,10 @@ class AdapterWeights:
             raise AdapterError("the adapter holds no lora_A/lora_B weights")
         for module, (a, b) in pairs.items():
             if a.dim() != 2 or b.dim() != 2 or a.shape[0] != self.rank or b.shape[1] != self.rank:
-                raise AdapterError(f"{module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit rank "
-                                   f"{self.rank} (expected [r, in] and [out, r])")
+                raise AdapterError(
+                    f"{module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit rank "
+                    f"{self.rank} (expected [r, in] and [out, r])"
+                )
 
     @property
     def scaling(self) -> float:
@@ -97,9 +103,11 @@ class AdapterWeights:
         for key, tensor in self.tensors.items():
             m = _KEY_RE.match(key)
             if m is None or not key.startswith(PEFT_PREFIX):
-                raise AdapterError(f"{key!r} is not a PEFT LoRA weight name "
-                                   f"({PEFT_PREFIX}<module>.lora_A.weight / .lora_B.weight)")
-            found.setdefault(m["module"][len(PEFT_PREFIX):], {})[m["kind"]] = tensor
+                raise AdapterError(
+                    f"{key!r} is not a PEFT LoRA weight name "
+                    f"({PEFT_PREFIX}<module>.lora_A.weight / .lora_B.weight)"
+                )
+            found.setdefault(m["module"][len(PEFT_PREFIX) :], {})[m["kind"]] = tensor
         half = sorted(mod for mod, ab in found.items() if len(ab) != 2)
         if half:
             raise AdapterError(f"modules with only one of lora_A / lora_B: {half[:3]}")
@@ -108,10 +116,20 @@ class AdapterWeights:
     def peft_config(self) -> dict[str, Any]:
         """The `adapter_config.json` content (PEFT's `LoraConfig` fields; what SGLang's loader reads)."""
         return {
-            "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": self.base_model or None,
-            "r": self.rank, "lora_alpha": self.alpha, "lora_dropout": 0.0, "target_modules": list(self.target_modules),
-            "bias": "none", "use_rslora": self.use_rslora, "use_dora": False, "fan_in_fan_out": False,
-            "modules_to_save": None, "inference_mode": True, "init_lora_weights": True,
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "base_model_name_or_path": self.base_model or None,
+            "r": self.rank,
+            "lora_alpha": self.alpha,
+            "lora_dropout": 0.0,
+            "target_modules": list(self.target_modules),
+            "bias": "none",
+            "use_rslora": self.use_rslora,
+            "use_dora": False,
+            "fan_in_fan_out": False,
+            "modules_to_save": None,
+            "inference_mode": True,
+            "init_lora_weights": True,
         }
 
     def save(self, folder: str | os.PathLike[str]) -> Path:
@@ -121,8 +139,11 @@ class AdapterWeights:
         folder.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{folder.name}-", dir=folder.parent))
         try:
-            save_file({k: v.detach().to("cpu", torch.float32).contiguous() for k, v in self.tensors.items()},
-                      str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+            save_file(
+                {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in self.tensors.items()},
+                str(tmp / WEIGHTS_FILE),
+                metadata={"format": "pt"},
+            )
             (tmp / CONFIG_FILE).write_text(json.dumps(self.peft_config(), indent=1))
             if folder.exists():
                 trash = Path(tempfile.mkdtemp(prefix=f".old-{folder.name}-", dir=folder.parent))
@@ -142,35 +163,51 @@ class AdapterWeights:
             raise AdapterError(f"adapter folder {str(folder)!r} does not exist")
         for name in (CONFIG_FILE, WEIGHTS_FILE):
             if not (folder / name).is_file():
-                raise AdapterError(f"{str(folder)!r} has no {name} (a PEFT LoRA folder has {CONFIG_FILE} and "
-                                   f"{WEIGHTS_FILE})")
+                raise AdapterError(
+                    f"{str(folder)!r} has no {name} (a PEFT LoRA folder has {CONFIG_FILE} and {WEIGHTS_FILE})"
+                )
         try:
             config = json.loads((folder / CONFIG_FILE).read_text())
         except ValueError as exc:
             raise AdapterError(f"{folder / CONFIG_FILE} is not JSON: {exc}") from None
         if not isinstance(config, dict) or config.get("peft_type", "LORA") != "LORA":
-            raise AdapterError(f"{folder / CONFIG_FILE}: not a LoRA adapter (peft_type {config.get('peft_type')!r})")
-        for key, bad, why in (("use_dora", True, "DoRA"), ("bias", "all", "trained biases"),
-                              ("bias", "lora_only", "trained biases")):
+            raise AdapterError(
+                f"{folder / CONFIG_FILE}: not a LoRA adapter (peft_type {config.get('peft_type')!r})"
+            )
+        for key, bad, why in (
+            ("use_dora", True, "DoRA"),
+            ("bias", "all", "trained biases"),
+            ("bias", "lora_only", "trained biases"),
+        ):
             if config.get(key) == bad:
                 raise AdapterError(f"{folder / CONFIG_FILE}: {why} ({key}: {bad!r}) is not supported")
         if config.get("modules_to_save"):
-            raise AdapterError(f"{folder / CONFIG_FILE}: modules_to_save {config['modules_to_save']} is not supported")
+            raise AdapterError(
+                f"{folder / CONFIG_FILE}: modules_to_save {config['modules_to_save']} is not supported"
+            )
         targets = config.get("target_modules")
         if isinstance(targets, str):
             targets = [targets]
         try:
             rank, alpha = int(config["r"]), float(config["lora_alpha"])
         except (KeyError, TypeError, ValueError) as exc:
-            raise AdapterError(f"{folder / CONFIG_FILE}: needs integer r and numeric lora_alpha ({exc})") from None
+            raise AdapterError(
+                f"{folder / CONFIG_FILE}: needs integer r and numeric lora_alpha ({exc})"
+            ) from None
         try:
             tensors = load_file(str(folder / WEIGHTS_FILE))
         except Exception as exc:  # a truncated or forged file (a header that claims a terabyte)
-            raise AdapterError(f"cannot read {folder / WEIGHTS_FILE}: {type(exc).__name__}: "
-                               f"{str(exc).strip()[:200]}") from None
-        return cls(rank=rank, alpha=alpha, target_modules=tuple(targets or ()), tensors=tensors,
-                   use_rslora=bool(config.get("use_rslora", False)),
-                   base_model=str(config.get("base_model_name_or_path") or ""))
+            raise AdapterError(
+                f"cannot read {folder / WEIGHTS_FILE}: {type(exc).__name__}: {str(exc).strip()[:200]}"
+            ) from None
+        return cls(
+            rank=rank,
+            alpha=alpha,
+            target_modules=tuple(targets or ()),
+            tensors=tensors,
+            use_rslora=bool(config.get("use_rslora", False)),
+            base_model=str(config.get("base_model_name_or_path") or ""),
+        )
 
 
 def served_name(name: str, version: int) -> str:

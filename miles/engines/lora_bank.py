@@ -62,18 +62,30 @@ class Projection:
 class LoraBank:
     """The adapters of one engine over its projections (keyed as the forward pass names them)."""
 
-    def __init__(self, projections: dict[int, Projection], *, max_slots: int, max_adapters: int = 8,
-                 max_rank: int = 64, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        projections: dict[int, Projection],
+        *,
+        max_slots: int,
+        max_adapters: int = 8,
+        max_rank: int = 64,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
         self.projections = projections
         self.max_adapters, self.max_rank = max_adapters, max_rank
         self.dtype, self.device = dtype, torch.device(device)
-        self._module = {path: (key, i) for key, p in projections.items() for i, (path, _) in enumerate(p.parts)}
+        self._module = {
+            path: (key, i) for key, p in projections.items() for i, (path, _) in enumerate(p.parts)
+        }
         self._served: dict[str, ServedAdapter] = {}
         self._ranks: dict[int, int] = {}  # adapter slot -> its rank
         self._packed: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None  # see `_pack`
         self._order: dict[int, int] = {}  # adapter slot -> its place in the packed matrices
         self._loads = 0
-        self.rows = torch.zeros(max_slots, dtype=torch.long, device=self.device)  # adapter slot per cache slot
+        self.rows = torch.zeros(
+            max_slots, dtype=torch.long, device=self.device
+        )  # adapter slot per cache slot
         self._host = [BASE_SLOT] * max_slots
         self._mixes: dict[tuple[int, int, int], int | torch.Tensor | None] = {}  # see `_mix`
 
@@ -96,27 +108,36 @@ class LoraBank:
             return BASE_SLOT
         served = self._served.get(name)
         if served is None:
-            raise AdapterError(f"no LoRA adapter {name!r} is loaded (loaded: {sorted(self._served) or 'none'})")
+            raise AdapterError(
+                f"no LoRA adapter {name!r} is loaded (loaded: {sorted(self._served) or 'none'})"
+            )
         return served.slot
 
     def check(self, name: str, weights: AdapterWeights) -> None:
         """Raise `AdapterError` unless `weights` fits this bank (targets, shapes, rank, a free slot)."""
         unknown = sorted(set(weights.modules()) - set(self._module))
         if unknown:
-            raise AdapterError(f"adapter {name!r} targets layers the engine cannot adapt: {unknown[:3]} (it adapts "
-                               "the q/k/v/o and gate/up/down projections of each decoder layer)")
+            raise AdapterError(
+                f"adapter {name!r} targets layers the engine cannot adapt: {unknown[:3]} (it adapts "
+                "the q/k/v/o and gate/up/down projections of each decoder layer)"
+            )
         if weights.rank > self.max_rank:
-            raise AdapterError(f"adapter {name!r} has rank {weights.rank}, above this engine's max_lora_rank "
-                               f"{self.max_rank}")
+            raise AdapterError(
+                f"adapter {name!r} has rank {weights.rank}, above this engine's max_lora_rank {self.max_rank}"
+            )
         for module, (a, b) in weights.modules().items():
             key, part = self._module[module]
             proj = self.projections[key]
             if a.shape[1] != proj.in_features or b.shape[0] != proj.parts[part][1]:
-                raise AdapterError(f"adapter {name!r}: {module} is {proj.in_features} -> {proj.parts[part][1]}, the "
-                                   f"adapter's lora_A/lora_B are {tuple(a.shape)} / {tuple(b.shape)}")
+                raise AdapterError(
+                    f"adapter {name!r}: {module} is {proj.in_features} -> {proj.parts[part][1]}, the "
+                    f"adapter's lora_A/lora_B are {tuple(a.shape)} / {tuple(b.shape)}"
+                )
         if name not in self._served and len(self._served) >= self.max_adapters:
-            raise AdapterError(f"this engine already serves {self.max_adapters} adapters ({sorted(self._served)}); "
-                               "unload one or give the engine a larger max_loras")
+            raise AdapterError(
+                f"this engine already serves {self.max_adapters} adapters ({sorted(self._served)}); "
+                "unload one or give the engine a larger max_loras"
+            )
 
     def load(self, name: str, weights: AdapterWeights, version: int) -> ServedAdapter:
         """Put `weights` in `name`'s slot (a free one the first time) as version `version`."""
@@ -136,8 +157,9 @@ class LoraBank:
             offset = sum(n for _, n in proj.parts[:part])
             rows = slice(part * rank, part * rank + r)
             proj.a[slot, rows].copy_(a.to(self.device, self.dtype))
-            proj.b[slot, offset:offset + b.shape[0], rows].copy_((b.float() * weights.scaling).to(self.device,
-                                                                                                   self.dtype))
+            proj.b[slot, offset : offset + b.shape[0], rows].copy_(
+                (b.float() * weights.scaling).to(self.device, self.dtype)
+            )
         self._loads += 1
         self._served[name] = ServedAdapter(slot, int(version), self._loads)
         self._ranks[slot] = r
@@ -148,7 +170,9 @@ class LoraBank:
         """Free `name`'s slot. Raises `AdapterError` when it is not loaded."""
         served = self._served.pop(name, None)
         if served is None:
-            raise AdapterError(f"no LoRA adapter {name!r} is loaded (loaded: {sorted(self._served) or 'none'})")
+            raise AdapterError(
+                f"no LoRA adapter {name!r} is loaded (loaded: {sorted(self._served) or 'none'})"
+            )
         self._clear(served.slot)
         self._ranks.pop(served.slot, None)
         self._packed, self._mixes = None, {}
@@ -157,8 +181,12 @@ class LoraBank:
         slots, rank = self.max_adapters + 1, self.max_rank
         for p in self.projections.values():
             if p.a is None:
-                p.a = torch.zeros((slots, len(p.parts) * rank, p.in_features), dtype=self.dtype, device=self.device)
-                p.b = torch.zeros((slots, p.out_features, len(p.parts) * rank), dtype=self.dtype, device=self.device)
+                p.a = torch.zeros(
+                    (slots, len(p.parts) * rank, p.in_features), dtype=self.dtype, device=self.device
+                )
+                p.b = torch.zeros(
+                    (slots, p.out_features, len(p.parts) * rank), dtype=self.dtype, device=self.device
+                )
 
     def _clear(self, slot: int) -> None:
         for p in self.projections.values():
@@ -175,10 +203,11 @@ class LoraBank:
 
     def any_adapter(self, first_slot: int, rows: int) -> bool:
         """True when a row in cache slots `first_slot ..` (`rows` of them) decodes under an adapter."""
-        return any(self._host[first_slot:first_slot + rows])
+        return any(self._host[first_slot : first_slot + rows])
 
-    def delta(self, key: int, x: torch.Tensor, first_slot: int, rows: int, seq: int, *,
-              gathered: bool = False) -> torch.Tensor | None:
+    def delta(
+        self, key: int, x: torch.Tensor, first_slot: int, rows: int, seq: int, *, gathered: bool = False
+    ) -> torch.Tensor | None:
         """The adapters' term for projection `key` of input `x` (`[rows * seq, in]`, token-major, row r in
         cache slot `first_slot + r`), or None for a projection no adapter targets.
 
@@ -192,7 +221,7 @@ class LoraBank:
         if proj is None or proj.a is None:
             return None
         if gathered and seq == 1:
-            idx = self.rows[first_slot:first_slot + rows]
+            idx = self.rows[first_slot : first_slot + rows]
             h = torch.bmm(x.unsqueeze(1), proj.a.index_select(0, idx).transpose(1, 2))
             return torch.bmm(h, proj.b.index_select(0, idx).transpose(1, 2)).squeeze(1)
         mix = self._mix(first_slot, rows, seq)
@@ -201,7 +230,9 @@ class LoraBank:
         a, b = self._packed[key]
         width = a.shape[0] // len(self._order)
         if isinstance(mix, int):  # every row under one adapter: its block only
-            return F.linear(F.linear(x, a[mix * width:(mix + 1) * width]), b[:, mix * width:(mix + 1) * width])
+            return F.linear(
+                F.linear(x, a[mix * width : (mix + 1) * width]), b[:, mix * width : (mix + 1) * width]
+            )
         h = F.linear(x, a).view(-1, len(self._order), width) * mix[:, :, None]
         return F.linear(h.view(-1, a.shape[0]), b)
 
@@ -212,7 +243,7 @@ class LoraBank:
         call = (first_slot, rows, seq)
         if call in self._mixes:
             return self._mixes[call]
-        slots = self._host[first_slot:first_slot + rows]
+        slots = self._host[first_slot : first_slot + rows]
         present = set(slots)
         mix: int | torch.Tensor | None = None
         if present != {BASE_SLOT} and self._ranks:
@@ -222,7 +253,9 @@ class LoraBank:
                 mix = self._order[slots[0]]
             else:
                 place = torch.tensor([self._order.get(slot, -1) for slot in slots])
-                mix = (place[:, None] == torch.arange(len(self._order))).to(device=self.device, dtype=self.dtype)
+                mix = (place[:, None] == torch.arange(len(self._order))).to(
+                    device=self.device, dtype=self.dtype
+                )
                 if seq > 1:
                     mix = mix.repeat_interleave(seq, dim=0)
         if len(self._mixes) >= 64:  # prefills of many lengths under one row layout
@@ -241,8 +274,10 @@ class LoraBank:
             parts, rank = len(p.parts), self.max_rank
             a = p.a[slots].view(len(slots), parts, rank, p.in_features)[:, :, :r]
             b = p.b[slots].view(len(slots), p.out_features, parts, rank)[..., :r]
-            packed[key] = (a.reshape(-1, p.in_features).contiguous(),
-                           b.permute(1, 0, 2, 3).reshape(p.out_features, -1).contiguous())
+            packed[key] = (
+                a.reshape(-1, p.in_features).contiguous(),
+                b.permute(1, 0, 2, 3).reshape(p.out_features, -1).contiguous(),
+            )
         self._packed = packed
 
 
@@ -256,14 +291,18 @@ def decoder_projections(decoder: Decoder, model: Any) -> dict[int, Projection]:
         def parts(prefix: str, owner: Any, names: tuple[str, ...]) -> tuple[tuple[str, int], ...]:
             return tuple((f"{prefix}.{n}", getattr(owner, n).out_features) for n in names)
 
-        out[id(layer.qkv_weight)] = Projection(hf.self_attn.q_proj.in_features,
-                                               parts(attn, hf.self_attn, ("q_proj", "k_proj", "v_proj")))
-        out[id(layer.o_proj.weight)] = Projection(hf.self_attn.o_proj.in_features, parts(attn, hf.self_attn,
-                                                                                       ("o_proj",)))
-        out[id(layer.gate_up_weight)] = Projection(hf.mlp.gate_proj.in_features, parts(mlp, hf.mlp,
-                                                                                      ("gate_proj", "up_proj")))
-        out[id(layer.down_proj.weight)] = Projection(hf.mlp.down_proj.in_features, parts(mlp, hf.mlp,
-                                                                                        ("down_proj",)))
+        out[id(layer.qkv_weight)] = Projection(
+            hf.self_attn.q_proj.in_features, parts(attn, hf.self_attn, ("q_proj", "k_proj", "v_proj"))
+        )
+        out[id(layer.o_proj.weight)] = Projection(
+            hf.self_attn.o_proj.in_features, parts(attn, hf.self_attn, ("o_proj",))
+        )
+        out[id(layer.gate_up_weight)] = Projection(
+            hf.mlp.gate_proj.in_features, parts(mlp, hf.mlp, ("gate_proj", "up_proj"))
+        )
+        out[id(layer.down_proj.weight)] = Projection(
+            hf.mlp.down_proj.in_features, parts(mlp, hf.mlp, ("down_proj",))
+        )
     return out
 
 
@@ -272,22 +311,39 @@ class LoraDecoder(Decoder):
     no adapter yet, run the plain forward; with `static` (CUDA graphs) the adapter math runs for every forward
     once an adapter was loaded, so that a captured step is right for any mix of rows."""
 
-    def __init__(self, model: Any, *, max_slots: int, max_adapters: int = 8, max_rank: int = 64,
-                 static: bool = False) -> None:
+    def __init__(
+        self, model: Any, *, max_slots: int, max_adapters: int = 8, max_rank: int = 64, static: bool = False
+    ) -> None:
         super().__init__(model)
         self.static = static
-        self.bank = LoraBank(decoder_projections(self, model), max_slots=max_slots, max_adapters=max_adapters,
-                             max_rank=max_rank, dtype=self.dtype, device=self.device)
+        self.bank = LoraBank(
+            decoder_projections(self, model),
+            max_slots=max_slots,
+            max_adapters=max_adapters,
+            max_rank=max_rank,
+            dtype=self.dtype,
+            device=self.device,
+        )
         self._call: tuple[int, int, int] | None = None
 
-    def forward(self, cache: Any, ids: torch.Tensor, positions: torch.Tensor, first_slot: int, length: int,
-                write: torch.Tensor | None = None, last: torch.Tensor | None = None,
-                groups: AttentionGroups | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        cache: Any,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        first_slot: int,
+        length: int,
+        write: torch.Tensor | None = None,
+        last: torch.Tensor | None = None,
+        groups: AttentionGroups | None = None,
+    ) -> torch.Tensor:
         rows, seq = ids.shape
         use = self.bank.enabled and (self.static or self.bank.any_adapter(first_slot, rows))
         self._call = (first_slot, rows, seq) if use else None
         try:
-            return super().forward(cache, ids, positions, first_slot, length, write=write, last=last, groups=groups)
+            return super().forward(
+                cache, ids, positions, first_slot, length, write=write, last=last, groups=groups
+            )
         finally:
             self._call = None
 

@@ -19,11 +19,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from miles.observability.families import family
 from miles.observability.registry import Metrics, process_metrics
 
-_COUNTERS = (("miles_engine_prefill_tokens_total", "prefill_tokens"),
-             ("miles_engine_cached_tokens_total", "cached_tokens"),
-             ("miles_engine_decode_tokens_total", "decode_tokens"),
-             ("miles_engine_decode_steps_total", "steps"),
-             ("miles_engine_pauses_total", "pauses"))
+_COUNTERS = (
+    ("miles_engine_prefill_tokens_total", "prefill_tokens"),
+    ("miles_engine_cached_tokens_total", "cached_tokens"),
+    ("miles_engine_decode_tokens_total", "decode_tokens"),
+    ("miles_engine_decode_steps_total", "steps"),
+    ("miles_engine_pauses_total", "pauses"),
+)
 
 
 class EngineHistograms:
@@ -34,10 +36,15 @@ class EngineHistograms:
     """
 
     def __init__(self) -> None:
-        self.first_token = Histogram("first_token", "", registry=None,
-                                     buckets=family("miles_engine_time_to_first_token_seconds").buckets)
-        self.batch_size = Histogram("batch_size", "", registry=None,
-                                    buckets=family("miles_engine_batch_size").buckets)
+        self.first_token = Histogram(
+            "first_token",
+            "",
+            registry=None,
+            buckets=family("miles_engine_time_to_first_token_seconds").buckets,
+        )
+        self.batch_size = Histogram(
+            "batch_size", "", registry=None, buckets=family("miles_engine_batch_size").buckets
+        )
 
 
 def _histogram_samples(hist: Histogram) -> tuple[list[tuple[str, float]], float]:
@@ -73,8 +80,11 @@ class EngineCollector:
 
         def fam(name: str, cls: Any) -> Any:
             if name not in out:
-                out[name] = cls(name.removesuffix("_total") if cls is CounterMetricFamily else name,
-                                family(name).help, labels=labels)
+                out[name] = cls(
+                    name.removesuffix("_total") if cls is CounterMetricFamily else name,
+                    family(name).help,
+                    labels=labels,
+                )
             return out[name]
 
         latest = {(run, model, engine.engine_id): engine for engine, (run, model) in engines}
@@ -86,10 +96,14 @@ class EngineCollector:
             load = engine.load_now()
             fam("miles_engine_running_requests", GaugeMetricFamily).add_metric(values, float(load.running))
             fam("miles_engine_waiting_requests", GaugeMetricFamily).add_metric(values, float(load.waiting))
-            fam("miles_engine_weight_version", GaugeMetricFamily).add_metric(values, float(engine.weight_version))
+            fam("miles_engine_weight_version", GaugeMetricFamily).add_metric(
+                values, float(engine.weight_version)
+            )
             hists = engine.histograms
-            for name, hist in (("miles_engine_batch_size", hists.batch_size),
-                               ("miles_engine_time_to_first_token_seconds", hists.first_token)):
+            for name, hist in (
+                ("miles_engine_batch_size", hists.batch_size),
+                ("miles_engine_time_to_first_token_seconds", hists.first_token),
+            ):
                 buckets, total = _histogram_samples(hist)
                 fam(name, HistogramMetricFamily).add_metric(values, buckets, total)
         yield from out.values()

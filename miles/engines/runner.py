@@ -43,8 +43,15 @@ def batch_buckets(max_batch: int) -> list[int]:
 class DecodeBatch:
     """Static decode state of up to `max_batch` rows over `cache`, stepped eagerly or by CUDA graphs."""
 
-    def __init__(self, decoder: Decoder, cache: SlotCache, max_batch: int, *, cuda_graphs: bool = True,
-                 padded: bool | None = None) -> None:
+    def __init__(
+        self,
+        decoder: Decoder,
+        cache: SlotCache,
+        max_batch: int,
+        *,
+        cuda_graphs: bool = True,
+        padded: bool | None = None,
+    ) -> None:
         self.decoder, self.cache, self.max_batch = decoder, cache, max_batch
         device = decoder.device
         self.device = device
@@ -56,13 +63,23 @@ class DecodeBatch:
         self.tokens = torch.zeros(max_batch, dtype=torch.int64, **z)
         self.positions = torch.zeros(max_batch, dtype=torch.int64, **z)
         self.active = torch.zeros(max_batch, dtype=torch.int64, **z)
-        self.sampling = SamplingTensors(temperature=torch.zeros(max_batch, dtype=torch.float32, **z),
-                                        top_k=torch.zeros(max_batch, dtype=torch.int64, **z),
-                                        top_p=torch.ones(max_batch, dtype=torch.float32, **z),
-                                        key=torch.zeros(max_batch, dtype=torch.int64, **z),
-                                        step=torch.zeros(max_batch, dtype=torch.int64, **z))
-        self._fields = [self.tokens, self.positions, self.active, self.sampling.temperature, self.sampling.top_k,
-                        self.sampling.top_p, self.sampling.key, self.sampling.step]
+        self.sampling = SamplingTensors(
+            temperature=torch.zeros(max_batch, dtype=torch.float32, **z),
+            top_k=torch.zeros(max_batch, dtype=torch.int64, **z),
+            top_p=torch.ones(max_batch, dtype=torch.float32, **z),
+            key=torch.zeros(max_batch, dtype=torch.int64, **z),
+            step=torch.zeros(max_batch, dtype=torch.int64, **z),
+        )
+        self._fields = [
+            self.tokens,
+            self.positions,
+            self.active,
+            self.sampling.temperature,
+            self.sampling.top_k,
+            self.sampling.top_p,
+            self.sampling.key,
+            self.sampling.step,
+        ]
         self.out = torch.zeros((2, max_batch), dtype=torch.float64, **z)
         self._graphs: dict[tuple[int, int, SampleMode], torch.cuda.CUDAGraph] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.graphs_enabled else None
@@ -72,17 +89,27 @@ class DecodeBatch:
         return len(self._graphs)
 
     # ------------------------------------------------------------------ membership
-    def join(self, first: int, tokens: torch.Tensor, positions: list[int], rows: list[RowSampling],
-             steps: list[int]) -> None:
+    def join(
+        self,
+        first: int,
+        tokens: torch.Tensor,
+        positions: list[int],
+        rows: list[RowSampling],
+        steps: list[int],
+    ) -> None:
         """Rows `first ..` start decoding: next input `tokens` (device) at `positions`, with these settings."""
         end = first + len(rows)
         new = SamplingTensors.build(rows, steps, self.device)
         self.tokens[first:end] = tokens
         self.positions[first:end] = torch.tensor(positions, dtype=torch.int64, device=self.device)
         self.active[first:end] = 1
-        for dst, src in ((self.sampling.temperature, new.temperature), (self.sampling.top_k, new.top_k),
-                         (self.sampling.top_p, new.top_p), (self.sampling.key, new.key),
-                         (self.sampling.step, new.step)):
+        for dst, src in (
+            (self.sampling.temperature, new.temperature),
+            (self.sampling.top_k, new.top_k),
+            (self.sampling.top_p, new.top_p),
+            (self.sampling.key, new.key),
+            (self.sampling.step, new.step),
+        ):
             dst[first:end] = src
 
     def move(self, src: list[int], dst: list[int], length: int) -> None:
@@ -113,12 +140,24 @@ class DecodeBatch:
             self.drop_graphs()
 
     # ------------------------------------------------------------------ stepping
-    def _step(self, rows: int, length: int, mode: SampleMode,
-              groups: AttentionGroups | None = None) -> torch.Tensor:
-        logits = self.decoder.forward(self.cache, self.tokens[:rows, None], self.positions[:rows, None], 0, length,
-                                      groups=groups)
-        view = SamplingTensors(*(t[:rows] for t in (self.sampling.temperature, self.sampling.top_k,
-                                                    self.sampling.top_p, self.sampling.key, self.sampling.step)))
+    def _step(
+        self, rows: int, length: int, mode: SampleMode, groups: AttentionGroups | None = None
+    ) -> torch.Tensor:
+        logits = self.decoder.forward(
+            self.cache, self.tokens[:rows, None], self.positions[:rows, None], 0, length, groups=groups
+        )
+        view = SamplingTensors(
+            *(
+                t[:rows]
+                for t in (
+                    self.sampling.temperature,
+                    self.sampling.top_k,
+                    self.sampling.top_p,
+                    self.sampling.key,
+                    self.sampling.step,
+                )
+            )
+        )
         tokens, logprobs = sample(logits, view, mode)
         self.out[0, :rows].copy_(tokens)
         self.out[1, :rows].copy_(logprobs)
@@ -127,8 +166,9 @@ class DecodeBatch:
         self.sampling.step[:rows].add_(1)
         return self.out[:, :rows]
 
-    def step(self, rows: int, length: int, mode: SampleMode,
-             lengths: Sequence[int] | None = None) -> tuple[list[int], list[float]]:
+    def step(
+        self, rows: int, length: int, mode: SampleMode, lengths: Sequence[int] | None = None
+    ) -> tuple[list[int], list[float]]:
         """One decode step of rows `0 .. rows-1`, whose caches hold fewer than `length` positions (row `i` reads
         `lengths[i]` of them, when given: an eager step then groups rows of like lengths, `attention_groups`).
 
@@ -141,7 +181,7 @@ class DecodeBatch:
             graph = self._graphs.get(key)
             if graph is not None:
                 graph.replay()
-                out = self.out[:, :key[0]]
+                out = self.out[:, : key[0]]
             else:
                 out = self._step(*key)  # the real step; on CUDA also the warm-up before the capture
                 if self.graphs_enabled:

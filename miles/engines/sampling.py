@@ -70,11 +70,13 @@ class SamplingTensors:
     @classmethod
     def build(cls, rows: list[RowSampling], steps: list[int], device: torch.device | str) -> SamplingTensors:
         """Tensors for `rows`, drawing token number `steps[i]` of row `i`."""
-        return cls(torch.tensor([r.temperature for r in rows], dtype=torch.float32, device=device),
-                   torch.tensor([r.top_k for r in rows], dtype=torch.int64, device=device),
-                   torch.tensor([r.top_p for r in rows], dtype=torch.float32, device=device),
-                   torch.tensor([r.key for r in rows], dtype=torch.int64, device=device),
-                   torch.tensor(steps, dtype=torch.int64, device=device))
+        return cls(
+            torch.tensor([r.temperature for r in rows], dtype=torch.float32, device=device),
+            torch.tensor([r.top_k for r in rows], dtype=torch.int64, device=device),
+            torch.tensor([r.top_p for r in rows], dtype=torch.float32, device=device),
+            torch.tensor([r.key for r in rows], dtype=torch.int64, device=device),
+            torch.tensor(steps, dtype=torch.int64, device=device),
+        )
 
 
 def seed_key(seed: int) -> int:
@@ -122,7 +124,9 @@ def _filter_top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.
     return scaled.masked_fill(mask, float("-inf"))
 
 
-def sample(logits: torch.Tensor, rows: SamplingTensors, mode: SampleMode) -> tuple[torch.Tensor, torch.Tensor]:
+def sample(
+    logits: torch.Tensor, rows: SamplingTensors, mode: SampleMode
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row of `logits` ([B, V]); returns (token ids int64 [B], their logprobs float32 [B]).
 
     `mode` says which kinds of rows the batch holds (`SampleMode.of`); work no row needs is skipped.
@@ -140,7 +144,9 @@ def sample(logits: torch.Tensor, rows: SamplingTensors, mode: SampleMode) -> tup
         cdf = torch.cumsum(torch.softmax(scaled, dim=-1), dim=-1)
         total = cdf[:, -1]
         # strictly below the total, the first cdf entry above the target is a token of nonzero probability
-        target = torch.minimum(uniform(rows.key, rows.step) * total, torch.nextafter(total, torch.zeros_like(total)))
+        target = torch.minimum(
+            uniform(rows.key, rows.step) * total, torch.nextafter(total, torch.zeros_like(total))
+        )
         tokens = torch.searchsorted(cdf, target[:, None], right=True).squeeze(-1)
     if mode.greedy:
         best = logits.argmax(-1)

@@ -73,8 +73,11 @@ async def _json_body(request: fastapi.Request) -> dict[str, Any]:
     if not raw:
         return {}
     try:
-        body = (json.loads(raw) if len(raw) <= _PARSE_INLINE_BYTES else
-                await asyncio.to_thread(json.loads, bytes(raw)))
+        body = (
+            json.loads(raw)
+            if len(raw) <= _PARSE_INLINE_BYTES
+            else await asyncio.to_thread(json.loads, bytes(raw))
+        )
     except (ValueError, RecursionError) as exc:  # RecursionError: JSON nested deeper than Python recurses
         raise InvalidRequestError(f"the body is not JSON: {str(exc)[:200]}") from None
     if not isinstance(body, dict):
@@ -102,8 +105,11 @@ class KeyCheck:
             status = refusal(path, auth, api_key=self.api_key, admin_key=self.admin_key)
             if status is not None:
                 what = "admin token" if path in ADMIN_PATHS else "API key"
-                await _error(status, f"{path} needs the server's {what} as the bearer (see miles.engines.auth)",
-                             "authentication_error")(scope, receive, send)
+                await _error(
+                    status,
+                    f"{path} needs the server's {what} as the bearer (see miles.engines.auth)",
+                    "authentication_error",
+                )(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -112,7 +118,9 @@ class BodyTooLargeError(InvalidRequestError):
     """A request body over `MAX_BODY_BYTES` (413)."""
 
 
-def create_app(engine: EmbeddedEngine, *, api_key: str | None = None, admin_key: str | None = None) -> fastapi.FastAPI:
+def create_app(
+    engine: EmbeddedEngine, *, api_key: str | None = None, admin_key: str | None = None
+) -> fastapi.FastAPI:
     """A FastAPI app that serves `engine` over SGLang's native HTTP API, with SGLang's `--api-key` and
     `--admin-api-key` rules (`miles.engines.auth`)."""
     app = fastapi.FastAPI(title="miles embedded engine")
@@ -140,9 +148,16 @@ def create_app(engine: EmbeddedEngine, *, api_key: str | None = None, admin_key:
         rid = req["rid"] or uuid.uuid4().hex
         session_id = request.headers.get(SESSION_HEADER) or request.headers.get(ROUTING_KEY_HEADER)
         async with update_lock.generating():
-            work = asyncio.ensure_future(engine.generate(req["input_ids"], req["params"], rid=rid,
-                                                         ignore_eos=req["ignore_eos"], session_id=session_id,
-                                                         adapter=req["lora_path"]))
+            work = asyncio.ensure_future(
+                engine.generate(
+                    req["input_ids"],
+                    req["params"],
+                    rid=rid,
+                    ignore_eos=req["ignore_eos"],
+                    session_id=session_id,
+                    adapter=req["lora_path"],
+                )
+            )
             aborted = False
             while not work.done():  # a client that hung up gets its request aborted, not decoded to the end
                 await asyncio.wait({work}, timeout=DISCONNECT_POLL_S)
@@ -150,8 +165,11 @@ def create_app(engine: EmbeddedEngine, *, api_key: str | None = None, admin_key:
                     aborted = True
                     await engine.abort(rid)
             result = work.result()
-        return JSONResponse(generate_response(result, rid=rid, text=_decode(result.output_ids),
-                                              return_logprob=req["return_logprob"]))
+        return JSONResponse(
+            generate_response(
+                result, rid=rid, text=_decode(result.output_ids), return_logprob=req["return_logprob"]
+            )
+        )
 
     @app.post("/abort_request")
     async def abort_request(request: fastapi.Request) -> Response:
@@ -172,8 +190,9 @@ def create_app(engine: EmbeddedEngine, *, api_key: str | None = None, admin_key:
             return Response(status_code=503)
         from miles.engine import SamplingParams
 
-        await engine.generate([0], SamplingParams(temperature=0.0, max_new_tokens=1),
-                              rid=f"HEALTH_CHECK_{uuid.uuid4().hex}")
+        await engine.generate(
+            [0], SamplingParams(temperature=0.0, max_new_tokens=1), rid=f"HEALTH_CHECK_{uuid.uuid4().hex}"
+        )
         return Response(status_code=200)
 
     # fixed at start, like SGLang's: a weight update moves `model_path`, never the tokenizer
@@ -183,26 +202,46 @@ def create_app(engine: EmbeddedEngine, *, api_key: str | None = None, admin_key:
         """SGLang's `/model_info` fields, plus `vocab_size` (the model's embedding rows)."""
         cfg = engine.model.config
         return {
-            "model_path": engine.model_path, "served_model_name": engine.model_path or "miles-embedded",
-            "tokenizer_path": tokenizer_path, "is_generation": True, "preferred_sampling_params": None,
-            "weight_version": str(engine.weight_version), "load_format": "auto", "reasoning_parser": None,
-            "tool_call_parser": None, "disaggregation_mode": "null", "has_image_understanding": False,
-            "has_audio_understanding": False, "model_type": getattr(cfg, "model_type", None),
-            "architectures": getattr(cfg, "architectures", None), "vocab_size": engine.vocab_size,
+            "model_path": engine.model_path,
+            "served_model_name": engine.model_path or "miles-embedded",
+            "tokenizer_path": tokenizer_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": str(engine.weight_version),
+            "load_format": "auto",
+            "reasoning_parser": None,
+            "tool_call_parser": None,
+            "disaggregation_mode": "null",
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": getattr(cfg, "model_type", None),
+            "architectures": getattr(cfg, "architectures", None),
+            "vocab_size": engine.vocab_size,
         }
 
     def server_info() -> dict[str, Any]:
         """SGLang's `/server_info` fields that apply to one embedded engine, plus `vocab_size`."""
         return {
-            "model_path": engine.model_path, "tokenizer_path": tokenizer_path, "served_model_name":
-            engine.model_path or "miles-embedded", "device": str(engine.device), "tp_size": 1, "pp_size": 1,
-            "dp_size": 1, "dtype": str(next(engine.model.parameters()).dtype).removeprefix("torch."),
-            "context_length": engine.max_context, "max_req_input_len": engine.max_context - 1,
+            "model_path": engine.model_path,
+            "tokenizer_path": tokenizer_path,
+            "served_model_name": engine.model_path or "miles-embedded",
+            "device": str(engine.device),
+            "tp_size": 1,
+            "pp_size": 1,
+            "dp_size": 1,
+            "dtype": str(next(engine.model.parameters()).dtype).removeprefix("torch."),
+            "context_length": engine.max_context,
+            "max_req_input_len": engine.max_context - 1,
             "max_running_requests": engine.max_batch_size,
-            "max_total_num_tokens": engine.max_context * engine.max_batch_size, "weight_version":
-            str(engine.weight_version), "internal_states": [{"num_running_requests": engine.num_active}],
-            "engine_id": engine.engine_id, "startup_time": started, "version": SERVER_VERSION,
-            "frontend": "python", "disaggregation_mode": "null", "vocab_size": engine.vocab_size,
+            "max_total_num_tokens": engine.max_context * engine.max_batch_size,
+            "weight_version": str(engine.weight_version),
+            "internal_states": [{"num_running_requests": engine.num_active}],
+            "engine_id": engine.engine_id,
+            "startup_time": started,
+            "version": SERVER_VERSION,
+            "frontend": "python",
+            "disaggregation_mode": "null",
+            "vocab_size": engine.vocab_size,
         }
 
     for path in ("/get_model_info", "/model_info"):
@@ -227,8 +266,12 @@ def create_app(engine: EmbeddedEngine, *, api_key: str | None = None, admin_key:
         if not isinstance(name, str) or not isinstance(path, str):
             raise InvalidRequestError("lora_name and lora_path must be strings")
         if name in engine.adapter_sources:
-            return JSONResponse(lora_update_response(False, error=f"Failed to load LoRA adapter {name} because it "
-                                                     "is already loaded"), status_code=400)
+            return JSONResponse(
+                lora_update_response(
+                    False, error=f"Failed to load LoRA adapter {name} because it is already loaded"
+                ),
+                status_code=400,
+            )
         try:
             await engine.update_adapter(name, path=path, version=0)
         except InvalidRequestError as exc:
@@ -242,8 +285,14 @@ def create_app(engine: EmbeddedEngine, *, api_key: str | None = None, admin_key:
         _require(body, "lora_name")
         name = body["lora_name"]
         if name not in engine.adapter_sources:
-            return JSONResponse(lora_update_response(False, error=f"LoRA with name {name} does not exist. Loaded "
-                                                     f"LoRAs: {sorted(engine.adapter_sources)}"), status_code=400)
+            return JSONResponse(
+                lora_update_response(
+                    False,
+                    error=f"LoRA with name {name} does not exist. Loaded "
+                    f"LoRAs: {sorted(engine.adapter_sources)}",
+                ),
+                status_code=400,
+            )
         await engine.unload_adapter(name)
         return JSONResponse(lora_update_response(True, loaded=dict(engine.adapter_sources)))
 
@@ -297,9 +346,22 @@ def create_app(engine: EmbeddedEngine, *, api_key: str | None = None, admin_key:
     async def models() -> JSONResponse:
         """SGLang's OpenAI-compatible model list: the served model with its context length."""
         name = engine.model_path or "miles-embedded"
-        return JSONResponse({"object": "list", "data": [
-            {"id": name, "object": "model", "created": int(started), "owned_by": "miles", "root": name,
-             "parent": None, "max_model_len": engine.max_context}]})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": name,
+                        "object": "model",
+                        "created": int(started),
+                        "owned_by": "miles",
+                        "root": name,
+                        "parent": None,
+                        "max_model_len": engine.max_context,
+                    }
+                ],
+            }
+        )
 
     registry = engine_registry(engine)
 
@@ -331,19 +393,32 @@ class ServerHandle:
 
 
 def _config(engine: EmbeddedEngine, host: str, port: int, admin_key: str | None) -> uvicorn.Config:
-    return uvicorn.Config(create_app(engine, admin_key=admin_key, api_key=api_key()), host=host, port=port,
-                          log_level="warning", access_log=False, timeout_keep_alive=30)
+    return uvicorn.Config(
+        create_app(engine, admin_key=admin_key, api_key=api_key()),
+        host=host,
+        port=port,
+        log_level="warning",
+        access_log=False,
+        timeout_keep_alive=30,
+    )
 
 
-async def serve(engine: EmbeddedEngine, host: str = "127.0.0.1", port: int = 30001, *,
-                admin_key: str | None = None) -> None:
+async def serve(
+    engine: EmbeddedEngine, host: str = "127.0.0.1", port: int = 30001, *, admin_key: str | None = None
+) -> None:
     """Serve `engine` until cancelled (runs on the current event loop); `admin_key` guards its control
     routes."""
     await uvicorn.Server(_config(engine, host, port, admin_key)).serve()
 
 
-def serve_in_thread(engine: EmbeddedEngine, host: str = "127.0.0.1", port: int = 0,
-                    startup_timeout_s: float = 30.0, *, admin_key: str | None = None) -> ServerHandle:
+def serve_in_thread(
+    engine: EmbeddedEngine,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    startup_timeout_s: float = 30.0,
+    *,
+    admin_key: str | None = None,
+) -> ServerHandle:
     """Start a server in a daemon thread with its own event loop; `port=0` picks a free port; `admin_key`
     guards its control routes."""
     server = uvicorn.Server(_config(engine, host, port, admin_key))
@@ -389,8 +464,10 @@ def parse_model_spec(name: str) -> ModelSpec:
     if Path(name).is_dir() and (Path(name) / "config.json").is_file():
         return ModelSpec(name, folder=name)
     sizes = ", ".join(f"tiny-{s}" for s in TINY_SIZES)
-    raise InvalidRequestError(f"model {name!r} is not 'tiny' ({sizes}), {SMOLLM2!r} or an HF checkpoint folder "
-                              "(a folder with config.json)")
+    raise InvalidRequestError(
+        f"model {name!r} is not 'tiny' ({sizes}), {SMOLLM2!r} or an HF checkpoint folder "
+        "(a folder with config.json)"
+    )
 
 
 def tokenizer_spec(model_path: str) -> str:
@@ -402,12 +479,25 @@ def tokenizer_spec(model_path: str) -> str:
 
 
 #: SGLang's `--dtype` names and the torch dtype each means here (None: keep the checkpoint's).
-DTYPES: dict[str, str | None] = {"auto": None, "half": "float16", "float16": "float16", "bfloat16": "bfloat16",
-                                 "float": "float32", "float32": "float32"}
+DTYPES: dict[str, str | None] = {
+    "auto": None,
+    "half": "float16",
+    "float16": "float16",
+    "bfloat16": "bfloat16",
+    "float": "float32",
+    "float32": "float32",
+}
 
 
-def load_engine(model: str, *, device: str = "cpu", max_batch_size: int = 64, context_length: int | None = None,
-                dtype: str = "auto", engine_id: str = "embedded-0") -> EmbeddedEngine:
+def load_engine(
+    model: str,
+    *,
+    device: str = "cpu",
+    max_batch_size: int = 64,
+    context_length: int | None = None,
+    dtype: str = "auto",
+    engine_id: str = "embedded-0",
+) -> EmbeddedEngine:
     """An `EmbeddedEngine` for a model spec (see `parse_model_spec`).
 
     `context_length` caps the model's maximum positions; `dtype` is one of SGLang's names ("auto" keeps the
@@ -416,16 +506,21 @@ def load_engine(model: str, *, device: str = "cpu", max_batch_size: int = 64, co
     import torch
 
     spec = parse_model_spec(model)
-    kwargs: dict[str, Any] = {"device": device, "max_batch_size": max_batch_size, "engine_id": engine_id,
-                              "model_path": spec.name}
+    kwargs: dict[str, Any] = {
+        "device": device,
+        "max_batch_size": max_batch_size,
+        "engine_id": engine_id,
+        "model_path": spec.name,
+    }
     if spec.folder is not None:
         engine = EmbeddedEngine.from_pretrained(spec.folder, **kwargs)
     elif spec.tiny_size is not None:
         from miles.tiny import load_tiny_tokenizer, make_tiny_model
 
         tokenizer = load_tiny_tokenizer()
-        engine = EmbeddedEngine(make_tiny_model(spec.tiny_size, vocab_size=len(tokenizer)), tokenizer=tokenizer,
-                                **kwargs)
+        engine = EmbeddedEngine(
+            make_tiny_model(spec.tiny_size, vocab_size=len(tokenizer)), tokenizer=tokenizer, **kwargs
+        )
     else:
         from miles.pretrained import load_smollm2
 
@@ -438,11 +533,25 @@ def load_engine(model: str, *, device: str = "cpu", max_batch_size: int = 64, co
     return engine
 
 
-def run_server(model: str, host: str = "127.0.0.1", port: int = 30001, *, device: str = "cpu",
-               max_batch_size: int = 64, context_length: int | None = None, dtype: str = "auto",
-               engine_id: str = "embedded-0") -> None:
+def run_server(
+    model: str,
+    host: str = "127.0.0.1",
+    port: int = 30001,
+    *,
+    device: str = "cpu",
+    max_batch_size: int = 64,
+    context_length: int | None = None,
+    dtype: str = "auto",
+    engine_id: str = "embedded-0",
+) -> None:
     """Blocking: serve the embedded engine for `model` (see `load_engine`) until SIGINT/SIGTERM; its control
     routes take the admin token (`miles.engines.auth`)."""
-    engine = load_engine(model, device=device, max_batch_size=max_batch_size, context_length=context_length,
-                         dtype=dtype, engine_id=engine_id)
+    engine = load_engine(
+        model,
+        device=device,
+        max_batch_size=max_batch_size,
+        context_length=context_length,
+        dtype=dtype,
+        engine_id=engine_id,
+    )
     asyncio.run(serve(engine, host, port, admin_key=admin_token(create=True)))

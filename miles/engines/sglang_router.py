@@ -25,11 +25,23 @@ from miles.engines.subprocesses import log_tail, spawn, stop
 from miles.ports import free_port
 
 
-def router_command(worker_urls: list[str], *, host: str, port: int, policy: str = "manual",
-                   extra_args: tuple[str, ...] = ()) -> list[str]:
+def router_command(
+    worker_urls: list[str], *, host: str, port: int, policy: str = "manual", extra_args: tuple[str, ...] = ()
+) -> list[str]:
     """The `python -m sglang_router.launch_router ...` command line for `worker_urls`."""
-    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port),
-           "--policy", policy, "--log-level", "warn"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "sglang_router.launch_router",
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--policy",
+        policy,
+        "--log-level",
+        "warn",
+    ]
     if worker_urls:
         cmd += ["--worker-urls", *worker_urls]
     return cmd + list(extra_args)
@@ -41,9 +53,19 @@ class SGLangRouter(RolloutEngine):
     Use `await SGLangRouter.launch(worker_urls)` (or construct, then `await start()`).
     """
 
-    def __init__(self, worker_urls: list[str], *, host: str = "127.0.0.1", port: int | None = None,
-                 policy: str = "manual", timeout_s: float = 600.0, startup_timeout_s: float = 60.0,
-                 extra_args: tuple[str, ...] = (), log_path: str | None = None, engine_id: str = "sglang-router") -> None:
+    def __init__(
+        self,
+        worker_urls: list[str],
+        *,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        policy: str = "manual",
+        timeout_s: float = 600.0,
+        startup_timeout_s: float = 60.0,
+        extra_args: tuple[str, ...] = (),
+        log_path: str | None = None,
+        engine_id: str = "sglang-router",
+    ) -> None:
         self.host, self.port = host, port or free_port(host)
         self.policy = policy
         self.engine_id = engine_id
@@ -51,8 +73,9 @@ class SGLangRouter(RolloutEngine):
         self.startup_timeout_s = startup_timeout_s
         self.extra_args = tuple(extra_args)
         self.log_path = log_path
-        self.workers: dict[str, SGLangClient] = {u.rstrip("/"): SGLangClient(u, timeout_s=timeout_s)
-                                                 for u in worker_urls}
+        self.workers: dict[str, SGLangClient] = {
+            u.rstrip("/"): SGLangClient(u, timeout_s=timeout_s) for u in worker_urls
+        }
         self.process: subprocess.Popen[bytes] | None = None
         self._client: SGLangClient | None = None
         self._admin = httpx.AsyncClient(base_url=self.url, timeout=30.0)
@@ -78,8 +101,9 @@ class SGLangRouter(RolloutEngine):
         return router
 
     def command(self) -> list[str]:
-        return router_command(list(self.workers), host=self.host, port=self.port, policy=self.policy,
-                              extra_args=self.extra_args)
+        return router_command(
+            list(self.workers), host=self.host, port=self.port, policy=self.policy, extra_args=self.extra_args
+        )
 
     async def start(self) -> None:
         """Start the router process and wait until every worker is registered and healthy."""
@@ -97,16 +121,21 @@ class SGLangRouter(RolloutEngine):
         while True:
             if self.process is not None and self.process.poll() is not None:
                 tail = log_tail(self.log_path)
-                raise EngineError(f"sglang-router exited with code {self.process.returncode}"
-                                  + (f"; its last log lines:\n{tail}" if tail else ""),
-                                  engine_id=self.engine_id, retryable=False)
+                raise EngineError(
+                    f"sglang-router exited with code {self.process.returncode}"
+                    + (f"; its last log lines:\n{tail}" if tail else ""),
+                    engine_id=self.engine_id,
+                    retryable=False,
+                )
             with contextlib.suppress(httpx.HTTPError, ValueError):
                 workers = {w["url"].rstrip("/"): w for w in await self.list_workers()}
                 if all(u in workers and (workers[u].get("is_healthy", True) or not healthy) for u in urls):
                     return
             if time.monotonic() > deadline:
-                raise EngineError(f"sglang-router did not register {sorted(urls)} in {self.startup_timeout_s}s",
-                                  engine_id=self.engine_id)
+                raise EngineError(
+                    f"sglang-router did not register {sorted(urls)} in {self.startup_timeout_s}s",
+                    engine_id=self.engine_id,
+                )
             await asyncio.sleep(0.2)
 
     async def add_worker(self, url: str) -> None:
@@ -116,8 +145,11 @@ class SGLangRouter(RolloutEngine):
         if resp.status_code == 404:
             resp = await self._admin.post("/add_worker", params={"url": url})
         if resp.status_code >= 400:
-            raise EngineError(f"add_worker {url}: HTTP {resp.status_code} {resp.text[:200]}",
-                              engine_id=self.engine_id, retryable=False)
+            raise EngineError(
+                f"add_worker {url}: HTTP {resp.status_code} {resp.text[:200]}",
+                engine_id=self.engine_id,
+                retryable=False,
+            )
         self.workers.setdefault(url, SGLangClient(url, timeout_s=self.timeout_s))
         await self.wait_for_workers({url})
 
@@ -130,8 +162,11 @@ class SGLangRouter(RolloutEngine):
         else:
             resp = await self._admin.post("/remove_worker", params={"url": url})
         if resp.status_code >= 400 and resp.status_code != 404:
-            raise EngineError(f"remove_worker {url}: HTTP {resp.status_code} {resp.text[:200]}",
-                              engine_id=self.engine_id, retryable=False)
+            raise EngineError(
+                f"remove_worker {url}: HTTP {resp.status_code} {resp.text[:200]}",
+                engine_id=self.engine_id,
+                retryable=False,
+            )
         deadline = time.monotonic() + self.startup_timeout_s
         while any(w["url"].rstrip("/") == url for w in await self.list_workers()):
             if time.monotonic() > deadline:
@@ -144,7 +179,9 @@ class SGLangRouter(RolloutEngine):
     # ------------------------------------------------------------------ RolloutEngine
     def _router(self) -> SGLangClient:
         if self._client is None:
-            raise EngineError("SGLangRouter.start() was not called", engine_id=self.engine_id, retryable=False)
+            raise EngineError(
+                "SGLangRouter.start() was not called", engine_id=self.engine_id, retryable=False
+            )
         return self._client
 
     @property
@@ -152,20 +189,32 @@ class SGLangRouter(RolloutEngine):
         versions = [c.weight_version for c in self.workers.values()]
         return min(versions) if versions else 0
 
-    async def generate(self, input_ids: list[int], sampling_params: SamplingParams, *,
-                       session_id: str | None = None, rid: str | None = None,
-                       adapter: str | None = None) -> GenerateResult:
-        return await self._router().generate(input_ids, sampling_params, session_id=session_id, rid=rid,
-                                             adapter=adapter)
+    async def generate(
+        self,
+        input_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        session_id: str | None = None,
+        rid: str | None = None,
+        adapter: str | None = None,
+    ) -> GenerateResult:
+        return await self._router().generate(
+            input_ids, sampling_params, session_id=session_id, rid=rid, adapter=adapter
+        )
 
-    async def update_adapter(self, name: str, *, weights: Any = None, path: str | None = None,
-                             version: int | None = None) -> int:
+    async def update_adapter(
+        self, name: str, *, weights: Any = None, path: str | None = None, version: int | None = None
+    ) -> int:
         """Load the adapter on every worker, then send generate calls through the router to that version."""
         if version is None:
             known = [c.adapter_version(name) for c in self.workers.values()]
             version = 0 if any(v is None for v in known) else max(known) + 1  # type: ignore[type-var]
-        await asyncio.gather(*(c.update_adapter(name, weights=weights, path=path, version=version)
-                               for c in self.workers.values()))
+        await asyncio.gather(
+            *(
+                c.update_adapter(name, weights=weights, path=path, version=version)
+                for c in self.workers.values()
+            )
+        )
         self._router().adopt_adapter(name, version)
         return version
 
@@ -183,10 +232,15 @@ class SGLangRouter(RolloutEngine):
             return False
         return resp.status_code == 200
 
-    async def update_weights(self, *, state_dict: dict[str, Any] | None = None, path: str | None = None,
-                             version: int | None = None) -> int:
-        versions = await asyncio.gather(*(c.update_weights(state_dict=state_dict, path=path, version=version)
-                                          for c in self.workers.values()))
+    async def update_weights(
+        self, *, state_dict: dict[str, Any] | None = None, path: str | None = None, version: int | None = None
+    ) -> int:
+        versions = await asyncio.gather(
+            *(
+                c.update_weights(state_dict=state_dict, path=path, version=version)
+                for c in self.workers.values()
+            )
+        )
         return min(versions)
 
     async def flush_cache(self) -> None:

@@ -24,8 +24,9 @@ def die_with_parent() -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def spawn(cmd: list[str], *, log_path: str | Path | None = None,
-          env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+def spawn(
+    cmd: list[str], *, log_path: str | Path | None = None, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
     """Start `cmd` in a new session with stdout and stderr appended to `log_path` (discarded when None).
 
     The kernel's parent-death signal fires when the *thread* that called `spawn` exits, so call it from the
@@ -33,9 +34,15 @@ def spawn(cmd: list[str], *, log_path: str | Path | None = None,
     """
     with contextlib.ExitStack() as stack:
         out = stack.enter_context(open(log_path, "ab")) if log_path else subprocess.DEVNULL  # noqa: SIM115
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                start_new_session=True,
-                                preexec_fn=die_with_parent)
+        return subprocess.Popen(
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+            preexec_fn=die_with_parent,
+        )
 
 
 def stop(proc: subprocess.Popen[bytes], *, timeout_s: float = 15.0) -> None:

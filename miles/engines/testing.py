@@ -17,11 +17,19 @@ from miles.ports import free_port
 from miles.tiny import make_tiny_model
 
 
-def small_qwen2(seed: int = 0, *, vocab_size: int = 512, size: str = "0.1m", eos_token_id: int | None = None,
-                max_position_embeddings: int = 2048) -> Qwen2ForCausalLM:
+def small_qwen2(
+    seed: int = 0,
+    *,
+    vocab_size: int = 512,
+    size: str = "0.1m",
+    eos_token_id: int | None = None,
+    max_position_embeddings: int = 2048,
+) -> Qwen2ForCausalLM:
     """`miles.tiny.make_tiny_model` (0.1M parameters by default, deterministic for a seed) with a small
     vocabulary and, unless `eos_token_id` is given, no EOS, so random weights generate to the budget."""
-    model = make_tiny_model(size, vocab_size=vocab_size, seed=seed, max_position_embeddings=max_position_embeddings)
+    model = make_tiny_model(
+        size, vocab_size=vocab_size, seed=seed, max_position_embeddings=max_position_embeddings
+    )
     model.config.eos_token_id = eos_token_id
     model.generation_config.eos_token_id = eos_token_id
     model.generation_config.pad_token_id = None
@@ -42,15 +50,25 @@ def save_tiny_checkpoint(folder: str | Path, seed: int = 0) -> Path:
 class ServerProcess:
     """`python -m miles.engines --model PATH` in a subprocess on a free loopback port (killable)."""
 
-    def __init__(self, model_path: str | Path, *, port: int | None = None, startup_timeout_s: float = 90.0,
-                 log_path: str | Path | None = None, wait: bool = True) -> None:
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        port: int | None = None,
+        startup_timeout_s: float = 90.0,
+        log_path: str | Path | None = None,
+        wait: bool = True,
+    ) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
         env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "miles.engines", "--model", str(model_path), "--port", str(self.port)],
-            stdout=out, stderr=subprocess.STDOUT, env=env)
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
         self.startup_timeout_s = startup_timeout_s
         if wait:
             self.wait_ready()
@@ -102,8 +120,14 @@ class RolloutProcess:
 
     def __init__(self, *args: str, cwd: str | Path | None = None) -> None:
         env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-        self.proc = subprocess.Popen([sys.executable, "-m", "miles.cli", "rollout", *args], cwd=cwd, env=env,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "miles.cli", "rollout", *args],
+            cwd=cwd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         self.lines: list[str] = []
         self.router_url: str | None = None
 
@@ -117,7 +141,9 @@ class RolloutProcess:
                 self.router_url = line.rsplit(" ", 1)[1].strip()
             if "Ctrl-C or SIGTERM" in line:
                 return next(yaml.safe_load(x) for x in self.lines if x.startswith("engine:"))["engine"]
-        raise EngineError(f"the launcher exited {self.proc.wait()}: {''.join(self.lines)}{self.proc.stderr.read()}")
+        raise EngineError(
+            f"the launcher exited {self.proc.wait()}: {''.join(self.lines)}{self.proc.stderr.read()}"
+        )
 
     def finish(self, sig: int, timeout_s: float = 60) -> tuple[int, str]:
         """Send `sig` and wait; the exit status and stderr."""

@@ -72,8 +72,17 @@ def tcp_init_method(master_address: str, master_port: int) -> str:
 class WeightGroup:
     """One rank's membership of a weight-update group (`join_group`). Broadcasts always come from rank 0."""
 
-    def __init__(self, backend: Any, store: Any, *, rank: int, world_size: int, group_name: str,
-                 backend_name: str, device: torch.device) -> None:
+    def __init__(
+        self,
+        backend: Any,
+        store: Any,
+        *,
+        rank: int,
+        world_size: int,
+        group_name: str,
+        backend_name: str,
+        device: torch.device,
+    ) -> None:
         self._backend, self._store = backend, store
         self.rank, self.world_size, self.group_name = rank, world_size, group_name
         self.backend_name, self.device = backend_name, device
@@ -93,9 +102,17 @@ class WeightGroup:
         self._backend = self._store = None
 
 
-def join_group(master_address: str, master_port: int, rank: int, world_size: int, *,
-               group_name: str = DEFAULT_GROUP, backend: str = "gloo", timeout_s: float = 300.0,
-               device: torch.device | str | None = None) -> WeightGroup:
+def join_group(
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    *,
+    group_name: str = DEFAULT_GROUP,
+    backend: str = "gloo",
+    timeout_s: float = 300.0,
+    device: torch.device | str | None = None,
+) -> WeightGroup:
     """Join (and, as rank 0, host) the group the way SGLang's `init_custom_process_group` does; blocks until all
     `world_size` ranks arrived or `timeout_s` passed. `backend` is "gloo" (CPU tensors) or "nccl" (CUDA tensors
     on `device`, by default the current CUDA device)."""
@@ -108,12 +125,15 @@ def join_group(master_address: str, master_port: int, rank: int, world_size: int
     if backend == "nccl":
         if not (torch.cuda.is_available() and dist.is_nccl_available()):
             raise InvalidRequestError("backend 'nccl' needs CUDA, and this process has no GPU: use 'gloo'")
-        dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+        dev = (
+            torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+        )
     else:
         dev = torch.device("cpu")
     timeout = datetime.timedelta(seconds=timeout_s)
-    store, _, _ = next(dist.rendezvous(tcp_init_method(master_address, master_port), rank, world_size,
-                                       timeout=timeout))
+    store, _, _ = next(
+        dist.rendezvous(tcp_init_method(master_address, master_port), rank, world_size, timeout=timeout)
+    )
     store.set_timeout(timeout)
     # SGLang's PrefixStore(group_name), then _new_process_group_helper's "<group_name>/" and "<device>/" layers.
     group_store = dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, store))
@@ -131,8 +151,9 @@ def join_group(master_address: str, master_port: int, rank: int, world_size: int
         pg.options.global_ranks_in_group = []
         pg.options.group_name = group_name
     pg._set_sequence_number_for_group()
-    return WeightGroup(pg, store, rank=rank, world_size=world_size, group_name=group_name, backend_name=backend,
-                       device=dev)
+    return WeightGroup(
+        pg, store, rank=rank, world_size=world_size, group_name=group_name, backend_name=backend, device=dev
+    )
 
 
 # ---------------------------------------------------------------------------- buckets
@@ -188,27 +209,32 @@ def _bucket(names: list[str], dtype: torch.dtype, state_dict: Mapping[str, torch
     return Bucket(tuple(names), dtype, tuple(tuple(int(s) for s in state_dict[n].shape) for n in names))
 
 
-def flatten_bucket(bucket: Bucket, state_dict: Mapping[str, torch.Tensor], device: torch.device) -> torch.Tensor:
+def flatten_bucket(
+    bucket: Bucket, state_dict: Mapping[str, torch.Tensor], device: torch.device
+) -> torch.Tensor:
     """The bucket's tensors, concatenated on `device`, as one 1-D uint8 tensor (SGLang's flattened layout)."""
     parts = [state_dict[n].detach().to(device).reshape(-1) for n in bucket.names]
     return torch.cat(parts).view(torch.uint8)
 
 
-def unflatten(flat: torch.Tensor, names: Sequence[str], dtypes: Sequence[torch.dtype],
-              shapes: Sequence[Sequence[int]]) -> dict[str, torch.Tensor]:
+def unflatten(
+    flat: torch.Tensor, names: Sequence[str], dtypes: Sequence[torch.dtype], shapes: Sequence[Sequence[int]]
+) -> dict[str, torch.Tensor]:
     """Views into the uint8 buffer `flat`, one per (name, dtype, shape), packed in order without padding."""
     out: dict[str, torch.Tensor] = {}
     offset = 0
     for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
         size = _numel(shape) * dtype.itemsize
-        out[name] = flat[offset:offset + size].view(dtype).reshape(tuple(shape))
+        out[name] = flat[offset : offset + size].view(dtype).reshape(tuple(shape))
         offset += size
     if offset != flat.numel():
         raise InvalidRequestError(f"bucket holds {flat.numel()} bytes, its tensors {offset}")
     return out
 
 
-def _check_layout(names: Any, dtypes: Any, shapes: Any) -> tuple[list[str], list[torch.dtype], list[list[int]]]:
+def _check_layout(
+    names: Any, dtypes: Any, shapes: Any
+) -> tuple[list[str], list[torch.dtype], list[list[int]]]:
     if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)):
         raise InvalidRequestError("names, dtypes and shapes must be lists")
     if not len(names) == len(dtypes) == len(shapes):
@@ -218,9 +244,12 @@ def _check_layout(names: Any, dtypes: Any, shapes: Any) -> tuple[list[str], list
     parsed = [parse_dtype(d) for d in dtypes]
     dims: list[list[int]] = []
     for name, shape in zip(names, shapes, strict=True):
-        if not isinstance(shape, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
-                                                  for s in shape):
-            raise InvalidRequestError(f"shape of {name!r} must be a list of non-negative integers, got {shape!r}")
+        if not isinstance(shape, list) or not all(
+            isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape
+        ):
+            raise InvalidRequestError(
+                f"shape of {name!r} must be a list of non-negative integers, got {shape!r}"
+            )
         dims.append(list(shape))
     return [str(n) for n in names], parsed, dims
 
@@ -229,11 +258,21 @@ def _check_layout(names: Any, dtypes: Any, shapes: Any) -> tuple[list[str], list
 class WeightBroadcaster:
     """Rank 0 (the trainer) of a weight-update group. `master_port` 0 picks a free port."""
 
-    def __init__(self, master_address: str = "127.0.0.1", master_port: int = 0, world_size: int = 2, *,
-                 group_name: str = DEFAULT_GROUP, backend: str = "gloo", timeout_s: float = 300.0,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+    def __init__(
+        self,
+        master_address: str = "127.0.0.1",
+        master_port: int = 0,
+        world_size: int = 2,
+        *,
+        group_name: str = DEFAULT_GROUP,
+        backend: str = "gloo",
+        timeout_s: float = 300.0,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> None:
         if world_size < 2:
-            raise ValueError(f"world_size must be >= 2 (the trainer and at least one engine rank), got {world_size}")
+            raise ValueError(
+                f"world_size must be >= 2 (the trainer and at least one engine rank), got {world_size}"
+            )
         if not master_port:
             from miles.ports import free_port
 
@@ -246,8 +285,15 @@ class WeightBroadcaster:
 
     def connect(self) -> None:
         """Blocks until every engine has joined (call while the engines' init requests are in flight)."""
-        self._group = join_group(self.master_address, self.master_port, 0, self.world_size,
-                                 group_name=self.group_name, backend=self.backend, timeout_s=self.timeout_s)
+        self._group = join_group(
+            self.master_address,
+            self.master_port,
+            0,
+            self.world_size,
+            group_name=self.group_name,
+            backend=self.backend,
+            timeout_s=self.timeout_s,
+        )
 
     @property
     def connected(self) -> bool:
@@ -258,7 +304,11 @@ class WeightBroadcaster:
         """Where broadcast buffers live: the current CUDA device for NCCL, else the CPU."""
         if self._group is not None:
             return self._group.device
-        return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        return (
+            torch.device("cuda", torch.cuda.current_device())
+            if self.backend == "nccl"
+            else torch.device("cpu")
+        )
 
     def broadcast(self, tensor: torch.Tensor) -> None:
         """Send one tensor (on `device`) to every engine rank."""
@@ -275,26 +325,46 @@ class WeightBroadcaster:
 class WeightReceiver:
     """An engine's side of the group: receives what one `/update_weights_from_distributed` request announces."""
 
-    def __init__(self, master_address: str, master_port: int, rank: int, world_size: int, *,
-                 group_name: str = DEFAULT_GROUP, backend: str = "nccl", timeout_s: float = 300.0,
-                 device: torch.device | str | None = None) -> None:
+    def __init__(
+        self,
+        master_address: str,
+        master_port: int,
+        rank: int,
+        world_size: int,
+        *,
+        group_name: str = DEFAULT_GROUP,
+        backend: str = "nccl",
+        timeout_s: float = 300.0,
+        device: torch.device | str | None = None,
+    ) -> None:
         if not 0 < rank < world_size:
             raise InvalidRequestError(f"engine rank {rank} must be in [1, {world_size})")
         self.group_name = group_name
-        self._group = join_group(master_address, master_port, rank, world_size, group_name=group_name,
-                                 backend=backend, timeout_s=timeout_s, device=device)
+        self._group = join_group(
+            master_address,
+            master_port,
+            rank,
+            world_size,
+            group_name=group_name,
+            backend=backend,
+            timeout_s=timeout_s,
+            device=device,
+        )
 
     @property
     def backend(self) -> str:
         return self._group.backend_name
 
-    def receive(self, names: Any, dtypes: Any, shapes: Any,
-                load_format: str | None = None) -> dict[str, torch.Tensor]:
+    def receive(
+        self, names: Any, dtypes: Any, shapes: Any, load_format: str | None = None
+    ) -> dict[str, torch.Tensor]:
         """Receive the announced tensors: one flat uint8 broadcast for `load_format="flattened_bucket"`, else one
         broadcast per tensor, in order (SGLang's two paths). Tensors keep their wire dtype."""
         names, parsed, dims = _check_layout(names, dtypes, shapes)
         if load_format not in (None, FLATTENED_BUCKET):
-            raise InvalidRequestError(f"load_format {load_format!r} is not supported (None or {FLATTENED_BUCKET!r})")
+            raise InvalidRequestError(
+                f"load_format {load_format!r} is not supported (None or {FLATTENED_BUCKET!r})"
+            )
         device = self._group.device
         if load_format == FLATTENED_BUCKET:
             offset = 0
@@ -374,30 +444,45 @@ async def _together(blocking: Callable[[], Any], calls: Sequence[Awaitable[Any]]
     try:
         await asyncio.wait_for(asyncio.shield(collective), COLLECTIVE_GRACE_S)
     except Exception as exc:  # noqa: BLE001
-        raise WeightGroupError(f"the weight-update group's collective did not complete ({type(exc).__name__}: "
-                               f"{exc}) after an engine failed: {failure}") from failure
+        raise WeightGroupError(
+            f"the weight-update group's collective did not complete ({type(exc).__name__}: "
+            f"{exc}) after an engine failed: {failure}"
+        ) from failure
     raise failure
 
 
-async def init_weight_update_group(broadcaster: WeightBroadcaster, clients: Sequence[Any], *,
-                                   ranks_per_engine: Sequence[int] | None = None) -> None:
+async def init_weight_update_group(
+    broadcaster: WeightBroadcaster, clients: Sequence[Any], *, ranks_per_engine: Sequence[int] | None = None
+) -> None:
     """Rendezvous the trainer (rank 0) with every `SGLangClient` in `clients`. Engine `i` holds
     `ranks_per_engine[i]` ranks (its `tp_size`; 1 each by default) and joins at the next free rank offset."""
     sizes = list(ranks_per_engine) if ranks_per_engine is not None else [1] * len(clients)
     if len(sizes) != len(clients) or 1 + sum(sizes) != broadcaster.world_size:
         raise ValueError(f"world_size {broadcaster.world_size} != 1 + ranks of the engines {sizes}")
     offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
-    calls = [c.init_weights_update_group(broadcaster.master_address, broadcaster.master_port, off,
-                                         broadcaster.world_size, group_name=broadcaster.group_name,
-                                         backend=broadcaster.backend)
-             for c, off in zip(clients, offsets, strict=True)]
+    calls = [
+        c.init_weights_update_group(
+            broadcaster.master_address,
+            broadcaster.master_port,
+            off,
+            broadcaster.world_size,
+            group_name=broadcaster.group_name,
+            backend=broadcaster.backend,
+        )
+        for c, off in zip(clients, offsets, strict=True)
+    ]
     await _together(broadcaster.connect, calls)
     for c in clients:
         c.attach_weight_group(broadcaster)
 
 
-async def broadcast_weights(broadcaster: WeightBroadcaster, clients: Sequence[Any],
-                            state_dict: Mapping[str, torch.Tensor], *, version: int | None = None) -> int:
+async def broadcast_weights(
+    broadcaster: WeightBroadcaster,
+    clients: Sequence[Any],
+    state_dict: Mapping[str, torch.Tensor],
+    *,
+    version: int | None = None,
+) -> int:
     """Push `state_dict` to every engine of the group, bucket by bucket; returns the number of buckets.
 
     Engines load each bucket as it lands; the last one carries the cache flush and `version`. Two buckets are in
@@ -405,8 +490,10 @@ async def broadcast_weights(broadcaster: WeightBroadcaster, clients: Sequence[An
     complete leaves the group unusable: `broadcaster.broken` says why and later calls raise at once.
     """
     if broadcaster.broken:
-        raise WeightGroupError(f"the weight-update group is unusable after an earlier failure "
-                               f"({broadcaster.broken}); set it up again")
+        raise WeightGroupError(
+            f"the weight-update group is unusable after an earlier failure "
+            f"({broadcaster.broken}); set it up again"
+        )
     buckets = plan_buckets(state_dict, broadcaster.bucket_bytes)
     if not buckets:
         raise ValueError("the state dict is empty: nothing to broadcast")
@@ -423,10 +510,18 @@ async def broadcast_weights(broadcaster: WeightBroadcaster, clients: Sequence[An
             flat = await pending
             if not last:
                 pending = flatten(i + 1)
-            calls = [c.update_weights_from_distributed(
-                list(bucket.names), bucket.dtypes, [list(s) for s in bucket.shapes],
-                group_name=broadcaster.group_name, load_format=FLATTENED_BUCKET, flush_cache=last,
-                weight_version=version if last else None) for c in clients]
+            calls = [
+                c.update_weights_from_distributed(
+                    list(bucket.names),
+                    bucket.dtypes,
+                    [list(s) for s in bucket.shapes],
+                    group_name=broadcaster.group_name,
+                    load_format=FLATTENED_BUCKET,
+                    flush_cache=last,
+                    weight_version=version if last else None,
+                )
+                for c in clients
+            ]
             await _together(lambda flat=flat: broadcaster.broadcast(flat), calls)
     except WeightGroupError as exc:
         broadcaster.broken = str(exc)

@@ -42,7 +42,9 @@ JsonBody = Any  # an async callable: request -> dict (the server's body parser)
 
 
 def _answer(success: bool, message: str, **extra: Any) -> JSONResponse:
-    return JSONResponse({"success": success, "message": message, **extra}, status_code=200 if success else 400)
+    return JSONResponse(
+        {"success": success, "message": message, **extra}, status_code=200 if success else 400
+    )
 
 
 def _require(body: dict[str, Any], *names: str) -> None:
@@ -58,7 +60,9 @@ def _target_version(engine: EmbeddedEngine, body: dict[str, Any]) -> int:
         return engine.weight_version
     version = parse_weight_version(raw)
     if version is None:
-        raise InvalidRequestError(f"weight_version must be an integer string for the embedded engine, got {raw!r}")
+        raise InvalidRequestError(
+            f"weight_version must be an integer string for the embedded engine, got {raw!r}"
+        )
     return version
 
 
@@ -138,8 +142,9 @@ class ModelUpdateLock:
             self._cond.notify_all()
 
 
-def add_weight_routes(app: fastapi.FastAPI, engine: EmbeddedEngine, json_body: JsonBody,
-                      update_lock: ModelUpdateLock) -> None:
+def add_weight_routes(
+    app: fastapi.FastAPI, engine: EmbeddedEngine, json_body: JsonBody, update_lock: ModelUpdateLock
+) -> None:
     """Register the weight-update and pause endpoints of `engine` on `app`; `update_lock` is the one the
     server's generate route holds."""
     receivers: dict[str, WeightReceiver] = {}
@@ -179,20 +184,36 @@ def add_weight_routes(app: fastapi.FastAPI, engine: EmbeddedEngine, json_body: J
         _require(body, "master_address", "master_port", "rank_offset", "world_size")
         name = str(body.get("group_name") or DEFAULT_GROUP)
         if name in receivers:
-            return _answer(False, f"Failed to initialize custom process group: group {name!r} already exists.")
+            return _answer(
+                False, f"Failed to initialize custom process group: group {name!r} already exists."
+            )
         if joining.locked():
-            return _answer(False, "Failed to initialize custom process group: another group is being joined; "
-                           "retry when it is done.")
+            return _answer(
+                False,
+                "Failed to initialize custom process group: another group is being joined; "
+                "retry when it is done.",
+            )
         try:
             async with joining:
-                receiver = await _in_daemon_thread(functools.partial(
-                    WeightReceiver, str(body["master_address"]), int(body["master_port"]), int(body["rank_offset"]),
-                    int(body["world_size"]), group_name=name, backend=str(body.get("backend") or "nccl"),
-                    timeout_s=JOIN_TIMEOUT_S, device=engine.device if str(engine.device).startswith("cuda") else None))
+                receiver = await _in_daemon_thread(
+                    functools.partial(
+                        WeightReceiver,
+                        str(body["master_address"]),
+                        int(body["master_port"]),
+                        int(body["rank_offset"]),
+                        int(body["world_size"]),
+                        group_name=name,
+                        backend=str(body.get("backend") or "nccl"),
+                        timeout_s=JOIN_TIMEOUT_S,
+                        device=engine.device if str(engine.device).startswith("cuda") else None,
+                    )
+                )
         except (InvalidRequestError, RuntimeError, ValueError) as exc:
             return _answer(False, f"Failed to initialize custom process group: {exc}.")
         receivers[name] = receiver
-        return _answer(True, f"Succeeded to initialize custom process group {name!r} over {receiver.backend}.")
+        return _answer(
+            True, f"Succeeded to initialize custom process group {name!r} over {receiver.backend}."
+        )
 
     @app.post("/begin_weight_update")
     async def begin_weight_update(request: fastapi.Request) -> JSONResponse:
@@ -219,14 +240,20 @@ def add_weight_routes(app: fastapi.FastAPI, engine: EmbeddedEngine, json_body: J
         name = str(body.get("group_name") or DEFAULT_GROUP)
         receiver = receivers.get(name)
         if receiver is None:
-            return _answer(False, f"Group {name} not in {sorted(receivers)}. Call /init_weights_update_group first.")
+            return _answer(
+                False, f"Group {name} not in {sorted(receivers)}. Call /init_weights_update_group first."
+            )
         if not session["open"]:
-            return _answer(False, "update_weights_from_distributed must run between begin_weight_update() and "
-                                  "end_weight_update()")
+            return _answer(
+                False,
+                "update_weights_from_distributed must run between begin_weight_update() and "
+                "end_weight_update()",
+            )
         async with update_lock.updating(), lock:
             try:
-                tensors = await asyncio.to_thread(receiver.receive, body["names"], body["dtypes"], body["shapes"],
-                                                  body.get("load_format"))
+                tensors = await asyncio.to_thread(
+                    receiver.receive, body["names"], body["dtypes"], body["shapes"], body.get("load_format")
+                )
             except (InvalidRequestError, RuntimeError, ValueError) as exc:
                 return _answer(False, f"Failed to receive weights: {exc}")
             try:

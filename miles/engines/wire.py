@@ -36,8 +36,9 @@ def sampling_params_body(params: SamplingParams) -> dict[str, Any]:
     return body
 
 
-def generate_body(input_ids: list[int], params: SamplingParams, *, rid: str,
-                  lora_path: str | None = None) -> dict[str, Any]:
+def generate_body(
+    input_ids: list[int], params: SamplingParams, *, rid: str, lora_path: str | None = None
+) -> dict[str, Any]:
     """The JSON body of `POST /generate` (a `GenerateReqInput`)."""
     body: dict[str, Any] = {
         "rid": rid,
@@ -65,8 +66,9 @@ def unload_lora_body(lora_name: str) -> dict[str, Any]:
     return {"lora_name": lora_name}
 
 
-def lora_update_response(success: bool, *, error: str | None = None,
-                         loaded: dict[str, str] | None = None) -> dict[str, Any]:
+def lora_update_response(
+    success: bool, *, error: str | None = None, loaded: dict[str, str] | None = None
+) -> dict[str, Any]:
     """SGLang's answer to the LoRA endpoints (a `LoRAUpdateOutput`): 200 on success, 400 otherwise."""
     return {"success": success, "error_message": error, "loaded_adapters": loaded}
 
@@ -97,20 +99,45 @@ def update_from_disk_body(model_path: str, *, weight_version: int | None = None)
     return body
 
 
-def init_group_body(master_address: str, master_port: int, rank_offset: int, world_size: int, *,
-                    group_name: str = "weight_update_group", backend: str = "nccl") -> dict[str, Any]:
+def init_group_body(
+    master_address: str,
+    master_port: int,
+    rank_offset: int,
+    world_size: int,
+    *,
+    group_name: str = "weight_update_group",
+    backend: str = "nccl",
+) -> dict[str, Any]:
     """The JSON body of `POST /init_weights_update_group`."""
-    return {"master_address": master_address, "master_port": int(master_port), "rank_offset": int(rank_offset),
-            "world_size": int(world_size), "group_name": group_name, "backend": backend}
+    return {
+        "master_address": master_address,
+        "master_port": int(master_port),
+        "rank_offset": int(rank_offset),
+        "world_size": int(world_size),
+        "group_name": group_name,
+        "backend": backend,
+    }
 
 
-def update_distributed_body(names: list[str], dtypes: list[str], shapes: list[list[int]], *,
-                            group_name: str = "weight_update_group", weight_version: int | None = None,
-                            flush_cache: bool = True, load_format: str | None = None) -> dict[str, Any]:
+def update_distributed_body(
+    names: list[str],
+    dtypes: list[str],
+    shapes: list[list[int]],
+    *,
+    group_name: str = "weight_update_group",
+    weight_version: int | None = None,
+    flush_cache: bool = True,
+    load_format: str | None = None,
+) -> dict[str, Any]:
     """The JSON body of `POST /update_weights_from_distributed` (`load_format="flattened_bucket"`: the tensors
     travel as one flat uint8 broadcast)."""
-    body: dict[str, Any] = {"names": list(names), "dtypes": list(dtypes), "shapes": [list(s) for s in shapes],
-                            "group_name": group_name, "flush_cache": flush_cache}
+    body: dict[str, Any] = {
+        "names": list(names),
+        "dtypes": list(dtypes),
+        "shapes": [list(s) for s in shapes],
+        "group_name": group_name,
+        "flush_cache": flush_cache,
+    }
     if weight_version is not None:
         body["weight_version"] = str(weight_version)
     if load_format is not None:
@@ -152,10 +179,13 @@ def parse_generate_response(data: Any, *, engine_id: str = "", fallback_version:
     meta = data["meta_info"]
     triples = meta.get("output_token_logprobs")
     if not isinstance(triples, list):
-        raise WireFormatError("meta_info.output_token_logprobs is missing (was return_logprob sent?)",
-                              engine_id=engine_id)
+        raise WireFormatError(
+            "meta_info.output_token_logprobs is missing (was return_logprob sent?)", engine_id=engine_id
+        )
     if not all(isinstance(t, list | tuple) and len(t) >= 2 for t in triples):
-        raise WireFormatError("output_token_logprobs entries must be [logprob, token_id, text]", engine_id=engine_id)
+        raise WireFormatError(
+            "output_token_logprobs entries must be [logprob, token_id, text]", engine_id=engine_id
+        )
     try:
         ids = [_as_int(t[1]) for t in triples]
         logprobs = [float(t[0]) for t in triples]
@@ -173,32 +203,77 @@ def parse_generate_response(data: Any, *, engine_id: str = "", fallback_version:
         raise WireFormatError(f"unknown finish_reason {fr!r}", engine_id=engine_id)
     version = parse_weight_version(meta.get("weight_version"))
     return GenerateResult(
-        output_ids=ids, output_logprobs=logprobs, finish_reason=_FINISH_TYPES[kind],
+        output_ids=ids,
+        output_logprobs=logprobs,
+        finish_reason=_FINISH_TYPES[kind],
         weight_version=fallback_version if version is None else version,
-        prompt_tokens=prompt_tokens, cached_tokens=cached_tokens, latency_s=latency, engine_id=engine_id,
-        extra={"rid": meta.get("id"), "finish_reason": fr, "text": data.get("text")})
+        prompt_tokens=prompt_tokens,
+        cached_tokens=cached_tokens,
+        latency_s=latency,
+        engine_id=engine_id,
+        extra={"rid": meta.get("id"), "finish_reason": fr, "text": data.get("text")},
+    )
 
 
 # ---------------------------------------------------------------------------- server side
 # GenerateReqInput fields the embedded server understands; everything else must keep SGLang's default.
 _IGNORED_GENERATE_FIELDS = {
-    "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs", "log_metrics", "session_params",
-    "routing_key", "conversation_id", "priority", "custom_labels", "no_logs", "received_time", "extra_key",
-    "return_prompt_token_ids", "session_id",
+    "logprob_start_len",
+    "top_logprobs_num",
+    "return_text_in_logprobs",
+    "log_metrics",
+    "session_params",
+    "routing_key",
+    "conversation_id",
+    "priority",
+    "custom_labels",
+    "no_logs",
+    "received_time",
+    "extra_key",
+    "return_prompt_token_ids",
+    "session_id",
     "model",  # sglang-router adds the served model name
 }
 _FALSY_DEFAULT_FIELDS = {
-    "stream", "return_hidden_states", "return_routed_experts", "return_entropy", "return_bytes",
-    "input_embeds", "image_data", "video_data", "audio_data", "token_ids_logprob", "custom_logit_processor",
-    "lora_id", "return_sampling_mask", "background",
+    "stream",
+    "return_hidden_states",
+    "return_routed_experts",
+    "return_entropy",
+    "return_bytes",
+    "input_embeds",
+    "image_data",
+    "video_data",
+    "audio_data",
+    "token_ids_logprob",
+    "custom_logit_processor",
+    "lora_id",
+    "return_sampling_mask",
+    "background",
 }
 _SAMPLING_DEFAULTS: dict[str, Any] = {
-    "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
-    "min_new_tokens": 0, "n": 1, "json_schema": None, "regex": None, "ebnf": None, "structural_tag": None,
-    "stop": None, "stop_regex": None, "logit_bias": None, "beam_width": None, "custom_params": None,
+    "min_p": 0.0,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_new_tokens": 0,
+    "n": 1,
+    "json_schema": None,
+    "regex": None,
+    "ebnf": None,
+    "structural_tag": None,
+    "stop": None,
+    "stop_regex": None,
+    "logit_bias": None,
+    "beam_width": None,
+    "custom_params": None,
 }
-_SAMPLING_IGNORED = {"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "stream_interval",
-                     "ignore_eos"}
+_SAMPLING_IGNORED = {
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "no_stop_trim",
+    "stream_interval",
+    "ignore_eos",
+}
 
 
 def parse_sampling_params(raw: Any) -> tuple[SamplingParams, bool]:
@@ -210,8 +285,11 @@ def parse_sampling_params(raw: Any) -> tuple[SamplingParams, bool]:
     for key, default in _SAMPLING_DEFAULTS.items():
         if key in raw and raw[key] not in (default, [], {}):
             raise InvalidRequestError(f"sampling param {key!r} is not supported by the embedded engine")
-    known = set(_SAMPLING_DEFAULTS) | _SAMPLING_IGNORED | {
-        "temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "sampling_seed"}
+    known = (
+        set(_SAMPLING_DEFAULTS)
+        | _SAMPLING_IGNORED
+        | {"temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "sampling_seed"}
+    )
     unknown = sorted(set(raw) - known)
     if unknown:
         raise InvalidRequestError(f"unknown sampling params: {unknown}")
@@ -236,8 +314,10 @@ def check_text(text: str, field: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise InvalidRequestError(f"{field} holds {text[exc.start:exc.end]!r} at {exc.start}, which is not "
-                                  "text (a lone surrogate)") from None
+        raise InvalidRequestError(
+            f"{field} holds {text[exc.start : exc.end]!r} at {exc.start}, which is not "
+            "text (a lone surrogate)"
+        ) from None
 
 
 def parse_generate_request(body: Any, tokenizer: Any = None) -> dict[str, Any]:
@@ -260,9 +340,12 @@ def parse_generate_request(body: Any, tokenizer: Any = None) -> dict[str, Any]:
         if tokenizer is None:
             raise InvalidRequestError("this server has no tokenizer: send input_ids")
         input_ids = tokenizer.encode(text, add_special_tokens=False)
-    if not isinstance(input_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                                  for t in input_ids):
-        raise InvalidRequestError("input_ids must be a flat list of ints (batched requests are not supported)")
+    if not isinstance(input_ids, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in input_ids
+    ):
+        raise InvalidRequestError(
+            "input_ids must be a flat list of ints (batched requests are not supported)"
+        )
     rid = body.get("rid")
     if rid is not None and not isinstance(rid, str):
         raise InvalidRequestError("rid must be a string")
@@ -270,8 +353,14 @@ def parse_generate_request(body: Any, tokenizer: Any = None) -> dict[str, Any]:
     if lora_path is not None and not isinstance(lora_path, str):
         raise InvalidRequestError("lora_path must be one adapter name (batched requests are not supported)")
     params, ignore_eos = parse_sampling_params(body.get("sampling_params"))
-    return {"input_ids": input_ids, "params": params, "rid": rid, "ignore_eos": ignore_eos,
-            "return_logprob": bool(body.get("return_logprob")), "lora_path": lora_path or None}
+    return {
+        "input_ids": input_ids,
+        "params": params,
+        "rid": rid,
+        "ignore_eos": ignore_eos,
+        "return_logprob": bool(body.get("return_logprob")),
+        "lora_path": lora_path or None,
+    }
 
 
 def finish_reason_json(result: GenerateResult) -> dict[str, Any]:
@@ -283,8 +372,9 @@ def finish_reason_json(result: GenerateResult) -> dict[str, Any]:
     return {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
 
 
-def generate_response(result: GenerateResult, *, rid: str, text: str | None,
-                      return_logprob: bool) -> dict[str, Any]:
+def generate_response(
+    result: GenerateResult, *, rid: str, text: str | None, return_logprob: bool
+) -> dict[str, Any]:
     """`GenerateResult` -> SGLang's `/generate` response."""
     meta: dict[str, Any] = {
         "id": rid,
@@ -296,6 +386,7 @@ def generate_response(result: GenerateResult, *, rid: str, text: str | None,
         "e2e_latency": result.latency_s,
     }
     if return_logprob:
-        meta["output_token_logprobs"] = [[lp, tid, None] for lp, tid in
-                                         zip(result.output_logprobs, result.output_ids, strict=True)]
+        meta["output_token_logprobs"] = [
+            [lp, tid, None] for lp, tid in zip(result.output_logprobs, result.output_ids, strict=True)
+        ]
     return {"text": text or "", "output_ids": list(result.output_ids), "meta_info": meta}

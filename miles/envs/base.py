@@ -96,18 +96,29 @@ class Env(gymnasium.Env):
     #: Salt of the split's prompt hash.
     split_salt: str = ""
 
-    def __init__(self, tasks: TaskSource | Iterable[Task | Mapping[str, Any]] | None = None, *,
-                 split: str = "all", held_out_fraction: float | None = None, max_turns: int | None = None,
-                 reward_weights: Mapping[str, float] | None = None, system_prompt: str | None = None,
-                 render_mode: str | None = None) -> None:
+    def __init__(
+        self,
+        tasks: TaskSource | Iterable[Task | Mapping[str, Any]] | None = None,
+        *,
+        split: str = "all",
+        held_out_fraction: float | None = None,
+        max_turns: int | None = None,
+        reward_weights: Mapping[str, float] | None = None,
+        system_prompt: str | None = None,
+        render_mode: str | None = None,
+    ) -> None:
         if render_mode is not None and render_mode not in self.metadata["render_modes"]:
             raise ValueError(f"render_mode {render_mode!r} not in {self.metadata['render_modes']}")
         self.render_mode = render_mode
         if held_out_fraction is not None:
             self.held_out_fraction = float(held_out_fraction)
         source = as_task_source(tasks, name=type(self).__name__)
-        self.tasks: TaskSource = select_split(source if source is not None else self.default_tasks(), split,
-                                              self.held_out_fraction, salt=self.split_salt)
+        self.tasks: TaskSource = select_split(
+            source if source is not None else self.default_tasks(),
+            split,
+            self.held_out_fraction,
+            salt=self.split_salt,
+        )
         if max_turns is not None:
             if max_turns < 1:
                 raise ValueError(f"max_turns must be >= 1, got {max_turns}")
@@ -167,8 +178,9 @@ class Env(gymnasium.Env):
         return Message(role="assistant", content=text)
 
     # ---- the gymnasium API, async first ----------------------------------------------------------------
-    async def areset(self, *, seed: int | None = None, options: dict[str, Any] | None = None
-                     ) -> tuple[list[Message], dict[str, Any]]:
+    async def areset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[list[Message], dict[str, Any]]:
         """Start an episode. `options={"task": Task}` or `{"task_id": str}` picks a task; else the seed does."""
         if self._in_episode:
             await self._run_cleanup()
@@ -191,11 +203,16 @@ class Env(gymnasium.Env):
         await self.on_reset(task)
         obs = self.initial_messages(task)
         self.messages = list(obs)
-        return list(obs), {"task_id": task.id, "env_id": self.env_id, "turn": 0,
-                           "tool_errors": dict(self.tool_errors)}
+        return list(obs), {
+            "task_id": task.id,
+            "env_id": self.env_id,
+            "turn": 0,
+            "tool_errors": dict(self.tool_errors),
+        }
 
-    async def astep(self, action: Message | str | Mapping[str, Any]
-                    ) -> tuple[list[Message], float, bool, bool, dict[str, Any]]:
+    async def astep(
+        self, action: Message | str | Mapping[str, Any]
+    ) -> tuple[list[Message], float, bool, bool, dict[str, Any]]:
         """Apply one assistant message; returns (observation, reward, terminated, truncated, info)."""
         if self.task is None:
             raise ResetNeededError(f"{self.env_id}: call reset() before step()")
@@ -220,12 +237,16 @@ class Env(gymnasium.Env):
             reward = float(sum(weights[k] * v for k, v in components.items()))
             problem = reward_problem(reward)
             if problem is not None:
-                raise HookError(f"the weighted reward is {problem} (weights {weights}); keep rewards within "
-                                f"±{MAX_ABS_REWARD:g}")
+                raise HookError(
+                    f"the weighted reward is {problem} (weights {weights}); keep rewards within "
+                    f"±{MAX_ABS_REWARD:g}"
+                )
             info["reward_components"] = components
             info["reward_weights"] = weights
             info["success"] = self.is_success(components)
-            info["termination"] = (TerminationReason.DONE if terminated else TerminationReason.MAX_TURNS).value
+            info["termination"] = (
+                TerminationReason.DONE if terminated else TerminationReason.MAX_TURNS
+            ).value
             info["stop_reason"] = "final_answer" if final else (stop or "max_turns")
             await self._run_cleanup()
         else:
@@ -239,13 +260,15 @@ class Env(gymnasium.Env):
         positive = [k for k, w in self.reward_weights.items() if w > 0]
         return bool(positive) and all(components.get(k, 0.0) >= 1.0 for k in positive)
 
-    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None
-              ) -> tuple[list[Message], dict[str, Any]]:
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[list[Message], dict[str, Any]]:
         """Sync twin of `areset` (not usable inside a running event loop)."""
         return self._run(self.areset(seed=seed, options=options))
 
-    def step(self, action: Message | str | Mapping[str, Any]
-             ) -> tuple[list[Message], float, bool, bool, dict[str, Any]]:
+    def step(
+        self, action: Message | str | Mapping[str, Any]
+    ) -> tuple[list[Message], float, bool, bool, dict[str, Any]]:
         """Sync twin of `astep` (not usable inside a running event loop)."""
         return self._run(self.astep(action))
 
@@ -281,8 +304,10 @@ class Env(gymnasium.Env):
             pass
         else:
             coro.close()
-            raise EnvError("sync reset()/step()/close() called inside a running event loop; "
-                           "use await env.areset()/astep()/aclose()")
+            raise EnvError(
+                "sync reset()/step()/close() called inside a running event loop; "
+                "use await env.areset()/astep()/aclose()"
+            )
         if self._runner is None:
             self._runner = asyncio.Runner()
         return self._runner.run(coro)
@@ -303,17 +328,27 @@ class Env(gymnasium.Env):
 
     def _hook_values(self, action: Message, info: dict[str, Any]) -> dict[str, Any]:
         assert self.task is not None
-        return {"task": self.task, "answer": self.task.answer, "messages": list(self.messages),
-                "final": action.content if not action.tool_calls else "", "action": action,
-                "turn": self.turn, "tool_errors": dict(self.tool_errors), "state": self.state, "info": info,
-                "env": self}
+        return {
+            "task": self.task,
+            "answer": self.task.answer,
+            "messages": list(self.messages),
+            "final": action.content if not action.tool_calls else "",
+            "action": action,
+            "turn": self.turn,
+            "tool_errors": dict(self.tool_errors),
+            "state": self.state,
+            "info": info,
+            "env": self,
+        }
 
     async def _call(self, hook: BoundHook, values: Mapping[str, Any]) -> Any:
         try:
             return await hook(values)
         except Exception as exc:
-            raise HookError(f"{type(self).__name__}.{hook.fn.__name__} ({hook.spec.kind} hook) raised "
-                            f"{type(exc).__name__}: {exc}") from exc
+            raise HookError(
+                f"{type(self).__name__}.{hook.fn.__name__} ({hook.spec.kind} hook) raised "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
 
     async def _first_stop(self, action: Message, info: dict[str, Any]) -> str | None:
         values = self._hook_values(action, info)
@@ -331,8 +366,10 @@ class Env(gymnasium.Env):
                 value = float(value)
             problem = reward_problem(value)
             if problem is not None:
-                raise HookError(f"reward {hook.spec.name!r} returned {problem}; a reward must be a finite number "
-                                f"within ±{MAX_ABS_REWARD:g}")
+                raise HookError(
+                    f"reward {hook.spec.name!r} returned {problem}; a reward must be a finite number "
+                    f"within ±{MAX_ABS_REWARD:g}"
+                )
             out[hook.spec.name] = float(value)
         return out
 
@@ -341,10 +378,21 @@ class Env(gymnasium.Env):
         errors = []
         for hook in self._hooks["cleanup"]:
             try:
-                await self._call(hook, {"task": self.task, "answer": getattr(self.task, "answer", None),
-                                        "messages": list(self.messages), "final": "", "action": None,
-                                        "turn": self.turn, "tool_errors": dict(self.tool_errors),
-                                        "state": self.state, "info": {}, "env": self})
+                await self._call(
+                    hook,
+                    {
+                        "task": self.task,
+                        "answer": getattr(self.task, "answer", None),
+                        "messages": list(self.messages),
+                        "final": "",
+                        "action": None,
+                        "turn": self.turn,
+                        "tool_errors": dict(self.tool_errors),
+                        "state": self.state,
+                        "info": {},
+                        "env": self,
+                    },
+                )
             except HookError as exc:
                 errors.append(exc)
         if errors:

@@ -61,8 +61,11 @@ class BFCLNotInstalledError(ConfigError):
     """The `bfcl-eval` package is missing."""
 
     def __init__(self) -> None:
-        super().__init__("env.id", "the BFCL envs need the bfcl-eval package: pip install --no-deps bfcl-eval "
-                                   '(or pip install -e ".[bfcl]")')
+        super().__init__(
+            "env.id",
+            "the BFCL envs need the bfcl-eval package: pip install --no-deps bfcl-eval "
+            '(or pip install -e ".[bfcl]")',
+        )
 
 
 @functools.cache
@@ -77,8 +80,14 @@ def bfcl_modules() -> Any:
     except ImportError as exc:
         raise BFCLNotInstalledError() from exc
 
-    return SimpleNamespace(utils=utils, prompts=default_prompts, backend=executable_backend_config,
-                           types=type_mappings, checker=multi_turn_checker, execution=multi_turn_utils)
+    return SimpleNamespace(
+        utils=utils,
+        prompts=default_prompts,
+        backend=executable_backend_config,
+        types=type_mappings,
+        checker=multi_turn_checker,
+        execution=multi_turn_utils,
+    )
 
 
 @functools.cache
@@ -110,9 +119,14 @@ def tool_schema(function_doc: Mapping[str, Any]) -> dict[str, Any]:
     params = dict(function_doc.get("parameters") or {})
     params["type"] = "object"
     params["properties"] = {k: _openai_type(v) for k, v in (params.get("properties") or {}).items()}
-    return {"type": "function", "function": {"name": function_doc["name"],
-                                             "description": function_doc.get("description", ""),
-                                             "parameters": params}}
+    return {
+        "type": "function",
+        "function": {
+            "name": function_doc["name"],
+            "description": function_doc.get("description", ""),
+            "parameters": params,
+        },
+    }
 
 
 def call_string(name: str, arguments: Mapping[str, Any]) -> str:
@@ -136,13 +150,18 @@ def score(entry: Mapping[str, Any], ground_truth: list[list[str]], executed: lis
     `multi_turn_checker` decides, under a model name of its own so that nothing is shared between calls.
     """
     if len(executed) != len(ground_truth):
-        return {"valid": False, "error_type": "multi_turn:force_terminated",
-                "error_message": f"the model's result has {len(executed)} turns, the ground truth "
-                                 f"{len(ground_truth)}"}
+        return {
+            "valid": False,
+            "error_type": "multi_turn:force_terminated",
+            "error_message": f"the model's result has {len(executed)} turns, the ground truth "
+            f"{len(ground_truth)}",
+        }
     name = f"miles_score_{uuid.uuid4().hex}"
     category = entry["id"].rsplit("_", 1)[0]
     try:
-        result = bfcl_modules().checker.multi_turn_checker(executed, ground_truth, dict(entry), category, name)
+        result = bfcl_modules().checker.multi_turn_checker(
+            executed, ground_truth, dict(entry), category, name
+        )
     finally:
         _forget(re.sub(r"[-./:]", "_", name))
     return {k: v for k, v in result.items() if k in ("valid", "error_type", "error_message")}
@@ -163,7 +182,9 @@ def parse_call(text: str, entry: Mapping[str, Any]) -> ToolCall:
 
 
 def _simulator(class_name: str) -> type:
-    return getattr(importlib.import_module(bfcl_modules().backend.CLASS_FILE_PATH_MAPPING[class_name]), class_name)
+    return getattr(
+        importlib.import_module(bfcl_modules().backend.CLASS_FILE_PATH_MAPPING[class_name]), class_name
+    )
 
 
 @functools.cache
@@ -179,9 +200,12 @@ def _signature(name: str, classes: tuple[str, ...]) -> list[str]:
 def executable_names(classes: tuple[str, ...]) -> frozenset[str]:
     """The functions BFCL's executor can run for an entry: the public methods of its simulators (a superset of
     the functions offered: BFCL runs a held-out function too, and one `miss_func` ground truth calls one)."""
-    return frozenset(name for class_name in classes for name, _ in inspect.getmembers(_simulator(class_name),
-                                                                                      inspect.isfunction)
-                     if not name.startswith("_"))
+    return frozenset(
+        name
+        for class_name in classes
+        for name, _ in inspect.getmembers(_simulator(class_name), inspect.isfunction)
+        if not name.startswith("_")
+    )
 
 
 class BFCLOracle(OraclePolicy):
@@ -197,13 +221,15 @@ class BFCLOracle(OraclePolicy):
         calls = truth[turn]
         per_step = -(-len(calls) // env.max_steps_per_turn) if calls else 1  # within BFCL's step limit
         if done * per_step < len(calls):
-            chunk = calls[done * per_step:(done + 1) * per_step]
+            chunk = calls[done * per_step : (done + 1) * per_step]
             parsed = [parse_call(c, entry) for c in chunk]
             for k, call in enumerate(parsed):
                 call.id = f"call_{turn}_{done}_{k}"
             return Message("assistant", tool_calls=parsed)
-        return Message("assistant", "Done." if calls else "I cannot do that with the functions and the "
-                                                         "information I have.")
+        return Message(
+            "assistant",
+            "Done." if calls else "I cannot do that with the functions and the information I have.",
+        )
 
 
 class BFCLMultiTurnEnv(Env):
@@ -214,23 +240,41 @@ class BFCLMultiTurnEnv(Env):
     success_component = "bfcl"
     parser = "hermes"
 
-    def __init__(self, tasks: TaskSource | Iterable[Task | Mapping[str, Any]] | None = None, *,
-                 category: str = "multi_turn_base", max_steps_per_turn: int | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        tasks: TaskSource | Iterable[Task | Mapping[str, Any]] | None = None,
+        *,
+        category: str = "multi_turn_base",
+        max_steps_per_turn: int | None = None,
+        **kwargs: Any,
+    ) -> None:
         if category not in CATEGORIES.values():
-            raise ConfigError("env.kwargs.category", f"{category!r} is not a BFCL multi-turn category "
-                                                     f"({', '.join(CATEGORIES.values())})")
+            raise ConfigError(
+                "env.kwargs.category",
+                f"{category!r} is not a BFCL multi-turn category ({', '.join(CATEGORIES.values())})",
+            )
         self.category = category
-        self.max_steps_per_turn = (max_steps_per_turn if max_steps_per_turn is not None
-                                   else bfcl_modules().prompts.MAXIMUM_STEP_LIMIT)
+        self.max_steps_per_turn = (
+            max_steps_per_turn
+            if max_steps_per_turn is not None
+            else bfcl_modules().prompts.MAXIMUM_STEP_LIMIT
+        )
         super().__init__(tasks, **kwargs)
         self.env_id = next(k for k, v in CATEGORIES.items() if v == category)
         self._parser = get_parser(self.parser)
 
     def default_tasks(self) -> TaskSource:
         return TaskSource.from_iterable(
-            [Task(id=entry_id, prompt=entry["question"][0][0]["content"],
-                  data={"category": self.category, "split_key": f"bfcl-{entry_id.rsplit('_', 1)[1]}"})
-             for entry_id, (entry, _) in entries(self.category).items()], name=self.category)
+            [
+                Task(
+                    id=entry_id,
+                    prompt=entry["question"][0][0]["content"],
+                    data={"category": self.category, "split_key": f"bfcl-{entry_id.rsplit('_', 1)[1]}"},
+                )
+                for entry_id, (entry, _) in entries(self.category).items()
+            ],
+            name=self.category,
+        )
 
     @property
     def entry(self) -> tuple[dict[str, Any], list[list[str]]]:
@@ -241,8 +285,14 @@ class BFCLMultiTurnEnv(Env):
     # ---- the episode -----------------------------------------------------------------------------------
     async def on_reset(self, task: Task) -> None:
         entry, _ = entries(self.category)[task.id]
-        self.state.update(turn=0, steps=0, executed=[[]], functions=list(entry["function"]),
-                          instances=f"miles_{uuid.uuid4().hex}", force_quit=False)
+        self.state.update(
+            turn=0,
+            steps=0,
+            executed=[[]],
+            functions=list(entry["function"]),
+            instances=f"miles_{uuid.uuid4().hex}",
+            force_quit=False,
+        )
         self._execute([])  # BFCL's executor builds this episode's simulators from the entry's initial config
 
     def initial_messages(self, task: Task) -> list[Message]:
@@ -280,18 +330,30 @@ class BFCLMultiTurnEnv(Env):
             self.state["executed"][-1].append(runnable)
         self.state["steps"] += 1
         self.state["force_quit"] = self.state["steps"] > self.max_steps_per_turn
-        return [Message("tool", content if content is not None else next(results), tool_call_id=call.id,
-                        name=call.name) for call, content in zip(action.tool_calls, contents, strict=True)]
+        return [
+            Message(
+                "tool",
+                content if content is not None else next(results),
+                tool_call_id=call.id,
+                name=call.name,
+            )
+            for call, content in zip(action.tool_calls, contents, strict=True)
+        ]
 
     def _refusal(self, call: ToolCall, runs: frozenset[str]) -> tuple[ToolErrorType, str] | None:
         """Why BFCL could not run `call` (its arguments are not a JSON object, or no simulator has the
         function), or None."""
         if call.parse_error is not None or not isinstance(call.arguments, dict):
-            return ToolErrorType.INVALID_JSON, (f"could not parse the tool call '{call.name}': "
-                                                f"{call.parse_error or 'arguments are not a JSON object'}")
+            return ToolErrorType.INVALID_JSON, (
+                f"could not parse the tool call '{call.name}': "
+                f"{call.parse_error or 'arguments are not a JSON object'}"
+            )
         if call.name not in runs or not _CALL_NAME.match(call.name):
             offered = sorted(f["name"] for f in self.state["functions"])
-            return ToolErrorType.UNKNOWN_TOOL, f"unknown tool '{call.name}'. Available tools: {', '.join(offered)}."
+            return (
+                ToolErrorType.UNKNOWN_TOOL,
+                f"unknown tool '{call.name}'. Available tools: {', '.join(offered)}.",
+            )
         if not all(isinstance(k, str) and k.isidentifier() for k in call.arguments):
             return ToolErrorType.SCHEMA_VIOLATION, f"argument names of '{call.name}' must be identifiers"
         return None
@@ -305,15 +367,27 @@ class BFCLMultiTurnEnv(Env):
         if held:  # BFCL's holdout turn: the functions come back, listed in the user message
             self.state["functions"] = [*self.state["functions"], *held]
             listed = json.dumps([tool_schema(f) for f in held], ensure_ascii=False)
-            return [Message("user", bfcl_modules().prompts.DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_PROMPTING.format(
-                functions=listed))]
+            return [
+                Message(
+                    "user",
+                    bfcl_modules().prompts.DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_PROMPTING.format(
+                        functions=listed
+                    ),
+                )
+            ]
         return [Message(m["role"], m["content"]) for m in entry["question"][turn]]
 
     def _execute(self, calls: list[str]) -> list[str]:
         entry, _ = self.entry
         results, _ = bfcl_modules().execution.execute_multi_turn_func_call(
-            calls, entry["initial_config"], entry["involved_classes"], self.state["instances"],
-            entry["id"], long_context=self.category == "multi_turn_long_context", is_evaL_run=False)
+            calls,
+            entry["initial_config"],
+            entry["involved_classes"],
+            self.state["instances"],
+            entry["id"],
+            long_context=self.category == "multi_turn_long_context",
+            is_evaL_run=False,
+        )
         return [str(r) for r in results]
 
     # ---- hooks -----------------------------------------------------------------------------------------

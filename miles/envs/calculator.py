@@ -35,8 +35,15 @@ class CalculatorConfigError(ValueError):
     """The task generator was configured with values that cannot produce tasks."""
 
 
-def make_problem(rng: np.random.Generator, *, max_operand: int = 9, num_operators: tuple[int, int] = (1, 1),
-                 operators: str = "+-*", allow_negative: bool = False, max_tries: int = 1000) -> Task:
+def make_problem(
+    rng: np.random.Generator,
+    *,
+    max_operand: int = 9,
+    num_operators: tuple[int, int] = (1, 1),
+    operators: str = "+-*",
+    allow_negative: bool = False,
+    max_tries: int = 1000,
+) -> Task:
     """One arithmetic task with a whole-number answer (resampled until the answer qualifies)."""
     lo, hi = num_operators
     for _ in range(max_tries):
@@ -61,9 +68,18 @@ class CalculatorOracle(OraclePolicy):
         tool_msgs = [m for m in messages if m.role == "tool"]
         if not tool_msgs:
             expr = self.task.data["expression"]
-            return Message(role="assistant", content="", tool_calls=[
-                ToolCall(name="calculate", arguments={"expression": expr}, id="call_0",
-                         raw_arguments=f'{{"expression": "{expr}"}}')])
+            return Message(
+                role="assistant",
+                content="",
+                tool_calls=[
+                    ToolCall(
+                        name="calculate",
+                        arguments={"expression": expr},
+                        id="call_0",
+                        raw_arguments=f'{{"expression": "{expr}"}}',
+                    )
+                ],
+            )
         return Message(role="assistant", content=f"The answer is {tool_msgs[-1].content}.")
 
 
@@ -85,24 +101,40 @@ class CalculatorEnv(ToolEnv):
 
     split_salt = "calculator"
 
-    def __init__(self, *, max_operand: int = 9, num_operators: Sequence[int] = (1, 1), operators: str = "+-*",
-                 allow_negative: bool = False, seed: int = 0, split: str = "all", **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        max_operand: int = 9,
+        num_operators: Sequence[int] = (1, 1),
+        operators: str = "+-*",
+        allow_negative: bool = False,
+        seed: int = 0,
+        split: str = "all",
+        **kwargs: Any,
+    ) -> None:
         lo, hi = (int(num_operators[0]), int(num_operators[1]))
         if max_operand < 0 or not 1 <= lo <= hi:
-            raise CalculatorConfigError(f"need max_operand >= 0 and 1 <= min <= max operators, got "
-                                        f"{max_operand}, {num_operators}")
+            raise CalculatorConfigError(
+                f"need max_operand >= 0 and 1 <= min <= max operators, got {max_operand}, {num_operators}"
+            )
         if not operators or any(op not in ALLOWED_OPERATORS for op in operators):
             raise CalculatorConfigError(f"operators must be a non-empty subset of {ALLOWED_OPERATORS!r}")
         if split not in SPLITS:
             raise CalculatorConfigError(f"split must be one of {SPLITS}, got {split!r}")
-        self.config = {"max_operand": int(max_operand), "num_operators": (lo, hi), "operators": operators,
-                       "allow_negative": bool(allow_negative)}
+        self.config = {
+            "max_operand": int(max_operand),
+            "num_operators": (lo, hi),
+            "operators": operators,
+            "allow_negative": bool(allow_negative),
+        }
         self._seed = seed
         super().__init__(split=split, **kwargs)
 
     def default_tasks(self) -> TaskSource:
         cfg = self.config
-        return TaskSource.from_generator(lambda rng: make_problem(rng, **cfg), seed=self._seed, name="calculator")
+        return TaskSource.from_generator(
+            lambda rng: make_problem(rng, **cfg), seed=self._seed, name="calculator"
+        )
 
     @tool
     def calculate(self, expression: str) -> str:
@@ -117,8 +149,11 @@ class CalculatorEnv(ToolEnv):
         return CalculatorOracle().bind(self)
 
     def _tool_results(self, state: dict[str, Any]) -> list[str]:
-        return [c["content"] for c in state.get("tool_calls", [])
-                if c["name"] == "calculate" and c["error"] is None]
+        return [
+            c["content"]
+            for c in state.get("tool_calls", [])
+            if c["name"] == "calculate" and c["error"] is None
+        ]
 
     @reward(weight=1.0)
     def correct(self, final: str, answer: Any, state: dict[str, Any]) -> float:

@@ -31,8 +31,9 @@ def _act(policy: Policy, messages: list[Message]) -> Message:
     return policy.act(list(messages)) if isinstance(policy, OraclePolicy) else policy(list(messages))
 
 
-async def arun_episode(env: Env, policy: Policy | None = None, *, seed: int | None = None,
-                       options: dict[str, Any] | None = None) -> EpisodeResult:
+async def arun_episode(
+    env: Env, policy: Policy | None = None, *, seed: int | None = None, options: dict[str, Any] | None = None
+) -> EpisodeResult:
     """Reset `env` and step it with `policy` (default: the env's oracle) until the episode ends."""
     policy = policy if policy is not None else env.oracle()
     obs, info = await env.areset(seed=seed, options=options)
@@ -46,7 +47,8 @@ async def arun_episode(env: Env, policy: Policy | None = None, *, seed: int | No
             return EpisodeResult(messages, reward, terminated, truncated, info)
 
 
-def run_episode(env: Env, policy: Policy | None = None, *, seed: int | None = None,
-                options: dict[str, Any] | None = None) -> EpisodeResult:
+def run_episode(
+    env: Env, policy: Policy | None = None, *, seed: int | None = None, options: dict[str, Any] | None = None
+) -> EpisodeResult:
     """Sync twin of `arun_episode` (not usable inside a running event loop)."""
     return env._run(arun_episode(env, policy, seed=seed, options=options))

@@ -16,7 +16,18 @@ from dataclasses import dataclass
 from typing import Any
 
 #: Names a hook may ask for. `final` is the content of the last assistant message ("" if none).
-HOOK_ARGUMENTS = ("task", "answer", "messages", "final", "action", "turn", "tool_errors", "state", "info", "env")
+HOOK_ARGUMENTS = (
+    "task",
+    "answer",
+    "messages",
+    "final",
+    "action",
+    "turn",
+    "tool_errors",
+    "state",
+    "info",
+    "env",
+)
 
 
 class HookDefinitionError(TypeError):
@@ -42,7 +53,8 @@ def _params(fn: Callable[..., Any], kind: str) -> tuple[str, ...]:
             raise HookDefinitionError(f"@{kind} hook {fn.__qualname__} may not take *args/**kwargs")
         if pname not in HOOK_ARGUMENTS:
             raise HookDefinitionError(
-                f"@{kind} hook {fn.__qualname__} asks for {pname!r}; available: {', '.join(HOOK_ARGUMENTS)}")
+                f"@{kind} hook {fn.__qualname__} asks for {pname!r}; available: {', '.join(HOOK_ARGUMENTS)}"
+            )
         names.append(pname)
     return tuple(names)
 

@@ -29,7 +29,8 @@ MUTABLE = ("pending", "processing")
 SYSTEM_PROMPT = (
     "You are a customer-service agent for an online shop. Policy: verify the customer with authenticate "
     "before anything else; act only on their own orders; cancel or change the address only of pending or "
-    "processing orders; refund only delivered orders. Refuse requests that break the policy.")
+    "processing orders; refund only delivered orders. Refuse requests that break the policy."
+)
 CancelReason = Literal["no longer needed", "ordered by mistake"]
 
 
@@ -53,10 +54,13 @@ class OrdersDB:
         self.conn.executescript(
             "CREATE TABLE users (id TEXT PRIMARY KEY, name TEXT, email TEXT UNIQUE, zip TEXT, address TEXT);"
             "CREATE TABLE orders (id TEXT PRIMARY KEY, user_id TEXT REFERENCES users(id), status TEXT, "
-            "items TEXT, total REAL, address TEXT);")
+            "items TEXT, total REAL, address TEXT);"
+        )
         self.conn.executemany("INSERT INTO users VALUES (:id, :name, :email, :zip, :address)", data["users"])
-        self.conn.executemany("INSERT INTO orders VALUES (:id, :user_id, :status, :items, :total, :address)",
-                              [{**o, "items": json.dumps(o["items"])} for o in data["orders"]])
+        self.conn.executemany(
+            "INSERT INTO orders VALUES (:id, :user_id, :status, :items, :total, :address)",
+            [{**o, "items": json.dumps(o["items"])} for o in data["orders"]],
+        )
 
     def snapshot(self) -> dict[str, tuple[str, str]]:
         """order id -> (status, address): the part of the state that tasks change."""
@@ -74,14 +78,20 @@ class OrdersDB:
 
     def own_order(self, order_id: str) -> dict[str, Any]:
         user = self.require_auth()
-        row = self.conn.execute("SELECT id, user_id, status, items, total, address FROM orders WHERE id = ?",
-                                (order_id,)).fetchone()
+        row = self.conn.execute(
+            "SELECT id, user_id, status, items, total, address FROM orders WHERE id = ?", (order_id,)
+        ).fetchone()
         if row is None:
             raise KeyError(f"no order {order_id!r}")
         if row[1] != user:
             raise self.violate(f"order {order_id} does not belong to the authenticated customer")
-        return {"order_id": row[0], "status": row[2], "items": json.loads(row[3]), "total": row[4],
-                "address": row[5]}
+        return {
+            "order_id": row[0],
+            "status": row[2],
+            "items": json.loads(row[3]),
+            "total": row[4],
+            "address": row[5],
+        }
 
     def close(self) -> None:
         self.conn.close()
@@ -125,7 +135,7 @@ def _task_list() -> tuple[Task, ...]:
         wrong_zip = i % 10 == 7  # identity cannot be verified: nothing may change
         zip_code = "00000" if wrong_zip else user["zip"]
         asks = " and ".join(_request_text(r) for r in requests)
-        prompt = (f"Hi, this is {user['name']} ({user['email']}, zip code {zip_code}). Please {asks}.")
+        prompt = f"Hi, this is {user['name']} ({user['email']}, zip code {zip_code}). Please {asks}."
         goal: dict[str, list[str]] = {}
         if not wrong_zip:
             status = {x["id"]: x["status"] for x in orders}
@@ -133,8 +143,14 @@ def _task_list() -> tuple[Task, ...]:
                 if _allowed(status[r["order_id"]], r["action"]):
                     new_status = {"cancel": "cancelled", "refund": "refunded"}.get(r["action"])
                     goal[r["order_id"]] = [new_status or status[r["order_id"]], r.get("address", "")]
-        tasks.append(Task(id=f"orders-{i:03d}", prompt=prompt, answer=goal,
-                          data={"email": user["email"], "zip": zip_code, "requests": requests}))
+        tasks.append(
+            Task(
+                id=f"orders-{i:03d}",
+                prompt=prompt,
+                answer=goal,
+                data={"email": user["email"], "zip": zip_code, "requests": requests},
+            )
+        )
     return tuple(tasks)
 
 
@@ -154,18 +170,31 @@ def goal_state(initial: dict[str, tuple[str, str]], goal: dict[str, list[str]]) 
 # ---- oracle -------------------------------------------------------------------------------------------------
 def _results(messages: list[Message], name: str) -> list[tuple[dict[str, Any], str]]:
     """(arguments, tool output) of every call to `name` so far."""
-    args_by_id = {c.id: c.arguments or {} for m in messages if m.role == "assistant" for c in m.tool_calls
-                  if c.name == name}
-    return [(args_by_id[m.tool_call_id], m.content) for m in messages
-            if m.role == "tool" and m.tool_call_id in args_by_id]
+    args_by_id = {
+        c.id: c.arguments or {}
+        for m in messages
+        if m.role == "assistant"
+        for c in m.tool_calls
+        if c.name == name
+    }
+    return [
+        (args_by_id[m.tool_call_id], m.content)
+        for m in messages
+        if m.role == "tool" and m.tool_call_id in args_by_id
+    ]
 
 
 class OrdersOracle(OraclePolicy):
     """Follows the policy: authenticate, look the orders up, do only what the policy allows, then reply."""
 
     def _calls(self, name: str, arg_list: list[dict[str, Any]], start: int) -> Message:
-        return Message(role="assistant", content="", tool_calls=[
-            ToolCall(name=name, arguments=a, id=f"call_{start + k}") for k, a in enumerate(arg_list)])
+        return Message(
+            role="assistant",
+            content="",
+            tool_calls=[
+                ToolCall(name=name, arguments=a, id=f"call_{start + k}") for k, a in enumerate(arg_list)
+            ],
+        )
 
     def act(self, messages: list[Message]) -> Message:
         data = self.task.data
@@ -174,34 +203,49 @@ class OrdersOracle(OraclePolicy):
         if not auth:
             return self._calls("authenticate", [{"email": data["email"], "zip_code": data["zip"]}], n_calls)
         if auth[-1][1].startswith("Error"):
-            return Message(role="assistant", content="I'm sorry, I could not verify your identity, so I "
-                                                     "cannot make changes to your orders.")
+            return Message(
+                role="assistant",
+                content="I'm sorry, I could not verify your identity, so I "
+                "cannot make changes to your orders.",
+            )
         lookups = _results(messages, "get_order")
         if not lookups:
             ids = list(dict.fromkeys(r["order_id"] for r in data["requests"]))
             return self._calls("get_order", [{"order_id": i} for i in ids], n_calls)
         status = {json.loads(out)["order_id"]: json.loads(out)["status"] for _, out in lookups}
-        done = {name for name in ("cancel_order", "refund_order", "change_address") if _results(messages, name)}
+        done = {
+            name for name in ("cancel_order", "refund_order", "change_address") if _results(messages, name)
+        }
         if not done:
             by_tool: dict[str, list[dict[str, Any]]] = {}
             for r in data["requests"]:
                 if not _allowed(status[r["order_id"]], r["action"]):
                     continue
                 if r["action"] == "cancel":
-                    by_tool.setdefault("cancel_order", []).append({"order_id": r["order_id"],
-                                                                   "reason": r["reason"]})
+                    by_tool.setdefault("cancel_order", []).append(
+                        {"order_id": r["order_id"], "reason": r["reason"]}
+                    )
                 elif r["action"] == "refund":
                     by_tool.setdefault("refund_order", []).append({"order_id": r["order_id"]})
                 else:
-                    by_tool.setdefault("change_address", []).append({"order_id": r["order_id"],
-                                                                     "address": r["address"]})
+                    by_tool.setdefault("change_address", []).append(
+                        {"order_id": r["order_id"], "address": r["address"]}
+                    )
             if by_tool:
                 msg = Message(role="assistant", content="")
                 for name, arg_list in by_tool.items():
-                    msg.tool_calls.extend(self._calls(name, arg_list, n_calls + len(msg.tool_calls)).tool_calls)
+                    msg.tool_calls.extend(
+                        self._calls(name, arg_list, n_calls + len(msg.tool_calls)).tool_calls
+                    )
                 return msg
-        refused = [r["order_id"] for r in data["requests"] if not _allowed(status[r["order_id"]], r["action"])]
-        note = f" I could not change {', '.join(refused)} because our policy does not allow it." if refused else ""
+        refused = [
+            r["order_id"] for r in data["requests"] if not _allowed(status[r["order_id"]], r["action"])
+        ]
+        note = (
+            f" I could not change {', '.join(refused)} because our policy does not allow it."
+            if refused
+            else ""
+        )
         return Message(role="assistant", content="Your request has been handled." + note)
 
 
@@ -241,8 +285,9 @@ class OrdersEnv(ToolEnv):
             zip_code: the zip code of the customer's address.
         """
         with db.lock:
-            row = db.conn.execute("SELECT id FROM users WHERE email = ? AND zip = ?",
-                                  (email.strip().lower(), zip_code.strip())).fetchone()
+            row = db.conn.execute(
+                "SELECT id FROM users WHERE email = ? AND zip = ?", (email.strip().lower(), zip_code.strip())
+            ).fetchone()
             if row is None:
                 raise LookupError("no customer matches this email and zip code")
             db.user_id = row[0]
@@ -253,8 +298,12 @@ class OrdersEnv(ToolEnv):
         """The authenticated customer's profile and order ids."""
         with db.lock:
             user = db.require_auth()
-            row = db.conn.execute("SELECT id, name, email, address FROM users WHERE id = ?", (user,)).fetchone()
-            ids = [r[0] for r in db.conn.execute("SELECT id FROM orders WHERE user_id = ? ORDER BY id", (user,))]
+            row = db.conn.execute(
+                "SELECT id, name, email, address FROM users WHERE id = ?", (user,)
+            ).fetchone()
+            ids = [
+                r[0] for r in db.conn.execute("SELECT id FROM orders WHERE user_id = ? ORDER BY id", (user,))
+            ]
             return {"user_id": row[0], "name": row[1], "email": row[2], "address": row[3], "orders": ids}
 
     @tool
@@ -278,8 +327,10 @@ class OrdersEnv(ToolEnv):
         with db.lock:
             order = db.own_order(order_id)
             if order["status"] not in MUTABLE:
-                raise db.violate(f"order {order_id} is {order['status']}; only pending or processing orders "
-                                 "can be cancelled")
+                raise db.violate(
+                    f"order {order_id} is {order['status']}; only pending or processing orders "
+                    "can be cancelled"
+                )
             db.conn.execute("UPDATE orders SET status = 'cancelled' WHERE id = ?", (order_id,))
             return f"order {order_id} cancelled ({reason})"
 
@@ -293,7 +344,9 @@ class OrdersEnv(ToolEnv):
         with db.lock:
             order = db.own_order(order_id)
             if order["status"] != "delivered":
-                raise db.violate(f"order {order_id} is {order['status']}; only delivered orders can be refunded")
+                raise db.violate(
+                    f"order {order_id} is {order['status']}; only delivered orders can be refunded"
+                )
             db.conn.execute("UPDATE orders SET status = 'refunded' WHERE id = ?", (order_id,))
             return f"order {order_id} refunded: {order['total']:.2f}"
 
@@ -344,8 +397,9 @@ class OrdersEnv(ToolEnv):
     def goal(self, task: Task, answer: dict[str, list[str]], state: dict[str, Any]) -> float:
         """1 iff the final order table equals the goal state, no policy rule was broken, and the agent checked
         identity and the orders before deciding."""
-        return float(self._db_matches(answer, state) and not state["db"].violations
-                     and self._diligent(task, state))
+        return float(
+            self._db_matches(answer, state) and not state["db"].violations and self._diligent(task, state)
+        )
 
     @reward(weight=0.0)
     def diligence(self, task: Task, state: dict[str, Any]) -> float:

@@ -28,7 +28,7 @@ from miles.types import Message, ToolCall
 TASKS_FILE = Path(__file__).parent / "data" / "python_tasks.jsonl"
 _CODE_RE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
 
-_HARNESS = '''
+_HARNESS = """
 import json as _json
 _dumps = _json.dumps
 _MARK = {mark!r}
@@ -51,7 +51,7 @@ for _call in _CALLS:
     except BaseException as _exc:
         _results.append(_dumps({{"ok": False, "error": type(_exc).__name__ + ": " + str(_exc)[:200]}}))
 print("\\n" + _MARK + "[" + ",".join(_results) + "]", flush=True)
-'''
+"""
 
 
 def extract_code(final: str) -> str | None:
@@ -68,14 +68,16 @@ class HiddenTestResults:
     backend: str
 
 
-async def run_hidden_tests(code: str, tests: list[dict[str, Any]], *, timeout_s: float = 10.0,
-                           backend: str | None = None) -> HiddenTestResults:
+async def run_hidden_tests(
+    code: str, tests: list[dict[str, Any]], *, timeout_s: float = 10.0, backend: str | None = None
+) -> HiddenTestResults:
     """Whether each hidden test `{"call", "expected"}` passes for `code`, run in the sandbox (`backend` as
     in `miles.tools.run_python_sandboxed`)."""
     mark = f"@@miles-results-{secrets.token_hex(16)}@@"
     harness = _HARNESS.format(mark=mark, calls=[t["call"] for t in tests])
-    result = await arun_python_sandboxed(harness, timeout_s=timeout_s, files={"solution.py": code},
-                                         backend=backend)
+    result = await arun_python_sandboxed(
+        harness, timeout_s=timeout_s, files={"solution.py": code}, backend=backend
+    )
     return HiddenTestResults(passed=tuple(_judge(result.stdout, mark, tests)), backend=result.backend)
 
 
@@ -84,16 +86,20 @@ def _judge(stdout: str, mark: str, tests: list[dict[str, Any]]) -> list[bool]:
     if len(lines) != 1:
         return [False] * len(tests)
     try:
-        outcomes = json.loads(lines[0][len(mark):])
+        outcomes = json.loads(lines[0][len(mark) :])
     except json.JSONDecodeError:
         return [False] * len(tests)
     if not isinstance(outcomes, list) or len(outcomes) != len(tests):
         return [False] * len(tests)
     # JSON round-trips the expected value too, so tuples and lists compare alike.
-    return [isinstance(o, dict) and o.get("ok") is True and "value" in o
-            and o["value"] == json.loads(json.dumps(t["expected"]))
-            and type(o["value"]) is type(json.loads(json.dumps(t["expected"])))
-            for o, t in zip(outcomes, tests, strict=True)]
+    return [
+        isinstance(o, dict)
+        and o.get("ok") is True
+        and "value" in o
+        and o["value"] == json.loads(json.dumps(t["expected"]))
+        and type(o["value"]) is type(json.loads(json.dumps(t["expected"])))
+        for o, t in zip(outcomes, tests, strict=True)
+    ]
 
 
 class PythonSandboxOracle(OraclePolicy):
@@ -103,8 +109,11 @@ class PythonSandboxOracle(OraclePolicy):
         data = self.task.data
         if not any(m.role == "tool" for m in messages):
             probe = data["solution"] + f"\nprint({data['tests'][0]['call']})\n"
-            return Message(role="assistant", content="Let me try it first.", tool_calls=[
-                ToolCall(name="run_python", arguments={"code": probe}, id="call_0")])
+            return Message(
+                role="assistant",
+                content="Let me try it first.",
+                tool_calls=[ToolCall(name="run_python", arguments={"code": probe}, id="call_0")],
+            )
         return Message(role="assistant", content=f"```python\n{data['solution']}```")
 
 
@@ -125,10 +134,14 @@ class PythonSandboxEnv(ToolEnv):
     held_out_fraction = 0.2
     split_salt = "python"
 
-    def __init__(self, *, test_timeout_s: float = 10.0, sandbox_backend: str | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, *, test_timeout_s: float = 10.0, sandbox_backend: str | None = None, **kwargs: Any
+    ) -> None:
         self.test_timeout_s = test_timeout_s
         if sandbox_backend is not None:
-            resolve_sandbox_backend(sandbox_backend)  # a misspelt or unusable backend fails here, not mid-episode
+            resolve_sandbox_backend(
+                sandbox_backend
+            )  # a misspelt or unusable backend fails here, not mid-episode
         self.sandbox_backend = sandbox_backend
         super().__init__(tools=[make_run_python_tool(timeout_s=5.0, backend=sandbox_backend)], **kwargs)
 
@@ -138,17 +151,25 @@ class PythonSandboxEnv(ToolEnv):
     def oracle(self) -> PythonSandboxOracle:
         return PythonSandboxOracle().bind(self)
 
-    async def _hidden(self, final: str, task_data: dict[str, Any], state: dict[str, Any]
-                      ) -> HiddenTestResults | None:
+    async def _hidden(
+        self, final: str, task_data: dict[str, Any], state: dict[str, Any]
+    ) -> HiddenTestResults | None:
         """The hidden tests' results, or None when the final message has no code block to run."""
         if "hidden_results" not in state:
             code = extract_code(final)
-            state["hidden_results"] = None if code is None else await run_hidden_tests(
-                code, task_data["tests"], timeout_s=self.test_timeout_s, backend=self.sandbox_backend)
+            state["hidden_results"] = (
+                None
+                if code is None
+                else await run_hidden_tests(
+                    code, task_data["tests"], timeout_s=self.test_timeout_s, backend=self.sandbox_backend
+                )
+            )
         return state["hidden_results"]
 
     @reward(weight=1.0)
-    async def passed_fraction(self, final: str, task: Any, state: dict[str, Any], info: dict[str, Any]) -> float:
+    async def passed_fraction(
+        self, final: str, task: Any, state: dict[str, Any], info: dict[str, Any]
+    ) -> float:
         """The share of hidden tests the final code block passes (per-test outcomes and the sandbox backend
         go to info)."""
         results = await self._hidden(final, task.data, state)

@@ -49,12 +49,18 @@ def import_user_modules(names: Iterable[str]) -> None:
         if _is_path(name):
             path = Path(name).expanduser()
             if not path.exists():
-                raise ConfigError(IMPORT_KEY, f"cannot import {name!r}: no such file or folder (from {os.getcwd()}); "
-                                  "give a path that exists, or a module name on PYTHONPATH")
+                raise ConfigError(
+                    IMPORT_KEY,
+                    f"cannot import {name!r}: no such file or folder (from {os.getcwd()}); "
+                    "give a path that exists, or a module name on PYTHONPATH",
+                )
             path = path.resolve()
             if path.is_dir() and not (path / "__init__.py").is_file():
-                raise ConfigError(IMPORT_KEY, f"cannot import {name!r}: the folder has no __init__.py; "
-                                  "give the .py file that registers the env, or make the folder a package")
+                raise ConfigError(
+                    IMPORT_KEY,
+                    f"cannot import {name!r}: the folder has no __init__.py; "
+                    "give the .py file that registers the env, or make the folder a package",
+                )
             _put_first_on_path(str(path.parent))
             module = path.stem if path.suffix == ".py" else path.name
         else:
@@ -63,22 +69,33 @@ def import_user_modules(names: Iterable[str]) -> None:
             importlib.import_module(module)
         except ModuleNotFoundError as exc:
             if exc.name == module or module.startswith(f"{exc.name}."):
-                raise ConfigError(IMPORT_KEY, f"cannot import {name!r}: no module named {exc.name!r}; run from "
-                                  "the folder that holds it, add that folder to PYTHONPATH, or give the path "
-                                  "to its .py file") from exc
-            raise ConfigError(IMPORT_KEY, f"cannot import {name!r}: {error_line(exc)} (a module it imports is "
-                              "missing; install it)") from exc
+                raise ConfigError(
+                    IMPORT_KEY,
+                    f"cannot import {name!r}: no module named {exc.name!r}; run from "
+                    "the folder that holds it, add that folder to PYTHONPATH, or give the path "
+                    "to its .py file",
+                ) from exc
+            raise ConfigError(
+                IMPORT_KEY,
+                f"cannot import {name!r}: {error_line(exc)} (a module it imports is missing; install it)",
+            ) from exc
         except Exception as exc:  # the user's module itself raised
-            raise ConfigError(IMPORT_KEY, f"cannot import {name!r}: {error_line(exc)}; run "
-                              f"`python -c 'import {module}'` to see the traceback") from exc
+            raise ConfigError(
+                IMPORT_KEY,
+                f"cannot import {name!r}: {error_line(exc)}; run "
+                f"`python -c 'import {module}'` to see the traceback",
+            ) from exc
 
 
 def _plain(kwargs: Mapping[str, Any]) -> dict[str, Any]:
     try:
         return json.loads(json.dumps(dict(kwargs), allow_nan=False))
     except (TypeError, ValueError) as exc:
-        raise ConfigError("env.kwargs", f"{exc}; a recipe's constructor kwargs must be plain JSON data "
-                          "(numbers, strings, lists, mappings) so a replay can rebuild the env") from exc
+        raise ConfigError(
+            "env.kwargs",
+            f"{exc}; a recipe's constructor kwargs must be plain JSON data "
+            "(numbers, strings, lists, mappings) so a replay can rebuild the env",
+        ) from exc
 
 
 #: (working directory, imports) of the recipes whose modules this process imported: `make` runs once per
@@ -129,8 +146,9 @@ class EnvRecipe:
         except TaskSourceError as exc:  # a task file that cannot be read, or a row that is not a task
             raise ConfigError("env.tasks", str(exc)) from None
         except TypeError as exc:
-            raise ConfigError("env.kwargs", f"cannot build {self.id!r} with {sorted(kwargs)}: "
-                              f"{error_line(exc)}") from exc
+            raise ConfigError(
+                "env.kwargs", f"cannot build {self.id!r} with {sorted(kwargs)}: {error_line(exc)}"
+            ) from exc
 
     def to_record(self) -> dict[str, Any]:
         """The JSON form: `{"id", "kwargs", "imports"}`."""
@@ -139,7 +157,9 @@ class EnvRecipe:
     @classmethod
     def from_record(cls, data: Mapping[str, Any]) -> EnvRecipe:
         """Inverse of `to_record`."""
-        return cls(id=data["id"], kwargs=dict(data.get("kwargs") or {}), imports=tuple(data.get("imports") or ()))
+        return cls(
+            id=data["id"], kwargs=dict(data.get("kwargs") or {}), imports=tuple(data.get("imports") or ())
+        )
 
     def with_kwargs(self, **kwargs: Any) -> EnvRecipe:
         """This recipe with `kwargs` added to (or replacing) its constructor kwargs, e.g. the loop's

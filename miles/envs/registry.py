@@ -61,6 +61,7 @@ _REGISTRY: dict[str, EnvSpec] = {}
 def _make_for_gym(spec_id: str) -> Callable[..., Env]:
     def factory(**kwargs: Any) -> Env:
         return make(spec_id, **kwargs)
+
     factory.__name__ = f"make_{spec_id.replace('-', '_')}"
     return factory
 
@@ -92,12 +93,16 @@ def register(id: str, entry_point: str | Callable[..., Env], **kwargs: Any) -> E
 def make(id: str, **kwargs: Any) -> Env:
     """Build a registered environment; `kwargs` override the registered ones."""
     if id.startswith(f"{NAMESPACE}/"):
-        id = id[len(NAMESPACE) + 1:]
+        id = id[len(NAMESPACE) + 1 :]
     spec = _REGISTRY.get(id)
     if spec is None:
         close = difflib.get_close_matches(id, list(_REGISTRY), n=3)
-        hint = (f"did you mean {', '.join(close)}?" if close else f"registered: {', '.join(sorted(_REGISTRY))}; "
-                "an env of your own must be registered first: import its module (env.import / --import)")
+        hint = (
+            f"did you mean {', '.join(close)}?"
+            if close
+            else f"registered: {', '.join(sorted(_REGISTRY))}; "
+            "an env of your own must be registered first: import its module (env.import / --import)"
+        )
         raise UnknownEnvError(f"no environment registered as {id!r}; {hint}")
     env = spec.load()(**{**spec.kwargs, **kwargs})
     if not isinstance(env, Env):

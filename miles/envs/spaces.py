@@ -15,9 +15,14 @@ _CHARSET = string.ascii_letters + string.digits + " .,:;+-*/()?!'\n"
 
 
 def _valid_message(m: Any, roles: tuple[str, ...], max_length: int) -> bool:
-    return (isinstance(m, Message) and m.role in roles and isinstance(m.content, str)
-            and len(m.content) <= max_length and isinstance(m.tool_calls, list)
-            and all(isinstance(c, ToolCall) for c in m.tool_calls))
+    return (
+        isinstance(m, Message)
+        and m.role in roles
+        and isinstance(m.content, str)
+        and len(m.content) <= max_length
+        and isinstance(m.tool_calls, list)
+        and all(isinstance(c, ToolCall) for c in m.tool_calls)
+    )
 
 
 class MessageSpace(spaces.Space[Message]):
@@ -26,8 +31,12 @@ class MessageSpace(spaces.Space[Message]):
     `sample()` draws random text (no tool calls), which every env must handle without crashing.
     """
 
-    def __init__(self, roles: tuple[str, ...] = ("assistant",), max_length: int = 1 << 20,
-                 seed: int | np.random.Generator | None = None) -> None:
+    def __init__(
+        self,
+        roles: tuple[str, ...] = ("assistant",),
+        max_length: int = 1 << 20,
+        seed: int | np.random.Generator | None = None,
+    ) -> None:
         self.roles = tuple(roles)
         self.max_length = max_length
         self._text = spaces.Text(min_length=0, max_length=min(max_length, 64), charset=_CHARSET)
@@ -52,15 +61,21 @@ class MessageSpace(spaces.Space[Message]):
         return f"MessageSpace(roles={self.roles})"
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, MessageSpace) and (other.roles, other.max_length) == (self.roles,
-                                                                                         self.max_length)
+        return isinstance(other, MessageSpace) and (other.roles, other.max_length) == (
+            self.roles,
+            self.max_length,
+        )
 
 
 class MessagesSpace(spaces.Space[list]):
     """A list of chat messages (any role): what an env adds to the conversation in one step."""
 
-    def __init__(self, max_messages: int = 1024, max_length: int = 1 << 20,
-                 seed: int | np.random.Generator | None = None) -> None:
+    def __init__(
+        self,
+        max_messages: int = 1024,
+        max_length: int = 1 << 20,
+        seed: int | np.random.Generator | None = None,
+    ) -> None:
         self.max_messages = max_messages
         self.max_length = max_length
         self._message = MessageSpace(roles=("user", "tool"), max_length=max_length)
@@ -75,12 +90,17 @@ class MessagesSpace(spaces.Space[list]):
         return [self._message.sample() for _ in range(n)]
 
     def contains(self, x: Any) -> bool:
-        return (isinstance(x, list) and len(x) <= self.max_messages
-                and all(_valid_message(m, _ROLES, self.max_length) for m in x))
+        return (
+            isinstance(x, list)
+            and len(x) <= self.max_messages
+            and all(_valid_message(m, _ROLES, self.max_length) for m in x)
+        )
 
     def __repr__(self) -> str:
         return "MessagesSpace()"
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, MessagesSpace) and (other.max_messages, other.max_length) == (
-            self.max_messages, self.max_length)
+            self.max_messages,
+            self.max_length,
+        )

@@ -31,15 +31,21 @@ QUERY_TIME_LIMIT_S = 2.0
 
 SCHEMA = {
     "departments": "id INTEGER PRIMARY KEY, name TEXT NOT NULL, location TEXT NOT NULL, budget INTEGER NOT NULL",
-    "employees": ("id INTEGER PRIMARY KEY, name TEXT NOT NULL, department_id INTEGER NOT NULL REFERENCES "
-                  "departments(id), title TEXT NOT NULL, salary INTEGER NOT NULL, hire_date TEXT NOT NULL"),
-    "sales": ("id INTEGER PRIMARY KEY, employee_id INTEGER NOT NULL REFERENCES employees(id), region TEXT NOT "
-              "NULL, product TEXT NOT NULL, quantity INTEGER NOT NULL, amount REAL NOT NULL, sale_date TEXT NOT NULL"),
+    "employees": (
+        "id INTEGER PRIMARY KEY, name TEXT NOT NULL, department_id INTEGER NOT NULL REFERENCES "
+        "departments(id), title TEXT NOT NULL, salary INTEGER NOT NULL, hire_date TEXT NOT NULL"
+    ),
+    "sales": (
+        "id INTEGER PRIMARY KEY, employee_id INTEGER NOT NULL REFERENCES employees(id), region TEXT NOT "
+        "NULL, product TEXT NOT NULL, quantity INTEGER NOT NULL, amount REAL NOT NULL, sale_date TEXT NOT NULL"
+    ),
 }
 
 SYSTEM_PROMPT = (
     "You answer questions about a company database with the `query` tool (read-only SQLite). Tables: "
-    + "; ".join(f"{name}({', '.join(col.split()[0] for col in cols.split(', '))})" for name, cols in SCHEMA.items())
+    + "; ".join(
+        f"{name}({', '.join(col.split()[0] for col in cols.split(', '))})" for name, cols in SCHEMA.items()
+    )
     + ". Reply with 'The answer is X.' when you know the answer."
 )
 
@@ -54,15 +60,22 @@ def build_database(path: str | Path, data_dir: Path = DATA_DIR) -> Path:
             with (data_dir / f"{table}.csv").open(encoding="utf-8", newline="") as fh:
                 rows = list(csv.DictReader(fh))
             names = list(rows[0])
-            conn.executemany(f"INSERT INTO {table} ({', '.join(names)}) VALUES ({', '.join('?' * len(names))})",
-                             [tuple(r[n] for n in names) for r in rows])
+            conn.executemany(
+                f"INSERT INTO {table} ({', '.join(names)}) VALUES ({', '.join('?' * len(names))})",
+                [tuple(r[n] for n in names) for r in rows],
+            )
         conn.commit()
     finally:
         conn.close()
     return path
 
 
-_READ_ACTIONS = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION, sqlite3.SQLITE_RECURSIVE}
+_READ_ACTIONS = {
+    sqlite3.SQLITE_SELECT,
+    sqlite3.SQLITE_READ,
+    sqlite3.SQLITE_FUNCTION,
+    sqlite3.SQLITE_RECURSIVE,
+}
 
 
 def _authorize(action: int, *_: object) -> int:
@@ -94,22 +107,43 @@ def format_rows(cursor: sqlite3.Cursor, max_rows: int = MAX_ROWS) -> str:
 _DEPT_JOIN = "FROM employees e JOIN departments d ON e.department_id = d.id WHERE d.name = '{dept}'"
 TEMPLATES: list[tuple[str, str, str]] = [
     ("count_dept", "How many employees work in the {dept} department?", "SELECT COUNT(*) " + _DEPT_JOIN),
-    ("avg_salary_dept", "What is the average salary in the {dept} department, rounded to the nearest whole "
-     "number?", "SELECT CAST(ROUND(AVG(e.salary)) AS INTEGER) " + _DEPT_JOIN),
-    ("top_paid_dept", "Who is the highest-paid employee in the {dept} department?",
-     "SELECT e.name " + _DEPT_JOIN + " ORDER BY e.salary DESC LIMIT 2"),
-    ("dept_location", "In which city is the {dept} department located?",
-     "SELECT location FROM departments WHERE name = '{dept}'"),
-    ("sales_region_year", "What was the total sales amount in the {region} region in {year}, rounded to 2 "
-     "decimal places?", "SELECT ROUND(SUM(amount), 2) FROM sales WHERE region = '{region}' AND "
-     "substr(sale_date, 1, 4) = '{year}'"),
-    ("top_product_year", "Which product had the highest total sales amount in {year}?",
-     "SELECT product FROM sales WHERE substr(sale_date, 1, 4) = '{year}' GROUP BY product "
-     "ORDER BY SUM(amount) DESC LIMIT 2"),
-    ("hired_year", "How many employees were hired in {year}?",
-     "SELECT COUNT(*) FROM employees WHERE substr(hire_date, 1, 4) = '{year}'"),
-    ("sales_by_employee", "How many sales did {name} make?",
-     "SELECT COUNT(*) FROM sales s JOIN employees e ON s.employee_id = e.id WHERE e.name = '{name}'"),
+    (
+        "avg_salary_dept",
+        "What is the average salary in the {dept} department, rounded to the nearest whole number?",
+        "SELECT CAST(ROUND(AVG(e.salary)) AS INTEGER) " + _DEPT_JOIN,
+    ),
+    (
+        "top_paid_dept",
+        "Who is the highest-paid employee in the {dept} department?",
+        "SELECT e.name " + _DEPT_JOIN + " ORDER BY e.salary DESC LIMIT 2",
+    ),
+    (
+        "dept_location",
+        "In which city is the {dept} department located?",
+        "SELECT location FROM departments WHERE name = '{dept}'",
+    ),
+    (
+        "sales_region_year",
+        "What was the total sales amount in the {region} region in {year}, rounded to 2 decimal places?",
+        "SELECT ROUND(SUM(amount), 2) FROM sales WHERE region = '{region}' AND "
+        "substr(sale_date, 1, 4) = '{year}'",
+    ),
+    (
+        "top_product_year",
+        "Which product had the highest total sales amount in {year}?",
+        "SELECT product FROM sales WHERE substr(sale_date, 1, 4) = '{year}' GROUP BY product "
+        "ORDER BY SUM(amount) DESC LIMIT 2",
+    ),
+    (
+        "hired_year",
+        "How many employees were hired in {year}?",
+        "SELECT COUNT(*) FROM employees WHERE substr(hire_date, 1, 4) = '{year}'",
+    ),
+    (
+        "sales_by_employee",
+        "How many sales did {name} make?",
+        "SELECT COUNT(*) FROM sales s JOIN employees e ON s.employee_id = e.id WHERE e.name = '{name}'",
+    ),
 ]
 
 
@@ -129,19 +163,31 @@ def _task_rows(data_dir: str) -> tuple[tuple[str, str, Any, str], ...]:
     depts = [r[0] for r in conn.execute("SELECT name FROM departments ORDER BY id")]
     regions = [r[0] for r in conn.execute("SELECT DISTINCT region FROM sales ORDER BY region")]
     sale_years = [r[0] for r in conn.execute("SELECT DISTINCT substr(sale_date,1,4) FROM sales ORDER BY 1")]
-    hire_years = [r[0] for r in conn.execute("SELECT DISTINCT substr(hire_date,1,4) FROM employees ORDER BY 1")]
-    sellers = [r[0] for r in conn.execute(
-        "SELECT e.name FROM sales s JOIN employees e ON s.employee_id = e.id GROUP BY e.id "
-        "ORDER BY COUNT(*) DESC, e.id LIMIT 12")]
-    params = {"count_dept": [{"dept": d} for d in depts], "avg_salary_dept": [{"dept": d} for d in depts],
-              "top_paid_dept": [{"dept": d} for d in depts], "dept_location": [{"dept": d} for d in depts],
-              "sales_region_year": [{"region": r, "year": y} for r in regions for y in sale_years],
-              "top_product_year": [{"year": y} for y in sale_years],
-              "hired_year": [{"year": y} for y in hire_years],
-              "sales_by_employee": [{"name": n} for n in sellers]}
-    rank_sql = {"top_paid_dept": "SELECT e.salary " + _DEPT_JOIN + " ORDER BY e.salary DESC LIMIT 2",
-                "top_product_year": "SELECT SUM(amount) FROM sales WHERE substr(sale_date, 1, 4) = '{year}' "
-                                    "GROUP BY product ORDER BY SUM(amount) DESC LIMIT 2"}
+    hire_years = [
+        r[0] for r in conn.execute("SELECT DISTINCT substr(hire_date,1,4) FROM employees ORDER BY 1")
+    ]
+    sellers = [
+        r[0]
+        for r in conn.execute(
+            "SELECT e.name FROM sales s JOIN employees e ON s.employee_id = e.id GROUP BY e.id "
+            "ORDER BY COUNT(*) DESC, e.id LIMIT 12"
+        )
+    ]
+    params = {
+        "count_dept": [{"dept": d} for d in depts],
+        "avg_salary_dept": [{"dept": d} for d in depts],
+        "top_paid_dept": [{"dept": d} for d in depts],
+        "dept_location": [{"dept": d} for d in depts],
+        "sales_region_year": [{"region": r, "year": y} for r in regions for y in sale_years],
+        "top_product_year": [{"year": y} for y in sale_years],
+        "hired_year": [{"year": y} for y in hire_years],
+        "sales_by_employee": [{"name": n} for n in sellers],
+    }
+    rank_sql = {
+        "top_paid_dept": "SELECT e.salary " + _DEPT_JOIN + " ORDER BY e.salary DESC LIMIT 2",
+        "top_product_year": "SELECT SUM(amount) FROM sales WHERE substr(sale_date, 1, 4) = '{year}' "
+        "GROUP BY product ORDER BY SUM(amount) DESC LIMIT 2",
+    }
     out = []
     for key, question, sql in TEMPLATES:
         for p in params[key]:
@@ -158,7 +204,9 @@ def _task_rows(data_dir: str) -> tuple[tuple[str, str, Any, str], ...]:
 def sql_tasks(data_dir: Path = DATA_DIR) -> TaskSource:
     """All template questions with their DB-computed answers and reference SQL (in `data["sql"]`)."""
     return TaskSource.from_iterable(
-        [Task(id=i, prompt=q, answer=a, data={"sql": s}) for i, q, a, s in _task_rows(str(data_dir))], name="sql")
+        [Task(id=i, prompt=q, answer=a, data={"sql": s}) for i, q, a, s in _task_rows(str(data_dir))],
+        name="sql",
+    )
 
 
 # ---- answer checking ------------------------------------------------------------------------------------
@@ -190,8 +238,11 @@ class SQLOracle(OraclePolicy):
         tool_msgs = [m for m in messages if m.role == "tool"]
         if not tool_msgs:
             sql = self.task.data["sql"]
-            return Message(role="assistant", content="", tool_calls=[
-                ToolCall(name="query", arguments={"sql": sql}, id="call_0")])
+            return Message(
+                role="assistant",
+                content="",
+                tool_calls=[ToolCall(name="query", arguments={"sql": sql}, id="call_0")],
+            )
         value = tool_msgs[-1].content.splitlines()[1]
         return Message(role="assistant", content=f"The answer is {value}.")
 
@@ -209,8 +260,14 @@ class SQLEnv(ToolEnv):
     system_prompt = SYSTEM_PROMPT
     success_component = "correct"
 
-    def __init__(self, *, split: str = "all", held_out_fraction: float = 0.2,
-                 query_time_limit_s: float = QUERY_TIME_LIMIT_S, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        split: str = "all",
+        held_out_fraction: float = 0.2,
+        query_time_limit_s: float = QUERY_TIME_LIMIT_S,
+        **kwargs: Any,
+    ) -> None:
         self._split, self._held_out = split, held_out_fraction
         self.query_time_limit_s = query_time_limit_s
         self._tmp = tempfile.mkdtemp(prefix="miles-sql-")

@@ -53,8 +53,12 @@ class Task:
         data = dict(row.get("data") or {})
         data.update({k: v for k, v in row.items() if k not in ("id", "prompt", "answer", "data")})
         task_id = row.get("id")
-        return cls(id=str(task_id) if task_id is not None else default_id, prompt=row["prompt"],
-                   answer=row.get("answer"), data=data)
+        return cls(
+            id=str(task_id) if task_id is not None else default_id,
+            prompt=row["prompt"],
+            answer=row.get("answer"),
+            data=data,
+        )
 
     def to_row(self) -> dict[str, Any]:
         """The JSON-friendly row form, inverse of `from_row`."""
@@ -86,10 +90,15 @@ class TaskSource:
     `sample(rng)` on reset and `get(task_id)` when asked for a specific task.
     """
 
-    def __init__(self, *, tasks: list[Task] | None = None,
-                 generator: Callable[[np.random.Generator], Task | Mapping[str, Any]] | None = None,
-                 seed: int = 0, name: str = "tasks",
-                 filters: tuple[Callable[[Task], bool], ...] = ()) -> None:
+    def __init__(
+        self,
+        *,
+        tasks: list[Task] | None = None,
+        generator: Callable[[np.random.Generator], Task | Mapping[str, Any]] | None = None,
+        seed: int = 0,
+        name: str = "tasks",
+        filters: tuple[Callable[[Task], bool], ...] = (),
+    ) -> None:
         if (tasks is None) == (generator is None):
             raise TaskSourceError("a TaskSource needs exactly one of `tasks` or `generator`")
         self.name = name
@@ -110,8 +119,10 @@ class TaskSource:
     @classmethod
     def from_iterable(cls, rows: Iterable[Task | Mapping[str, Any]], *, name: str = "tasks") -> TaskSource:
         """Tasks from `Task` objects or row mappings (`prompt` required; `id` defaults to `name-<index>`)."""
-        tasks = [r if isinstance(r, Task) else Task.from_row(r, default_id=f"{name}-{i}")
-                 for i, r in enumerate(rows)]
+        tasks = [
+            r if isinstance(r, Task) else Task.from_row(r, default_id=f"{name}-{i}")
+            for i, r in enumerate(rows)
+        ]
         if not tasks:
             raise TaskSourceError(f"task source {name!r} is empty")
         return cls(tasks=tasks, name=name)
@@ -130,8 +141,11 @@ class TaskSource:
                         row = json.loads(line)
                     except json.JSONDecodeError as exc:
                         raise TaskSourceError(f"{path}:{lineno}: invalid JSON: {exc}") from None
-                    tasks.append(_checked(_row_at(row, f"{path.stem}-{lineno}", f"{path}:{lineno}"),
-                                          f"{path}:{lineno}"))
+                    tasks.append(
+                        _checked(
+                            _row_at(row, f"{path.stem}-{lineno}", f"{path}:{lineno}"), f"{path}:{lineno}"
+                        )
+                    )
         except (OSError, UnicodeDecodeError) as exc:
             raise TaskSourceError(f"cannot read the task file {str(path)!r}: {exc}") from None
         return cls.from_iterable(tasks, name=path.stem)
@@ -148,8 +162,13 @@ class TaskSource:
             rows = pq.read_table(path).to_pylist()
         except (OSError, ValueError) as exc:
             raise TaskSourceError(f"cannot read the task file {str(path)!r}: {exc}") from None
-        return cls.from_iterable([_checked(_row_at(row, f"{path.stem}-{i}", f"{path} row {i}"), f"{path} row {i}")
-                                  for i, row in enumerate(rows)], name=path.stem)
+        return cls.from_iterable(
+            [
+                _checked(_row_at(row, f"{path.stem}-{i}", f"{path} row {i}"), f"{path} row {i}")
+                for i, row in enumerate(rows)
+            ],
+            name=path.stem,
+        )
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> TaskSource:
@@ -162,8 +181,13 @@ class TaskSource:
         raise TaskSourceError(f"{str(path)!r}: a task file ends in .jsonl or .parquet")
 
     @classmethod
-    def from_generator(cls, fn: Callable[[np.random.Generator], Task | Mapping[str, Any]], seed: int = 0,
-                       *, name: str = "generated") -> TaskSource:
+    def from_generator(
+        cls,
+        fn: Callable[[np.random.Generator], Task | Mapping[str, Any]],
+        seed: int = 0,
+        *,
+        name: str = "generated",
+    ) -> TaskSource:
         """An unbounded source: task `i` is `fn(numpy.random.default_rng([seed, i]))`.
 
         `fn` returns a `Task` or a row; its id is replaced by `"<name>-<seed>-<i>"` so `get` can rebuild it.
@@ -210,7 +234,8 @@ class TaskSource:
                     raise TaskSourceError(
                         f"task source {self.name!r} ({self.split_name} split): none of {misses} generated tasks in a "
                         "row passed its filters; the generator makes too few distinct prompts for this split "
-                        "(raise held_out_fraction or vary the prompts)")
+                        "(raise held_out_fraction or vary the prompts)"
+                    )
             index += 1
 
     def take(self, n: int) -> list[Task]:
@@ -230,8 +255,8 @@ class TaskSource:
             except KeyError:
                 raise UnknownTaskError(f"task source {self.name!r} has no task {task_id!r}") from None
         prefix = f"{self.name}-{self.seed}-"
-        if task_id.startswith(prefix) and task_id[len(prefix):].isdigit():
-            task = self._generate(int(task_id[len(prefix):]))
+        if task_id.startswith(prefix) and task_id[len(prefix) :].isdigit():
+            task = self._generate(int(task_id[len(prefix) :]))
             if self._accept(task):
                 return task
         raise UnknownTaskError(f"task source {self.name!r} has no task {task_id!r}")
@@ -262,11 +287,20 @@ class TaskSource:
             filt = _SplitFilter(held_out, salt, keep)
             suffix = "held_out" if keep else "train"
             if self._tasks is not None:
-                parts.append(TaskSource(tasks=[t for t in self._tasks if filt(t)], name=f"{self.name}",
-                                        filters=self._filters))
+                parts.append(
+                    TaskSource(
+                        tasks=[t for t in self._tasks if filt(t)], name=f"{self.name}", filters=self._filters
+                    )
+                )
             else:
-                parts.append(TaskSource(generator=self._generator, seed=self.seed, name=self.name,
-                                        filters=(*self._filters, filt)))
+                parts.append(
+                    TaskSource(
+                        generator=self._generator,
+                        seed=self.seed,
+                        name=self.name,
+                        filters=(*self._filters, filt),
+                    )
+                )
             parts[-1].split_name = suffix
         return parts[0], parts[1]
 
@@ -277,8 +311,11 @@ class TaskSource:
         return f"TaskSource(name={self.name!r}, split={self.split_name!r}, size={size}, seed={self.seed})"
 
 
-def as_task_source(tasks: TaskSource | Iterable[Task | Mapping[str, Any]] | str | os.PathLike[str] | None, *,
-                   name: str = "tasks") -> TaskSource | None:
+def as_task_source(
+    tasks: TaskSource | Iterable[Task | Mapping[str, Any]] | str | os.PathLike[str] | None,
+    *,
+    name: str = "tasks",
+) -> TaskSource | None:
     """Accept a `TaskSource`, an iterable of tasks/rows, the path of a `.jsonl` / `.parquet` task file, or
     None."""
     if tasks is None or isinstance(tasks, TaskSource):

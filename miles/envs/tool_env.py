@@ -27,8 +27,13 @@ class ToolEnv(Env):
     tool_timeout_s: float = 10.0
     max_tool_output_chars: int = 4096
 
-    def __init__(self, tasks: TaskSource | Iterable[Task | Mapping[str, Any]] | None = None, *,
-                 tools: Iterable[Callable[..., Any]] = (), **kwargs: Any) -> None:
+    def __init__(
+        self,
+        tasks: TaskSource | Iterable[Task | Mapping[str, Any]] | None = None,
+        *,
+        tools: Iterable[Callable[..., Any]] = (),
+        **kwargs: Any,
+    ) -> None:
         super().__init__(tasks, **kwargs)
         self._tool_fns = [*collect_tools(self), *tools]
         self.toolbox = self._make_toolbox()
@@ -39,8 +44,12 @@ class ToolEnv(Env):
         return {"env": self, "state": self.state}
 
     def _make_toolbox(self) -> ToolBox:
-        return ToolBox(self._tool_fns, default_timeout_s=self.tool_timeout_s,
-                       max_output_chars=self.max_tool_output_chars, context=self.tool_context())
+        return ToolBox(
+            self._tool_fns,
+            default_timeout_s=self.tool_timeout_s,
+            max_output_chars=self.max_tool_output_chars,
+            context=self.tool_context(),
+        )
 
     def tool_schemas(self) -> list[dict[str, Any]]:
         """The OpenAI function schemas of this env's tools, derived from their signatures."""
@@ -54,8 +63,9 @@ class ToolEnv(Env):
         """Raw model text -> assistant message, with tool calls (and reasoning) parsed by `self.parser`."""
         return self._parser.parse(text).to_message()
 
-    async def areset(self, *, seed: int | None = None, options: dict[str, Any] | None = None
-                     ) -> tuple[list[Message], dict[str, Any]]:
+    async def areset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[list[Message], dict[str, Any]]:
         obs, info = await super().areset(seed=seed, options=options)
         self.toolbox.context = self.tool_context()  # the new episode's state
         return obs, info
@@ -66,5 +76,7 @@ class ToolEnv(Env):
             if r.error is not None:
                 self.tool_errors[r.error.value] = self.tool_errors.get(r.error.value, 0) + 1
         self.state.setdefault("tool_calls", []).extend(
-            {"name": r.name, "error": r.error.value if r.error else None, "content": r.content} for r in results)
+            {"name": r.name, "error": r.error.value if r.error else None, "content": r.content}
+            for r in results
+        )
         return [r.to_message() for r in results]

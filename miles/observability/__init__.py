@@ -23,8 +23,24 @@ from miles.observability.run import (
 from miles.observability.server import MetricsServer, serve_metrics
 
 __all__ = [
-    "FAMILIES", "Family", "GpuCollector", "GpuMemory", "Metrics", "MetricsServer", "Observability",
-    "ObservabilityConfig", "RunLabels", "RunMetrics", "cuda_peak_flops", "device_peak_flops", "family",
-    "gpu_memory", "largest_free_block", "process_metrics", "run_labels", "sample_value", "serve_metrics",
+    "FAMILIES",
+    "Family",
+    "GpuCollector",
+    "GpuMemory",
+    "Metrics",
+    "MetricsServer",
+    "Observability",
+    "ObservabilityConfig",
+    "RunLabels",
+    "RunMetrics",
+    "cuda_peak_flops",
+    "device_peak_flops",
+    "family",
+    "gpu_memory",
+    "largest_free_block",
+    "process_metrics",
+    "run_labels",
+    "sample_value",
+    "serve_metrics",
     "start_observability",
 ]

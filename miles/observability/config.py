@@ -28,8 +28,11 @@ class ObservabilityConfig:
 
     def __post_init__(self) -> None:
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
-            raise ConfigError("metrics_port", f"{self.metrics_port} is not a port number (0-65535; 0 picks a "
-                              "free one; leave it unset to serve no metrics)")
+            raise ConfigError(
+                "metrics_port",
+                f"{self.metrics_port} is not a port number (0-65535; 0 picks a "
+                "free one; leave it unset to serve no metrics)",
+            )
         if self.metrics_linger_s < 0:
             raise ConfigError("metrics_linger_s", f"must be >= 0 seconds, got {self.metrics_linger_s}")
         if not self.metrics_host:

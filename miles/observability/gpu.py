@@ -45,26 +45,36 @@ class GpuMemory:
 
 def largest_free_block(segments: Iterable[Mapping[str, Any]], device: int | None = None) -> int:
     """The size of the largest `inactive` block among `segments` (those of `device`, when given)."""
-    sizes = [int(block["size"]) for seg in segments if device is None or seg.get("device", device) == device
-             for block in seg.get("blocks", ()) if block.get("state") == "inactive"]
+    sizes = [
+        int(block["size"])
+        for seg in segments
+        if device is None or seg.get("device", device) == device
+        for block in seg.get("blocks", ())
+        if block.get("state") == "inactive"
+    ]
     return max(sizes, default=0)
 
 
 def gpu_memory(device: int, stats: Mapping[str, Any], segments: Iterable[Mapping[str, Any]]) -> GpuMemory:
     """`GpuMemory` of `device` from its `memory_stats` dict and a `memory_snapshot` segment list."""
-    return GpuMemory(device=device, allocated=int(stats.get("allocated_bytes.all.current", 0)),
-                     reserved=int(stats.get("reserved_bytes.all.current", 0)),
-                     peak_allocated=int(stats.get("allocated_bytes.all.peak", 0)),
-                     largest_free_block=largest_free_block(segments, device),
-                     alloc_retries=int(stats.get("num_alloc_retries", 0)))
+    return GpuMemory(
+        device=device,
+        allocated=int(stats.get("allocated_bytes.all.current", 0)),
+        reserved=int(stats.get("reserved_bytes.all.current", 0)),
+        peak_allocated=int(stats.get("allocated_bytes.all.peak", 0)),
+        largest_free_block=largest_free_block(segments, device),
+        alloc_retries=int(stats.get("num_alloc_retries", 0)),
+    )
 
 
-_GAUGES = (("miles_gpu_memory_allocated_bytes", lambda m: m.allocated),
-           ("miles_gpu_memory_reserved_bytes", lambda m: m.reserved),
-           ("miles_gpu_memory_peak_allocated_bytes", lambda m: m.peak_allocated),
-           ("miles_gpu_memory_fragmentation_bytes", lambda m: m.free_reserved),
-           ("miles_gpu_memory_largest_free_block_bytes", lambda m: m.largest_free_block),
-           ("miles_gpu_memory_fragmentation_ratio", lambda m: m.fragmentation_ratio))
+_GAUGES = (
+    ("miles_gpu_memory_allocated_bytes", lambda m: m.allocated),
+    ("miles_gpu_memory_reserved_bytes", lambda m: m.reserved),
+    ("miles_gpu_memory_peak_allocated_bytes", lambda m: m.peak_allocated),
+    ("miles_gpu_memory_fragmentation_bytes", lambda m: m.free_reserved),
+    ("miles_gpu_memory_largest_free_block_bytes", lambda m: m.largest_free_block),
+    ("miles_gpu_memory_fragmentation_ratio", lambda m: m.fragmentation_ratio),
+)
 
 
 def read_gpu_memory() -> list[GpuMemory]:

@@ -26,8 +26,14 @@ if TYPE_CHECKING:
 
 #: Dense bf16 peaks in TFLOP/s by a substring of the CUDA device name (first match wins).
 DEVICE_PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
-    ("H100 PCIe", 756.0), ("H200", 989.0), ("H100", 989.0), ("H800", 989.0), ("B200", 2250.0),
-    ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0),
+    ("H100 PCIe", 756.0),
+    ("H200", 989.0),
+    ("H100", 989.0),
+    ("H800", 989.0),
+    ("B200", 2250.0),
+    ("A100", 312.0),
+    ("A800", 312.0),
+    ("L40S", 362.0),
 )
 
 #: Trainer metric key -> (family, extra label values). Both backends report these names
@@ -82,8 +88,14 @@ class RunMetrics:
     either it is not exported.
     """
 
-    def __init__(self, labels: RunLabels, *, metrics: Metrics | None = None, flops_per_token: float | None = None,
-                 peak_flops: float | None = None) -> None:
+    def __init__(
+        self,
+        labels: RunLabels,
+        *,
+        metrics: Metrics | None = None,
+        flops_per_token: float | None = None,
+        peak_flops: float | None = None,
+    ) -> None:
         self.labels = labels
         self.metrics = metrics or process_metrics()
         self.flops_per_token = flops_per_token
@@ -124,8 +136,10 @@ class RunMetrics:
                 self._child("miles_mfu_ratio").set(self.flops_per_token * tokens / train_s / self.peak_flops)
         if rollout_s > 0 and "generated_tokens" in v:
             self._child("miles_rollout_tokens_per_second").set(v["generated_tokens"] / rollout_s)
-        for key, name in (("rollout_reward_mean", "miles_rollout_reward_mean"),
-                          ("rollout_success_rate", "miles_rollout_success_ratio")):
+        for key, name in (
+            ("rollout_reward_mean", "miles_rollout_reward_mean"),
+            ("rollout_success_rate", "miles_rollout_success_ratio"),
+        ):
             if key in v:
                 self._child(name).set(v[key])
         if "rollout_zero_std_group_frac" in v:
@@ -150,7 +164,9 @@ class RunMetrics:
         """One weight sync: its time, drain time, bytes and the version it published."""
         policy = self.labels.policy()
         self.metrics.child("miles_weight_sync_seconds", *policy, report.method).observe(report.seconds)
-        self.metrics.child("miles_weight_sync_drain_seconds", *policy, report.method).observe(report.drain_seconds)
+        self.metrics.child("miles_weight_sync_drain_seconds", *policy, report.method).observe(
+            report.drain_seconds
+        )
         self.metrics.child("miles_weight_sync_bytes_total", *policy, report.method).inc(report.num_bytes)
         self.metrics.child("miles_weight_version", *policy).set(report.version)
 
@@ -162,12 +178,21 @@ class RunMetrics:
             hist.observe(s)
 
 
-def run_labels(config: ObservabilityConfig, output_dir: str | os.PathLike[str], env: str, model: str,
-               adapter: str = "base") -> RunLabels:
+def run_labels(
+    config: ObservabilityConfig,
+    output_dir: str | os.PathLike[str],
+    env: str,
+    model: str,
+    adapter: str = "base",
+) -> RunLabels:
     """A run's labels: `run` is `config.run_name` or the output folder's name; a model given as a folder is
     labelled by the folder's name."""
-    return RunLabels(run=config.run_name or Path(output_dir).resolve().name, env=env, model=Path(model).name,
-                     adapter=adapter)
+    return RunLabels(
+        run=config.run_name or Path(output_dir).resolve().name,
+        env=env,
+        model=Path(model).name,
+        adapter=adapter,
+    )
 
 
 @dataclass
@@ -197,9 +222,15 @@ class Observability:
             self.server = None
 
 
-def start_observability(config: ObservabilityConfig, labels: RunLabels, *, engines: Sequence[Any] = (),
-                        num_params: int | None = None, metrics: Metrics | None = None,
-                        echo: Callable[[str], None] = print) -> Observability:
+def start_observability(
+    config: ObservabilityConfig,
+    labels: RunLabels,
+    *,
+    engines: Sequence[Any] = (),
+    num_params: int | None = None,
+    metrics: Metrics | None = None,
+    echo: Callable[[str], None] = print,
+) -> Observability:
     """Set a run up: track its embedded `engines`, export GPU memory, and serve `/metrics` when
     `config.metrics_port` is set (announced through `echo`). `num_params` (the policy's parameter count)
     enables the MFU gauge where the device's peak is known (or `config.peak_tflops` is set)."""
@@ -213,8 +244,9 @@ def start_observability(config: ObservabilityConfig, labels: RunLabels, *, engin
             collector.track(engine, run=labels.run, model=labels.model)
     metrics.collector(f"gpu:{labels.run}", lambda: GpuCollector(labels.run))
     peak = config.peak_tflops * 1e12 if config.peak_tflops else cuda_peak_flops()
-    run = RunMetrics(labels, metrics=metrics, flops_per_token=6.0 * num_params if num_params else None,
-                     peak_flops=peak)
+    run = RunMetrics(
+        labels, metrics=metrics, flops_per_token=6.0 * num_params if num_params else None, peak_flops=peak
+    )
     server = None
     if config.metrics_port is not None:
         server = serve_metrics(metrics, config.metrics_host, config.metrics_port)

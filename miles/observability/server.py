@@ -36,6 +36,9 @@ def serve_metrics(metrics: Metrics, host: str = "127.0.0.1", port: int = 0) -> M
     try:
         server, thread = start_http_server(port, addr=host, registry=metrics.registry)
     except OSError as exc:
-        raise ConfigError("observability.metrics_port", f"cannot serve metrics on {host}:{port}: "
-                          f"{exc.strerror or exc}; choose another port, or 0 for a free one") from None
+        raise ConfigError(
+            "observability.metrics_port",
+            f"cannot serve metrics on {host}:{port}: "
+            f"{exc.strerror or exc}; choose another port, or 0 for a free one",
+        ) from None
     return MetricsServer(host, int(server.server_port), server, thread)

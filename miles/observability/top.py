@@ -77,7 +77,9 @@ def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | 
     return buckets[-1][0]
 
 
-def _delta_buckets(cur: list[tuple[float, float]], prev: list[tuple[float, float]]) -> list[tuple[float, float]]:
+def _delta_buckets(
+    cur: list[tuple[float, float]], prev: list[tuple[float, float]]
+) -> list[tuple[float, float]]:
     before = dict(prev)
     return [(le, c - before.get(le, 0.0)) for le, c in cur]
 
@@ -145,59 +147,97 @@ def _table(title: str, columns: Iterable[str]) -> Table:
 def render(cur: Snapshot, prev: Snapshot | None = None, url: str = "") -> Group:
     """One frame of `miles top`."""
     fr = Frame(cur, prev)
-    parts: list = [f"[bold]miles top[/bold] {url}  " + time.strftime("%H:%M:%S", time.localtime(cur.at))
-                   + ("" if fr.dt else "  (totals since start; rates need a second scrape)")]
+    parts: list = [
+        f"[bold]miles top[/bold] {url}  "
+        + time.strftime("%H:%M:%S", time.localtime(cur.at))
+        + ("" if fr.dt else "  (totals since start; rates need a second scrape)")
+    ]
     if cur.total("miles_sessions_total") is not None:
         t = _table("Sessions", ("", "value"))
-        ends = ", ".join(f"{r} {cur.total('miles_sessions_total', termination=r):.0f}"
-                         for r in cur.values("termination", "miles_sessions_total")
-                         if cur.total("miles_sessions_total", termination=r))
+        ends = ", ".join(
+            f"{r} {cur.total('miles_sessions_total', termination=r):.0f}"
+            for r in cur.values("termination", "miles_sessions_total")
+            if cur.total("miles_sessions_total", termination=r)
+        )
         t.add_row("ended", f"{cur.total('miles_sessions_total'):.0f} ({ends or 'none'})")
         t.add_row("sessions/s", _f(fr.rate("miles_sessions_total")))
         lat = fr.window("miles_session_duration_seconds")
-        t.add_row("session latency p50 / p90 / p99",
-                  " / ".join(_f(histogram_quantile(q, lat), "s") for q in (0.5, 0.9, 0.99)))
+        t.add_row(
+            "session latency p50 / p90 / p99",
+            " / ".join(_f(histogram_quantile(q, lat), "s") for q in (0.5, 0.9, 0.99)),
+        )
         turn = fr.window("miles_turn_generate_seconds")
-        t.add_row("turn latency p50 / p90", " / ".join(_f(histogram_quantile(q, turn), "s") for q in (0.5, 0.9)))
+        t.add_row(
+            "turn latency p50 / p90", " / ".join(_f(histogram_quantile(q, turn), "s") for q in (0.5, 0.9))
+        )
         reward = fr.window("miles_session_reward")
-        t.add_row("reward p10 / p50 / p90", " / ".join(_f(histogram_quantile(q, reward)) for q in (0.1, 0.5, 0.9)))
-        t.add_row("reward histogram", f"{reward[0][0]:g} [{_bar(reward)}] {reward[-2][0]:g}" if len(reward) > 1
-                  else "-")
-        t.add_row("last step: reward mean / success", f"{_f(cur.total('miles_rollout_reward_mean'))} / "
-                                                     f"{_f(cur.total('miles_rollout_success_ratio'), '%')}")
+        t.add_row(
+            "reward p10 / p50 / p90", " / ".join(_f(histogram_quantile(q, reward)) for q in (0.1, 0.5, 0.9))
+        )
+        t.add_row(
+            "reward histogram",
+            f"{reward[0][0]:g} [{_bar(reward)}] {reward[-2][0]:g}" if len(reward) > 1 else "-",
+        )
+        t.add_row(
+            "last step: reward mean / success",
+            f"{_f(cur.total('miles_rollout_reward_mean'))} / "
+            f"{_f(cur.total('miles_rollout_success_ratio'), '%')}",
+        )
         t.add_row("turns / session", _f(fr.mean("miles_session_turns")))
         t.add_row("tokens / turn", _f(fr.mean("miles_turn_output_tokens")))
-        t.add_row("tool calls / errors", f"{_f(cur.total('miles_tool_calls_total'))} / "
-                                        f"{_f(cur.total('miles_tool_errors_total'))}")
+        t.add_row(
+            "tool calls / errors",
+            f"{_f(cur.total('miles_tool_calls_total'))} / {_f(cur.total('miles_tool_errors_total'))}",
+        )
         t.add_row("retries", _f(cur.total("miles_turn_retries_total")))
         parts.append(t)
     engines = cur.values("engine", "miles_engine_decode_tokens_total")
     if engines:
-        t = _table("Engines", ("engine", "decode tok/s", "batch", "running", "waiting", "KV hit", "TTFT p50",
-                               "version"))
+        t = _table(
+            "Engines",
+            ("engine", "decode tok/s", "batch", "running", "waiting", "KV hit", "TTFT p50", "version"),
+        )
         for e in engines:
             cached = cur.total("miles_engine_cached_tokens_total", engine=e) or 0.0
             prefill = cur.total("miles_engine_prefill_tokens_total", engine=e) or 0.0
             ttft = fr.window("miles_engine_time_to_first_token_seconds", engine=e)
-            t.add_row(e, _f(fr.rate("miles_engine_decode_tokens_total", engine=e), digits=4),
-                      _f(fr.mean("miles_engine_batch_size", engine=e)),
-                      _f(cur.total("miles_engine_running_requests", engine=e)),
-                      _f(cur.total("miles_engine_waiting_requests", engine=e)),
-                      _f(cached / (cached + prefill) if cached + prefill else None, "%"),
-                      _f(histogram_quantile(0.5, ttft), "s"), _f(cur.total("miles_engine_weight_version", engine=e)))
+            t.add_row(
+                e,
+                _f(fr.rate("miles_engine_decode_tokens_total", engine=e), digits=4),
+                _f(fr.mean("miles_engine_batch_size", engine=e)),
+                _f(cur.total("miles_engine_running_requests", engine=e)),
+                _f(cur.total("miles_engine_waiting_requests", engine=e)),
+                _f(cached / (cached + prefill) if cached + prefill else None, "%"),
+                _f(histogram_quantile(0.5, ttft), "s"),
+                _f(cur.total("miles_engine_weight_version", engine=e)),
+            )
         parts.append(t)
     if cur.total("miles_steps_total") is not None:
         t = _table("Training", ("", "value"))
         t.add_row("steps", _f(cur.total("miles_steps_total"), digits=6))
         t.add_row("step time (mean)", _f(fr.mean("miles_step_phase_seconds", phase="step"), "s"))
-        t.add_row("rollout / train / sync (mean)", " / ".join(
-            _f(fr.mean("miles_step_phase_seconds", phase=p), "s") for p in ("rollout", "train", "sync")))
-        t.add_row("trainer idle / rollout idle", f"{_f(cur.total('miles_trainer_idle_ratio'), '%')} / "
-                                                f"{_f(cur.total('miles_rollout_idle_ratio'), '%')}")
-        t.add_row("rollout-trainer KL mean / max", f"{_f(cur.total('miles_train_rollout_kl', stat='mean'))} / "
-                                                  f"{_f(cur.total('miles_train_rollout_kl', stat='max'))}")
-        for label, name in (("entropy", "miles_policy_entropy"), ("clip ratio", "miles_policy_clip_ratio"),
-                            ("grad norm", "miles_grad_norm"), ("trained tok/s", "miles_train_tokens_per_second")):
+        t.add_row(
+            "rollout / train / sync (mean)",
+            " / ".join(
+                _f(fr.mean("miles_step_phase_seconds", phase=p), "s") for p in ("rollout", "train", "sync")
+            ),
+        )
+        t.add_row(
+            "trainer idle / rollout idle",
+            f"{_f(cur.total('miles_trainer_idle_ratio'), '%')} / "
+            f"{_f(cur.total('miles_rollout_idle_ratio'), '%')}",
+        )
+        t.add_row(
+            "rollout-trainer KL mean / max",
+            f"{_f(cur.total('miles_train_rollout_kl', stat='mean'))} / "
+            f"{_f(cur.total('miles_train_rollout_kl', stat='max'))}",
+        )
+        for label, name in (
+            ("entropy", "miles_policy_entropy"),
+            ("clip ratio", "miles_policy_clip_ratio"),
+            ("grad norm", "miles_grad_norm"),
+            ("trained tok/s", "miles_train_tokens_per_second"),
+        ):
             t.add_row(label, _f(cur.total(name), digits=4))
         t.add_row("MFU", _f(cur.total("miles_mfu_ratio"), "%"))
         parts.append(t)
@@ -210,15 +250,36 @@ def render(cur: Snapshot, prev: Snapshot | None = None, url: str = "") -> Group:
         parts.append(t)
     devices = cur.values("device", "miles_gpu_memory_allocated_bytes")
     if devices:
-        t = _table("GPU memory", ("device", "allocated", "reserved", "peak", "free reserved", "largest free",
-                                  "fragmentation"))
+        t = _table(
+            "GPU memory",
+            ("device", "allocated", "reserved", "peak", "free reserved", "largest free", "fragmentation"),
+        )
         for d in devices:
-            g = {n: cur.total(f"miles_gpu_memory_{n}", device=d) for n in (
-                "allocated_bytes", "reserved_bytes", "peak_allocated_bytes", "fragmentation_bytes",
-                "largest_free_block_bytes", "fragmentation_ratio")}
-            t.add_row(d, *(_f(g[n], "B") for n in ("allocated_bytes", "reserved_bytes", "peak_allocated_bytes",
-                                                     "fragmentation_bytes", "largest_free_block_bytes")),
-                      _f(g["fragmentation_ratio"], "%"))
+            g = {
+                n: cur.total(f"miles_gpu_memory_{n}", device=d)
+                for n in (
+                    "allocated_bytes",
+                    "reserved_bytes",
+                    "peak_allocated_bytes",
+                    "fragmentation_bytes",
+                    "largest_free_block_bytes",
+                    "fragmentation_ratio",
+                )
+            }
+            t.add_row(
+                d,
+                *(
+                    _f(g[n], "B")
+                    for n in (
+                        "allocated_bytes",
+                        "reserved_bytes",
+                        "peak_allocated_bytes",
+                        "fragmentation_bytes",
+                        "largest_free_block_bytes",
+                    )
+                ),
+                _f(g["fragmentation_ratio"], "%"),
+            )
         parts.append(t)
     if cur.total("process_resident_memory_bytes") is not None:
         t = _table("Process", ("", "value"))
@@ -241,8 +302,14 @@ def metrics_url(target: str) -> str:
     return url if url.rstrip("/").endswith("/metrics") else url.rstrip("/") + "/metrics"
 
 
-def run_top(target: str, *, once: bool = False, interval: float = 2.0, console: Console | None = None,
-            sleep: Callable[[float], None] = time.sleep) -> int:
+def run_top(
+    target: str,
+    *,
+    once: bool = False,
+    interval: float = 2.0,
+    console: Console | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+) -> int:
     """Show `target`'s metrics: one frame with `once`, else a live view until Ctrl-C. Returns the exit status
     (2 when the endpoint cannot be read)."""
     from rich.live import Live
@@ -266,7 +333,9 @@ def run_top(target: str, *, once: bool = False, interval: float = 2.0, console: 
                     try:
                         cur = scrape(url, client)
                     except httpx.HTTPError as exc:
-                        live.update(Group(frame, f"[red]{url} stopped answering ({exc}); showing the last frame"))
+                        live.update(
+                            Group(frame, f"[red]{url} stopped answering ({exc}); showing the last frame")
+                        )
                         continue
                     frame = render(cur, prev, url)
                     live.update(frame)

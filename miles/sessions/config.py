@@ -64,7 +64,9 @@ class TimeoutConfig:
 
     def validate(self) -> None:
         if not 0 < self.turn_floor_s <= self.turn_cap_s:
-            raise SessionConfigError(f"need 0 < turn_floor_s ({self.turn_floor_s}) <= turn_cap_s ({self.turn_cap_s})")
+            raise SessionConfigError(
+                f"need 0 < turn_floor_s ({self.turn_floor_s}) <= turn_cap_s ({self.turn_cap_s})"
+            )
         if self.slack <= 0 or not 0 <= self.ema_decay < 1:
             raise SessionConfigError("slack must be > 0 and ema_decay in [0, 1)")
         if self.prior_prefill_tokens_per_s <= 0 or self.prior_decode_tokens_per_s <= 0:
@@ -184,8 +186,10 @@ class SchedulerConfig:
         if self.max_concurrent_sessions < 1 or self.max_inflight_per_engine < 1:
             raise SessionConfigError("max_concurrent_sessions and max_inflight_per_engine must be >= 1")
         if self.group_mode == "unit" and self.group_size > self.max_concurrent_sessions:
-            raise SessionConfigError(f"group_size {self.group_size} exceeds max_concurrent_sessions "
-                              f"{self.max_concurrent_sessions} in 'unit' mode")
+            raise SessionConfigError(
+                f"group_size {self.group_size} exceeds max_concurrent_sessions "
+                f"{self.max_concurrent_sessions} in 'unit' mode"
+            )
         if self.requests_per_s is not None and self.requests_per_s <= 0:
             raise SessionConfigError("requests_per_s must be > 0 or None")
         self.session.validate()

@@ -57,8 +57,11 @@ class ThroughputEstimator:
 
     def __init__(self, timeouts: TimeoutConfig) -> None:
         self._cfg = timeouts
-        prior = (timeouts.prior_overhead_s, 1.0 / timeouts.prior_prefill_tokens_per_s,
-                 1.0 / timeouts.prior_decode_tokens_per_s)
+        prior = (
+            timeouts.prior_overhead_s,
+            1.0 / timeouts.prior_prefill_tokens_per_s,
+            1.0 / timeouts.prior_decode_tokens_per_s,
+        )
         self._prior = [v / s for v, s in zip(prior, _SCALE, strict=True)]
         self._xtx = [[0.0] * 3 for _ in range(3)]
         self._xty = [0.0] * 3
@@ -115,12 +118,24 @@ class ThroughputEstimator:
         """`slack * expected_s(...)`, clamped to the configured floor and cap (an idle engine)."""
         return self.deadline(uncached_prompt_tokens, max_new_tokens).seconds
 
-    def deadline(self, uncached_prompt_tokens: int, max_new_tokens: int, *, prefill_wait_s: float = 0.0,
-                 requests_ahead: int = 0) -> TurnDeadline:
+    def deadline(
+        self,
+        uncached_prompt_tokens: int,
+        max_new_tokens: int,
+        *,
+        prefill_wait_s: float = 0.0,
+        requests_ahead: int = 0,
+    ) -> TurnDeadline:
         """The deadline of a call sent now, behind `prefill_wait_s` of queued prefill and `requests_ahead`
         requests in flight at the engine."""
-        return TurnDeadline(self._cfg, self.estimate(), uncached_prompt_tokens, max_new_tokens,
-                            prefill_wait_s=prefill_wait_s, requests_ahead=requests_ahead)
+        return TurnDeadline(
+            self._cfg,
+            self.estimate(),
+            uncached_prompt_tokens,
+            max_new_tokens,
+            prefill_wait_s=prefill_wait_s,
+            requests_ahead=requests_ahead,
+        )
 
 
 class TurnDeadline:
@@ -129,20 +144,33 @@ class TurnDeadline:
     The formula is documented on `TimeoutConfig`.
     """
 
-    def __init__(self, cfg: TimeoutConfig, estimate: ThroughputEstimate, uncached_prompt_tokens: int,
-                 max_new_tokens: int, *, prefill_wait_s: float = 0.0, requests_ahead: int = 0) -> None:
+    def __init__(
+        self,
+        cfg: TimeoutConfig,
+        estimate: ThroughputEstimate,
+        uncached_prompt_tokens: int,
+        max_new_tokens: int,
+        *,
+        prefill_wait_s: float = 0.0,
+        requests_ahead: int = 0,
+    ) -> None:
         self._cfg = cfg
         self._estimate = estimate
         self._decode_s = max_new_tokens * estimate.decode_s_per_token
-        self.expected_s = (estimate.overhead_s + max(0.0, prefill_wait_s)
-                           + max(0, uncached_prompt_tokens) * estimate.prefill_s_per_token
-                           + self._decode_s * (1.0 + cfg.batch_slowdown * max(0, requests_ahead)))
+        self.expected_s = (
+            estimate.overhead_s
+            + max(0.0, prefill_wait_s)
+            + max(0, uncached_prompt_tokens) * estimate.prefill_s_per_token
+            + self._decode_s * (1.0 + cfg.batch_slowdown * max(0, requests_ahead))
+        )
 
     def add_arrivals(self, uncached_prompt_tokens: int, count: int = 1) -> None:
         """`count` requests with `uncached_prompt_tokens` to prefill in all were sent to the engine behind
         this one."""
-        self.expected_s += (max(0, uncached_prompt_tokens) * self._estimate.prefill_s_per_token
-                            + count * self._cfg.batch_slowdown * self._decode_s)
+        self.expected_s += (
+            max(0, uncached_prompt_tokens) * self._estimate.prefill_s_per_token
+            + count * self._cfg.batch_slowdown * self._decode_s
+        )
 
     @property
     def seconds(self) -> float:

@@ -21,9 +21,17 @@ class InstantEngine(RolloutEngine):
     aborted meanwhile). `calls` counts generate calls; `aborted` lists aborted rids; `adapters` the adapter of
     each call (None: the base)."""
 
-    def __init__(self, replies: Sequence[Sequence[int]] | None = None, *, respond: Responder | None = None,
-                 engine_id: str = "instant-0", weight_version: int = 0, logprob: float = -0.5,
-                 delay_s: float = 0.0, context_length: int | None = None) -> None:
+    def __init__(
+        self,
+        replies: Sequence[Sequence[int]] | None = None,
+        *,
+        respond: Responder | None = None,
+        engine_id: str = "instant-0",
+        weight_version: int = 0,
+        logprob: float = -0.5,
+        delay_s: float = 0.0,
+        context_length: int | None = None,
+    ) -> None:
         if (replies is None) == (respond is None):
             raise ValueError("pass exactly one of replies= or respond=")
         if replies is not None and not replies:
@@ -42,9 +50,15 @@ class InstantEngine(RolloutEngine):
         self._waiting: dict[str, asyncio.Event] = {}
         self._closed = False
 
-    async def generate(self, input_ids: list[int], sampling_params: SamplingParams, *,
-                       session_id: str | None = None, rid: str | None = None,
-                       adapter: str | None = None) -> GenerateResult:
+    async def generate(
+        self,
+        input_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        session_id: str | None = None,
+        rid: str | None = None,
+        adapter: str | None = None,
+    ) -> GenerateResult:
         if self._closed:
             raise EngineError(f"{self.engine_id} is closed", engine_id=self.engine_id)
         self.calls += 1
@@ -57,8 +71,9 @@ class InstantEngine(RolloutEngine):
                 self._waiting[rid] = ev
             try:
                 await asyncio.wait_for(ev.wait(), self.delay_s)
-                return GenerateResult([], [], FinishReason.ABORT, self._version, len(input_ids),
-                                      engine_id=self.engine_id)
+                return GenerateResult(
+                    [], [], FinishReason.ABORT, self._version, len(input_ids), engine_id=self.engine_id
+                )
             except TimeoutError:
                 pass
             finally:
@@ -76,8 +91,14 @@ class InstantEngine(RolloutEngine):
             if t in stops:
                 out, finish = out[: i + 1], FinishReason.STOP
                 break
-        return GenerateResult(list(out), [self.logprob] * len(out), finish, self._version,
-                              prompt_tokens=len(input_ids), engine_id=self.engine_id)
+        return GenerateResult(
+            list(out),
+            [self.logprob] * len(out),
+            finish,
+            self._version,
+            prompt_tokens=len(input_ids),
+            engine_id=self.engine_id,
+        )
 
     async def abort(self, rid: str) -> None:
         self.aborted.append(rid)
@@ -88,8 +109,9 @@ class InstantEngine(RolloutEngine):
     async def health(self) -> bool:
         return not self._closed
 
-    async def update_weights(self, *, state_dict: dict[str, Any] | None = None, path: str | None = None,
-                             version: int | None = None) -> int:
+    async def update_weights(
+        self, *, state_dict: dict[str, Any] | None = None, path: str | None = None, version: int | None = None
+    ) -> int:
         self._version = self._version + 1 if version is None else int(version)
         return self._version
 

@@ -67,8 +67,15 @@ class RolloutManager:
     """Runs `scheduler`'s groups from `feed` for ever (until `stop`), admitting them under the staleness bound,
     and yields each group as it finishes with its task's cursor position."""
 
-    def __init__(self, scheduler: SessionScheduler, feed: TaskFeed, *, groups_per_version: int, max_staleness: int,
-                 first_version: int) -> None:
+    def __init__(
+        self,
+        scheduler: SessionScheduler,
+        feed: TaskFeed,
+        *,
+        groups_per_version: int,
+        max_staleness: int,
+        first_version: int,
+    ) -> None:
         if groups_per_version < 1 or max_staleness < 0:
             raise ValueError("groups_per_version must be >= 1 and max_staleness >= 0")
         self.scheduler = scheduler
@@ -85,7 +92,9 @@ class RolloutManager:
     @property
     def allowed(self) -> int:
         """How many groups may have started by now."""
-        return (self.version - self.first_version + self.max_staleness + 1) * self.groups_per_version + self._credit
+        return (
+            self.version - self.first_version + self.max_staleness + 1
+        ) * self.groups_per_version + self._credit
 
     def set_version(self, version: int) -> None:
         """The engines now hold weights `version`: admit the groups that this allows."""
@@ -126,8 +135,9 @@ class RolloutManager:
         finally:
             await gen.aclose()
 
-    async def update_weights(self, apply: Callable[[], Awaitable[Any]], inflight: Literal["continue", "pause"]
-                             ) -> Any:
+    async def update_weights(
+        self, apply: Callable[[], Awaitable[Any]], inflight: Literal["continue", "pause"]
+    ) -> Any:
         """Run `apply` (which loads new weights into the engines) under the in-flight policy."""
         if inflight == "pause":
             return await apply()

@@ -25,10 +25,14 @@ UNKNOWN_TOOL = "unknown"
 NO_ENGINE = "none"
 TIMEOUT_ERRORS = frozenset({"TurnTimeout"})  # `ErrorInfo.type` of an attempt that missed its deadline
 # Counters whose label values are known in advance, started at 0 when their env (or engine) is first seen.
-_ENV_ZEROS = (("miles_sessions_total", tuple(t.value for t in TerminationReason)),
-              ("miles_tool_errors_total", tuple(k.value for k in ToolErrorType)))
-_ENGINE_ZEROS = (("miles_turn_retries_total", ("timeout", "error")),
-                 ("miles_turns_total", tuple(f.value for f in FinishReason)))
+_ENV_ZEROS = (
+    ("miles_sessions_total", tuple(t.value for t in TerminationReason)),
+    ("miles_tool_errors_total", tuple(k.value for k in ToolErrorType)),
+)
+_ENGINE_ZEROS = (
+    ("miles_turn_retries_total", ("timeout", "error")),
+    ("miles_turns_total", tuple(f.value for f in FinishReason)),
+)
 
 
 class SessionMetrics:
@@ -67,7 +71,8 @@ class SessionMetrics:
         m.child("miles_session_duration_seconds", *base).observe(record.duration_s)
         m.child("miles_session_turns", *base).observe(len(record.turns))
         m.child("miles_session_generated_tokens", *base).observe(
-            sum(t.output_end - t.output_start for t in record.turns))
+            sum(t.output_end - t.output_start for t in record.turns)
+        )
         m.child("miles_session_reward", *base).observe(record.reward)
         for component, value in record.reward_components.items():
             m.child("miles_session_reward_component", *base, component).observe(value)
@@ -78,8 +83,9 @@ class SessionMetrics:
         for (name, *values), n in counts.items():
             m.child(name, *values).inc(n)
 
-    def _turn(self, base: tuple[str, ...], turn: Any, known_tools: set[Any],
-              counts: dict[tuple[str, ...], float]) -> None:
+    def _turn(
+        self, base: tuple[str, ...], turn: Any, known_tools: set[Any], counts: dict[tuple[str, ...], float]
+    ) -> None:
         m = self.metrics
 
         def count(*key: str, n: float = 1.0) -> None:
@@ -110,8 +116,9 @@ class SessionMetrics:
             duration = result.get("duration_s")
             if isinstance(duration, int | float) and not isinstance(duration, bool):
                 name = result.get("name")
-                m.child("miles_tool_duration_seconds", *base, name if name in known_tools else UNKNOWN_TOOL
-                        ).observe(duration)
+                m.child(
+                    "miles_tool_duration_seconds", *base, name if name in known_tools else UNKNOWN_TOOL
+                ).observe(duration)
 
     def observe_router(self, stats: RouterStats) -> None:
         """One stats window of the scheduler's router (`router.stats(reset=True)`, once per step): turns by

@@ -135,8 +135,11 @@ class AgentConfig:
         argv = self.argv(**{p: p for p in PLACEHOLDERS})
         program = argv[0]
         if shutil.which(program) is None and not Path(program).is_file():
-            raise ConfigError("command", f"{program!r} is not a program on PATH or a file; give the agent's command "
-                                         "line, e.g. 'python my_agent.py'")
+            raise ConfigError(
+                "command",
+                f"{program!r} is not a program on PATH or a file; give the agent's command "
+                "line, e.g. 'python my_agent.py'",
+            )
         if self.timeout_s <= 0:
             raise ConfigError("timeout_s", "must be > 0")
         if self.max_concurrent < 1:
@@ -154,13 +157,18 @@ class AgentConfig:
         except ValueError as exc:
             raise ConfigError("command", f"cannot split {self.command!r}: {exc}") from None
         if not parts:
-            raise ConfigError("command", "give the agent's command line, e.g. 'python my_agent.py {base_url}'")
+            raise ConfigError(
+                "command", "give the agent's command line, e.g. 'python my_agent.py {base_url}'"
+            )
         out = []
         for part in parts:
             names = {name for _, name, _, _ in string.Formatter().parse(part) if name is not None}
             unknown = sorted(names - set(PLACEHOLDERS))
             if unknown:
-                raise ConfigError("command", f"unknown placeholder {{{unknown[0]}}}; known: "
-                                             f"{', '.join('{' + p + '}' for p in PLACEHOLDERS)}")
+                raise ConfigError(
+                    "command",
+                    f"unknown placeholder {{{unknown[0]}}}; known: "
+                    f"{', '.join('{' + p + '}' for p in PLACEHOLDERS)}",
+                )
             out.append(part.format(**values))
         return out

@@ -82,19 +82,37 @@ class OpenAIEndpoint:
     `recorder` (a `Recorder` or a path) when given.
     """
 
-    def __init__(self, engines: RolloutEngine | Sequence[RolloutEngine] | Router, *, tokenizer: Any,
-                 config: OpenAISessionConfig | None = None, recorder: Recorder | str | None = None,
-                 open_sessions: bool = True, model_name: str = "miles", max_inflight_per_engine: int = 64,
-                 keep_closed: int = 4096) -> None:
+    def __init__(
+        self,
+        engines: RolloutEngine | Sequence[RolloutEngine] | Router,
+        *,
+        tokenizer: Any,
+        config: OpenAISessionConfig | None = None,
+        recorder: Recorder | str | None = None,
+        open_sessions: bool = True,
+        model_name: str = "miles",
+        max_inflight_per_engine: int = 64,
+        keep_closed: int = 4096,
+    ) -> None:
         self.config = config or OpenAISessionConfig()
         self.tito = tokenizer
         self._owns_router = not isinstance(engines, Router)
-        self.router = engines if isinstance(engines, Router) else Router(
-            engines, timeouts=self.config.timeouts, retry=self.config.retry,
-            max_inflight_per_engine=max_inflight_per_engine)
+        self.router = (
+            engines
+            if isinstance(engines, Router)
+            else Router(
+                engines,
+                timeouts=self.config.timeouts,
+                retry=self.config.retry,
+                max_inflight_per_engine=max_inflight_per_engine,
+            )
+        )
         first = self.router.engines[0]
-        self.context_length: int | None = (self.config.context_length or getattr(first, "context_length", None)
-                                           or getattr(first, "max_context", None))
+        self.context_length: int | None = (
+            self.config.context_length
+            or getattr(first, "context_length", None)
+            or getattr(first, "max_context", None)
+        )
         self._owns_recorder = isinstance(recorder, str)
         self.recorder = Recorder(recorder) if isinstance(recorder, str) else recorder
         self.open_sessions = open_sessions
@@ -109,9 +127,17 @@ class OpenAIEndpoint:
         self._last_sweep = time.monotonic()
 
     # ---- sessions ----------------------------------------------------------------------------------------
-    def open(self, session_id: str | None = None, *, spec: SessionSpec | None = None,
-             recipe: EnvRecipe | None = None, env_id: str = "openai", override: SamplingOverride | None = None,
-             scorer: Scorer | None = None, accept_client_reward: bool = True) -> OpenAISession:
+    def open(
+        self,
+        session_id: str | None = None,
+        *,
+        spec: SessionSpec | None = None,
+        recipe: EnvRecipe | None = None,
+        env_id: str = "openai",
+        override: SamplingOverride | None = None,
+        scorer: Scorer | None = None,
+        accept_client_reward: bool = True,
+    ) -> OpenAISession:
         """Open a session (a fresh id when none is given). `scorer` computes its reward at close when the client
         posted none (or may not: `accept_client_reward=False`); `override` fixes sampling whatever the client
         asks."""
@@ -119,17 +145,32 @@ class OpenAIEndpoint:
 
         sid = session_id or (spec.session_id if spec is not None else uuid.uuid4().hex)
         if not SESSION_ID.fullmatch(sid):
-            raise EndpointError(400, f"session id {sid!r} must be 1-200 characters of A-Z a-z 0-9 . _ : ~ -",
-                                param="session_id")
+            raise EndpointError(
+                400,
+                f"session id {sid!r} must be 1-200 characters of A-Z a-z 0-9 . _ : ~ -",
+                param="session_id",
+            )
         if sid in self.sessions or sid in self.closed:
             raise EndpointError(409, f"session {sid!r} exists already", code="session_exists")
         if self.open_sessions and len(self.sessions) >= self.config.max_open_sessions:
-            raise EndpointError(429, f"{len(self.sessions)} sessions are open, the most this server takes "
-                                "(max_open_sessions); close finished ones", kind="rate_limit_error",
-                                code="too_many_sessions")
-        session = OpenAISession(sid, tito=self.tito, parser=get_parser(self.config.parser), config=self.config,
-                                spec=spec, recipe=recipe, env_id=env_id, override=override,
-                                context_length=self.context_length)
+            raise EndpointError(
+                429,
+                f"{len(self.sessions)} sessions are open, the most this server takes "
+                "(max_open_sessions); close finished ones",
+                kind="rate_limit_error",
+                code="too_many_sessions",
+            )
+        session = OpenAISession(
+            sid,
+            tito=self.tito,
+            parser=get_parser(self.config.parser),
+            config=self.config,
+            spec=spec,
+            recipe=recipe,
+            env_id=env_id,
+            override=override,
+            context_length=self.context_length,
+        )
         session.accept_client_reward = accept_client_reward
         session.token = sid if self.open_sessions else secrets.token_urlsafe(24)
         if not self.open_sessions:
@@ -148,27 +189,43 @@ class OpenAIEndpoint:
             if session_id is not None:
                 return session_id
             if not bearer:
-                raise EndpointError(401, "name the session: use the session id as the API key (Authorization: "
-                                    "Bearer <session id>) or the base URL /sessions/<session id>/v1",
-                                    kind="authentication_error", code="no_session")
+                raise EndpointError(
+                    401,
+                    "name the session: use the session id as the API key (Authorization: "
+                    "Bearer <session id>) or the base URL /sessions/<session id>/v1",
+                    kind="authentication_error",
+                    code="no_session",
+                )
             return bearer
         owned = self._owners.get(bearer or "")
         if owned is None:
-            raise EndpointError(401, "this server serves only the sessions its runner opened: send the session's "
-                                "token as the API key (OPENAI_API_KEY)", kind="authentication_error",
-                                code="invalid_api_key")
+            raise EndpointError(
+                401,
+                "this server serves only the sessions its runner opened: send the session's "
+                "token as the API key (OPENAI_API_KEY)",
+                kind="authentication_error",
+                code="invalid_api_key",
+            )
         if session_id is not None and session_id != owned:
-            raise EndpointError(403, f"the API key is not the token of session {session_id!r}",
-                                kind="permission_error", code="not_your_session")
+            raise EndpointError(
+                403,
+                f"the API key is not the token of session {session_id!r}",
+                kind="permission_error",
+                code="not_your_session",
+            )
         return owned
 
     def get(self, session_id: str) -> OpenAISession:
         """An open or recently closed session; `EndpointError` 404 when there is none."""
         session = self.sessions.get(session_id) or self.closed.get(session_id)
         if session is None:
-            raise EndpointError(404, f"no session {session_id!r}" + (
-                "" if self.open_sessions else " (this server serves only the sessions its runner opened)"),
-                param="session_id", code="session_not_found")
+            raise EndpointError(
+                404,
+                f"no session {session_id!r}"
+                + ("" if self.open_sessions else " (this server serves only the sessions its runner opened)"),
+                param="session_id",
+                code="session_not_found",
+            )
         return session
 
     def _for_request(self, session_id: str) -> OpenAISession:
@@ -186,19 +243,25 @@ class OpenAIEndpoint:
             plan = session.plan(request)
             result, rid, queue_s, generate_s = await self._generate(session, plan)
             if session.closing:
-                raise EndpointError(409, f"session {session_id!r} was closed while generating", code="session_closed")
+                raise EndpointError(
+                    409, f"session {session_id!r} was closed while generating", code="session_closed"
+                )
             forked = plan.new and bool(session.branches)
             turn = session.commit(plan, request, result, rid=rid, queue_s=queue_s, generate_s=generate_s)
         self.stats.completions += 1
         self.stats.streamed += request.stream
         self.stats.forks += forked
         rec = turn.record
-        return Completion(id=f"chatcmpl-{session_id}-{session.turns}", created=int(time.time()),
-                          model=request.model or self.model_name, message=turn.message,
-                          finish_reason=turn.finish_reason,
-                          usage=Usage(len(plan.prompt), rec.output_end - rec.output_start, result.cached_tokens),
-                          weight_version=result.weight_version,
-                          logprobs=turn.logprobs if request.logprobs else None)
+        return Completion(
+            id=f"chatcmpl-{session_id}-{session.turns}",
+            created=int(time.time()),
+            model=request.model or self.model_name,
+            message=turn.message,
+            finish_reason=turn.finish_reason,
+            usage=Usage(len(plan.prompt), rec.output_end - rec.output_start, result.cached_tokens),
+            weight_version=result.weight_version,
+            logprobs=turn.logprobs if request.logprobs else None,
+        )
 
     async def _generate(self, session: OpenAISession, plan: Plan) -> tuple[GenerateResult, str, float, float]:
         """One generate call through the router, retried (with backoff, elsewhere when possible) on retryable
@@ -210,11 +273,17 @@ class OpenAIEndpoint:
             rid = f"{sid}-t{session.turns}-a{attempt}-{uuid.uuid4().hex[:6]}"
             t_q = time.monotonic()
             try:
-                lease = await self.router.acquire(sid, prompt_tokens=len(plan.prompt),
-                                                  max_new_tokens=plan.params.max_new_tokens, avoid=avoid,
-                                                  retry=attempt > 0)
+                lease = await self.router.acquire(
+                    sid,
+                    prompt_tokens=len(plan.prompt),
+                    max_new_tokens=plan.params.max_new_tokens,
+                    avoid=avoid,
+                    retry=attempt > 0,
+                )
             except NoHealthyEngineError as exc:
-                raise EndpointError(503, f"no engine can take the request: {exc}", kind="engine_error") from None
+                raise EndpointError(
+                    503, f"no engine can take the request: {exc}", kind="engine_error"
+                ) from None
             queue_s += time.monotonic() - t_q
             session.inflight = (lease.engine, rid)
             error: BaseException | None = None
@@ -237,13 +306,20 @@ class OpenAIEndpoint:
             if expired:
                 await self._abort(lease.engine, rid)
                 await self.router.timed_out(lease)
-                raise EndpointError(504, f"{lease.engine_id} gave no reply within {lease.deadline_s:.3g}s; the "
-                                    "session is unchanged, retry the request", kind="engine_error", code="timeout")
+                raise EndpointError(
+                    504,
+                    f"{lease.engine_id} gave no reply within {lease.deadline_s:.3g}s; the "
+                    "session is unchanged, retry the request",
+                    kind="engine_error",
+                    code="timeout",
+                )
             aborted = error is None and result.finish_reason is FinishReason.ABORT
             if aborted:
                 if session.closing:
                     self.router.release(lease)
-                    raise EndpointError(409, f"session {sid!r} was closed while generating", code="session_closed")
+                    raise EndpointError(
+                        409, f"session {sid!r} was closed while generating", code="session_closed"
+                    )
                 error = EngineError(f"{lease.engine_id} aborted {rid}", engine_id=lease.engine_id)
             if error is None:
                 self.router.succeeded(lease, result, dt)
@@ -251,8 +327,11 @@ class OpenAIEndpoint:
             retryable = is_retryable(error)
             self.router.failed(lease, error, suspect=retryable and not aborted)
             if not retryable or attempt >= retry.max_retries:
-                raise EndpointError(503, f"generation failed after {attempt + 1} attempt(s): {type(error).__name__}: "
-                                    f"{error}", kind="engine_error")
+                raise EndpointError(
+                    503,
+                    f"generation failed after {attempt + 1} attempt(s): {type(error).__name__}: {error}",
+                    kind="engine_error",
+                )
             avoid.add(lease.index)
             await asyncio.sleep(backoff_delay_s(attempt, retry))
             attempt += 1
@@ -268,12 +347,18 @@ class OpenAIEndpoint:
         without env tools; a bad call is the env's error message, not an HTTP error."""
         session = self.get(session_id)
         if session.tools is None:
-            raise EndpointError(404, f"session {session_id!r} has no env tools (only the sessions an agent runner "
-                                "opens for an env do)", code="no_env_tools")
+            raise EndpointError(
+                404,
+                f"session {session_id!r} has no env tools (only the sessions an agent runner "
+                "opens for an env do)",
+                code="no_env_tools",
+            )
         if session.closing:
             raise EndpointError(409, f"session {session_id!r} is closed", code="session_closed")
         if not isinstance(arguments, dict):
-            raise EndpointError(400, "the body must be the tool's arguments as a JSON object", param="arguments")
+            raise EndpointError(
+                400, "the body must be the tool's arguments as a JSON object", param="arguments"
+            )
         message = await session.tools(name, arguments)
         return {"name": name, "content": message.content}
 
@@ -281,16 +366,27 @@ class OpenAIEndpoint:
         """Set the session's reward (a later post replaces it); 409 once the session is closed."""
         session = self.get(session_id)
         if session.closing:
-            raise EndpointError(409, f"session {session_id!r} is closed; post the reward before closing it",
-                                code="session_closed")
+            raise EndpointError(
+                409,
+                f"session {session_id!r} is closed; post the reward before closing it",
+                code="session_closed",
+            )
         if not session.accept_client_reward:
-            raise EndpointError(409, f"session {session_id!r} is scored by its env's reward hooks "
-                                "(rollout.agent.reward: env)", code="reward_from_env")
+            raise EndpointError(
+                409,
+                f"session {session_id!r} is scored by its env's reward hooks (rollout.agent.reward: env)",
+                code="reward_from_env",
+            )
         session.client_reward = reward
 
     # ---- the end -----------------------------------------------------------------------------------------
-    async def close(self, session_id: str, *, termination: TerminationReason = TerminationReason.DONE,
-                    error: ErrorInfo | None = None) -> list[SessionRecord]:
+    async def close(
+        self,
+        session_id: str,
+        *,
+        termination: TerminationReason = TerminationReason.DONE,
+        error: ErrorInfo | None = None,
+    ) -> list[SessionRecord]:
         """Close a session (idempotent: a closed one returns its records): abort its running generation, score
         it, build one `SessionRecord` per branch and record them. A session that hit `max_turns` ends
         `max_turns` instead of `done`."""
@@ -312,8 +408,9 @@ class OpenAIEndpoint:
             session.closed.set()
         return records
 
-    async def _finish(self, session: OpenAISession, termination: TerminationReason,
-                      error: ErrorInfo | None) -> list[SessionRecord]:
+    async def _finish(
+        self, session: OpenAISession, termination: TerminationReason, error: ErrorInfo | None
+    ) -> list[SessionRecord]:
         if session.inflight is not None:
             await self._abort(*session.inflight)
         async with session.lock:
@@ -323,7 +420,9 @@ class OpenAIEndpoint:
             if termination in (TerminationReason.DONE, TerminationReason.MAX_TURNS):
                 try:
                     score, source = await self._score(session)
-                except Exception as exc:  # a reward hook that fails: the episode is an env error, still recorded
+                except (
+                    Exception
+                ) as exc:  # a reward hook that fails: the episode is an env error, still recorded
                     termination, error = TerminationReason.ENV_ERROR, ErrorInfo.from_exception("score", exc)
             records = session.records(termination, score, error, reward_source=source)
         session.result = records
@@ -358,7 +457,8 @@ class OpenAIEndpoint:
             if not s.closing and not s.lock.locked() and now - s.last_active > self.config.idle_timeout_s:
                 info = ErrorInfo("session", "IdleTimeout", f"no request for {self.config.idle_timeout_s:g}s")
                 task = asyncio.get_running_loop().create_task(
-                    self.close(sid, termination=TerminationReason.TIMEOUT, error=info))
+                    self.close(sid, termination=TerminationReason.TIMEOUT, error=info)
+                )
                 self._background.add(task)
                 task.add_done_callback(self._background.discard)
 
@@ -366,26 +466,48 @@ class OpenAIEndpoint:
         """The `/sessions/{id}/trajectory` JSON: each branch's trajectory and TITO classification, and, once the
         session is closed, its `SessionRecord`s."""
         session = self.get(session_id)
-        out: dict[str, Any] = {"session_id": session_id, "closed": session.closed.is_set(), "turns": session.turns}
+        out: dict[str, Any] = {
+            "session_id": session_id,
+            "closed": session.closed.is_set(),
+            "turns": session.turns,
+        }
         if session.closed.is_set():
-            out["branches"] = [{"session_id": r.session_id, "trajectory": r.trajectory.to_dict(),
-                                "tito": r.final_info.get("tito")} for r in session.result]
+            out["branches"] = [
+                {
+                    "session_id": r.session_id,
+                    "trajectory": r.trajectory.to_dict(),
+                    "tito": r.final_info.get("tito"),
+                }
+                for r in session.result
+            ]
             out["records"] = [r.to_dict() for r in session.result]
             return out
         branches = []
         for k, b in enumerate(session.branches):
             report = b.conv.check()
-            branches.append({"session_id": session.branch_id(k), "trajectory": b.conv.trajectory.to_dict(),
-                             "tito": {"exact": report.exact, "ok": report.ok, **report.counts(),
-                                      "summary": report.summary()}})
+            branches.append(
+                {
+                    "session_id": session.branch_id(k),
+                    "trajectory": b.conv.trajectory.to_dict(),
+                    "tito": {
+                        "exact": report.exact,
+                        "ok": report.ok,
+                        **report.counts(),
+                        "summary": report.summary(),
+                    },
+                }
+            )
         out["branches"] = branches
         return out
 
     async def aclose(self) -> None:
         """Close every open session as `aborted`, then the owned router and recorder."""
         for sid in list(self.sessions):
-            await self.close(sid, termination=TerminationReason.ABORTED,
-                             error=ErrorInfo("session", "Aborted", "the endpoint shut down"))
+            await self.close(
+                sid,
+                termination=TerminationReason.ABORTED,
+                error=ErrorInfo("session", "Aborted", "the endpoint shut down"),
+            )
         for task in list(self._background):
             with contextlib.suppress(Exception, asyncio.CancelledError):
                 await task

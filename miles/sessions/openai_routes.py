@@ -46,7 +46,9 @@ def _error(exc: EndpointError) -> JSONResponse:
 async def _body(request: fastapi.Request, limit: int) -> Any:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise EndpointError(413, f"the request body has {declared} bytes; the limit is {limit}", code="too_large")
+        raise EndpointError(
+            413, f"the request body has {declared} bytes; the limit is {limit}", code="too_large"
+        )
     raw = bytearray()
     async for chunk in request.stream():
         raw += chunk
@@ -70,7 +72,9 @@ async def _sse(chunks: list[dict[str, Any]]) -> AsyncIterator[bytes]:
     yield b"data: [DONE]\n\n"
 
 
-def openai_router(endpoint: OpenAIEndpoint, *, max_request_bytes: int = MAX_REQUEST_BYTES) -> fastapi.APIRouter:
+def openai_router(
+    endpoint: OpenAIEndpoint, *, max_request_bytes: int = MAX_REQUEST_BYTES
+) -> fastapi.APIRouter:
     """The endpoint's routes, to `app.include_router(...)` on any FastAPI app.
 
     An app that already answers `GET /v1/models` (the embedded engine's server does) keeps its own: routes
@@ -87,6 +91,7 @@ def openai_router(endpoint: OpenAIEndpoint, *, max_request_bytes: int = MAX_REQU
             except EndpointError as exc:
                 endpoint.stats.failed(exc)
                 return _error(exc)
+
         return run
 
     async def chat(session_id: str, request: fastapi.Request) -> Response:
@@ -94,8 +99,11 @@ def openai_router(endpoint: OpenAIEndpoint, *, max_request_bytes: int = MAX_REQU
         chat_request = parse_chat_request(body)
         completion = await endpoint.complete(session_id, chat_request)
         if chat_request.stream:
-            return StreamingResponse(_sse(completion.chunks(include_usage=chat_request.include_usage)),
-                                     media_type="text/event-stream", headers={"cache-control": "no-cache"})
+            return StreamingResponse(
+                _sse(completion.chunks(include_usage=chat_request.include_usage)),
+                media_type="text/event-stream",
+                headers={"cache-control": "no-cache"},
+            )
         return JSONResponse(completion.response())
 
     @router.post("/v1/chat/completions")
@@ -107,9 +115,20 @@ def openai_router(endpoint: OpenAIEndpoint, *, max_request_bytes: int = MAX_REQU
         return await guarded(lambda: chat(endpoint.authorize(_bearer(request), session_id), request))()
 
     def models() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [
-            {"id": endpoint.model_name, "object": "model", "created": started, "owned_by": "miles",
-             "max_model_len": endpoint.context_length}]})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": endpoint.model_name,
+                        "object": "model",
+                        "created": started,
+                        "owned_by": "miles",
+                        "max_model_len": endpoint.context_length,
+                    }
+                ],
+            }
+        )
 
     router.add_api_route("/v1/models", models, methods=["GET"])
     router.add_api_route("/sessions/{session_id}/v1/models", lambda session_id: models(), methods=["GET"])
@@ -120,13 +139,17 @@ def openai_router(endpoint: OpenAIEndpoint, *, max_request_bytes: int = MAX_REQU
             endpoint.authorize(_bearer(request), session_id)
             endpoint.post_reward(session_id, parse_reward(await _body(request, max_request_bytes)))
             return JSONResponse({"session_id": session_id, "ok": True})
+
         return await guarded(run)()
 
     @router.post("/sessions/{session_id}/tools/{name}")
     async def tool(session_id: str, name: str, request: fastapi.Request) -> Response:
         async def run() -> Response:
             endpoint.authorize(_bearer(request), session_id)
-            return JSONResponse(await endpoint.run_tool(session_id, name, await _body(request, max_request_bytes)))
+            return JSONResponse(
+                await endpoint.run_tool(session_id, name, await _body(request, max_request_bytes))
+            )
+
         return await guarded(run)()
 
     @router.post("/sessions/{session_id}/close")
@@ -134,8 +157,15 @@ def openai_router(endpoint: OpenAIEndpoint, *, max_request_bytes: int = MAX_REQU
         async def run() -> Response:
             endpoint.authorize(_bearer(request), session_id)
             records = await endpoint.close(session_id)
-            return JSONResponse({"session_id": session_id, "records": len(records),
-                                 "termination": records[0].termination.value, "reward": records[0].reward})
+            return JSONResponse(
+                {
+                    "session_id": session_id,
+                    "records": len(records),
+                    "termination": records[0].termination.value,
+                    "reward": records[0].reward,
+                }
+            )
+
         return await guarded(run)()
 
     @router.get("/sessions/{session_id}/trajectory")
@@ -143,19 +173,23 @@ def openai_router(endpoint: OpenAIEndpoint, *, max_request_bytes: int = MAX_REQU
         async def run() -> Response:
             endpoint.authorize(_bearer(request), session_id)
             return JSONResponse(endpoint.view(session_id))
+
         return await guarded(run)()
 
     return router
 
 
-def mount_openai(app: fastapi.FastAPI, endpoint: OpenAIEndpoint, *,
-                 max_request_bytes: int = MAX_REQUEST_BYTES) -> None:
+def mount_openai(
+    app: fastapi.FastAPI, endpoint: OpenAIEndpoint, *, max_request_bytes: int = MAX_REQUEST_BYTES
+) -> None:
     """Serve `endpoint` on `app`. Whoever runs the app closes the endpoint (`await endpoint.aclose()`) after it:
     the sessions still open are then recorded as `aborted`."""
     app.include_router(openai_router(endpoint, max_request_bytes=max_request_bytes))
 
 
-def create_openai_app(endpoint: OpenAIEndpoint, *, max_request_bytes: int = MAX_REQUEST_BYTES) -> fastapi.FastAPI:
+def create_openai_app(
+    endpoint: OpenAIEndpoint, *, max_request_bytes: int = MAX_REQUEST_BYTES
+) -> fastapi.FastAPI:
     """An app serving only `endpoint` (e.g. in front of SGLang servers, through `SGLangClient` engines)."""
     app = fastapi.FastAPI(title="miles OpenAI session endpoint")
     mount_openai(app, endpoint, max_request_bytes=max_request_bytes)
@@ -184,8 +218,15 @@ class EndpointServer:
     async def start(self) -> str:
         import asyncio
 
-        config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level="warning", access_log=False,
-                                timeout_keep_alive=60, lifespan="off")
+        config = uvicorn.Config(
+            self.app,
+            host=self.host,
+            port=self.port,
+            log_level="warning",
+            access_log=False,
+            timeout_keep_alive=60,
+            lifespan="off",
+        )
         self._server = _LoopServer(config)
         self._task = asyncio.get_running_loop().create_task(self._server.serve())
         while not self._server.started:
@@ -229,8 +270,9 @@ def endpoint_tokenizer(model: str, config: OpenAIEndpointConfig) -> Any:
         raise ConfigError("--openai tokenizer", str(exc)) from None
 
 
-def run_engine_server_with_openai(model: str, host: str, port: int, *, overrides: list[str],
-                                  **engine_kwargs: Any) -> None:
+def run_engine_server_with_openai(
+    model: str, host: str, port: int, *, overrides: list[str], **engine_kwargs: Any
+) -> None:
     """Blocking: `miles.engines.server.run_server`, with the OpenAI endpoint mounted on the same app
     (`overrides` are `OpenAIEndpointConfig` keys as `KEY=VALUE`). Bad settings raise `ConfigError` before the
     model loads."""
@@ -243,11 +285,19 @@ def run_engine_server_with_openai(model: str, host: str, port: int, *, overrides
     tito = endpoint_tokenizer(model, config)
     engine = load_engine(model, **engine_kwargs)
     app = create_app(engine, admin_key=admin_token(create=True), api_key=api_key())
-    endpoint = OpenAIEndpoint(engine, tokenizer=tito, config=config.session, recorder=config.record,
-                              model_name=config.model_name or engine.model_path or "miles-embedded")
+    endpoint = OpenAIEndpoint(
+        engine,
+        tokenizer=tito,
+        config=config.session,
+        recorder=config.record,
+        model_name=config.model_name or engine.model_path or "miles-embedded",
+    )
     mount_openai(app, endpoint, max_request_bytes=config.max_request_bytes)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                                           timeout_keep_alive=60))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app, host=host, port=port, log_level="warning", access_log=False, timeout_keep_alive=60
+        )
+    )
 
     async def serve() -> None:
         try:
@@ -268,13 +318,21 @@ def main(argv: list[str] | None = None) -> int:
     from miles.engines.errors import InvalidRequestError
 
     ap = server_parser("miles rollout --openai")
-    ap.add_argument("--openai", nargs="?", const="", action="append", default=[], metavar="KEY=VALUE",
-                    help="a setting of the endpoint (OpenAIEndpointConfig), e.g. chat_template=compact or "
-                         "session.history_mismatch=fork (repeatable)")
+    ap.add_argument(
+        "--openai",
+        nargs="?",
+        const="",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a setting of the endpoint (OpenAIEndpointConfig), e.g. chat_template=compact or "
+        "session.history_mismatch=fork (repeatable)",
+    )
     args = ap.parse_args(argv)
     try:
-        run_engine_server_with_openai(args.model, args.host, args.port, overrides=args.openai,
-                                      **engine_kwargs(args))
+        run_engine_server_with_openai(
+            args.model, args.host, args.port, overrides=args.openai, **engine_kwargs(args)
+        )
     except (ConfigError, InvalidRequestError) as exc:
         print(f"miles rollout --openai: {exc}", file=sys.stderr)
         return 2

@@ -24,8 +24,15 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 class EndpointError(Exception):
     """A request the endpoint refuses or cannot serve; `body()` is OpenAI's error JSON."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error") -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
 
@@ -143,8 +150,10 @@ def _text(content: str | list[dict[str, Any]] | None, where: str) -> str:
     for j, part in enumerate(content):
         kind = part.get("type")
         if kind != "text" or not isinstance(part.get("text"), str):
-            raise bad_request(f"{where}.content[{j}] has type {kind!r}; only text parts are supported",
-                              f"{where}.content[{j}].type")
+            raise bad_request(
+                f"{where}.content[{j}] has type {kind!r}; only text parts are supported",
+                f"{where}.content[{j}].type",
+            )
         pieces.append(part["text"])
     return "".join(pieces)
 
@@ -154,7 +163,9 @@ def _message(m: _MessageIn, i: int) -> Message:
     if m.role not in ROLES:
         raise bad_request(f"{where}.role {m.role!r} is not one of {list(ROLES)}", f"{where}.role")
     if m.tool_calls and m.role != "assistant":
-        raise bad_request(f"{where}.tool_calls: only assistant messages may have tool calls", f"{where}.tool_calls")
+        raise bad_request(
+            f"{where}.tool_calls: only assistant messages may have tool calls", f"{where}.tool_calls"
+        )
     if m.role == "tool" and not m.tool_call_id:
         raise bad_request(f"{where}.tool_call_id: a tool message needs tool_call_id", f"{where}.tool_call_id")
     if m.role != "tool" and m.tool_call_id is not None:
@@ -162,11 +173,20 @@ def _message(m: _MessageIn, i: int) -> Message:
     for name in ("refusal", "annotations", "audio", "function_call"):
         if getattr(m, name):
             raise bad_request(f"{where}.{name} is not supported", f"{where}.{name}")
-    calls = [ToolCall.from_dict({"id": c.id, "function": {"name": c.function.name, "arguments": c.function.arguments}})
-             for c in m.tool_calls or []]
-    return Message(role="system" if m.role == "developer" else m.role, content=_text(m.content, where),
-                   tool_calls=calls, tool_call_id=m.tool_call_id, name=m.name,
-                   reasoning=m.reasoning_content if m.role == "assistant" else None)
+    calls = [
+        ToolCall.from_dict(
+            {"id": c.id, "function": {"name": c.function.name, "arguments": c.function.arguments}}
+        )
+        for c in m.tool_calls or []
+    ]
+    return Message(
+        role="system" if m.role == "developer" else m.role,
+        content=_text(m.content, where),
+        tool_calls=calls,
+        tool_call_id=m.tool_call_id,
+        name=m.name,
+        reasoning=m.reasoning_content if m.role == "assistant" else None,
+    )
 
 
 def check_tool_results(messages: Sequence[Message]) -> None:
@@ -177,14 +197,20 @@ def check_tool_results(messages: Sequence[Message]) -> None:
         if m is not None and m.role == "tool":
             if m.tool_call_id not in pending:
                 known = ", ".join(repr(k) for k in pending) or "none"
-                raise bad_request(f"messages[{i}].tool_call_id {m.tool_call_id!r} answers no tool call of the "
-                                  f"assistant message before it (open calls: {known})", f"messages[{i}].tool_call_id")
+                raise bad_request(
+                    f"messages[{i}].tool_call_id {m.tool_call_id!r} answers no tool call of the "
+                    f"assistant message before it (open calls: {known})",
+                    f"messages[{i}].tool_call_id",
+                )
             del pending[m.tool_call_id]
             continue
         if pending:
             call_id, name = next(iter(pending.items()))
-            raise bad_request(f"messages[{i}]: tool call {call_id!r} ({name}) has no tool result; answer every tool "
-                              f"call of an assistant message with a tool message right after it", f"messages[{i}]")
+            raise bad_request(
+                f"messages[{i}]: tool call {call_id!r} ({name}) has no tool result; answer every tool "
+                f"call of an assistant message with a tool message right after it",
+                f"messages[{i}]",
+            )
         pending = {c.id: c.name for c in m.tool_calls} if m is not None and m.role == "assistant" else {}
 
 
@@ -194,8 +220,9 @@ def _tools(raw: list[dict[str, Any]] | None) -> tuple[dict[str, Any], ...] | Non
     for i, tool in enumerate(raw):
         fn = tool.get("function")
         if tool.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise bad_request(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}",
-                              f"tools[{i}]")
+            raise bad_request(
+                f'tools[{i}] must be {{"type": "function", "function": {{"name": ...}}}}', f"tools[{i}]"
+            )
     return tuple(raw)
 
 
@@ -217,16 +244,29 @@ def parse_chat_request(body: Any) -> ChatRequest:
     messages = tuple(_message(m, i) for i, m in enumerate(req.messages))
     check_tool_results(messages)
     tool_choice = req.tool_choice if req.tool_choice is not None else "auto"
-    _refuse_unless(tool_choice in ("auto", "none"), "tool_choice",
-                   f"{tool_choice!r} is not supported; use 'auto' or 'none'")
+    _refuse_unless(
+        tool_choice in ("auto", "none"),
+        "tool_choice",
+        f"{tool_choice!r} is not supported; use 'auto' or 'none'",
+    )
     _refuse_unless(req.n in (None, 1), "n", "only n=1 is supported")
-    _refuse_unless(req.parallel_tool_calls in (None, True), "parallel_tool_calls",
-                   "the model decides how many calls it makes; only true is supported")
+    _refuse_unless(
+        req.parallel_tool_calls in (None, True),
+        "parallel_tool_calls",
+        "the model decides how many calls it makes; only true is supported",
+    )
     for name in ("frequency_penalty", "presence_penalty"):
-        _refuse_unless(getattr(req, name) in (None, 0), name, "penalties are not supported; leave it out or 0")
-    _refuse_unless(req.top_logprobs in (None, 0), "top_logprobs", "only the chosen tokens' logprobs are available")
-    _refuse_unless(req.response_format is None or req.response_format.get("type") == "text", "response_format",
-                   "only {'type': 'text'} is supported")
+        _refuse_unless(
+            getattr(req, name) in (None, 0), name, "penalties are not supported; leave it out or 0"
+        )
+    _refuse_unless(
+        req.top_logprobs in (None, 0), "top_logprobs", "only the chosen tokens' logprobs are available"
+    )
+    _refuse_unless(
+        req.response_format is None or req.response_format.get("type") == "text",
+        "response_format",
+        "only {'type': 'text'} is supported",
+    )
     _refuse_unless(req.temperature is None or 0 <= req.temperature <= 2, "temperature", "must be in [0, 2]")
     _refuse_unless(req.top_p is None or 0 < req.top_p <= 1, "top_p", "must be in (0, 1]")
     if req.max_tokens is not None and req.max_completion_tokens is not None:
@@ -236,10 +276,20 @@ def parse_chat_request(body: Any) -> ChatRequest:
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     _refuse_unless(len(stop) <= 4 and all(stop), "stop", "at most 4 non-empty strings")
     return ChatRequest(
-        messages=messages, tools=_tools(req.tools), tool_choice=tool_choice, model=req.model,  # type: ignore[arg-type]
-        temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, max_tokens=max_tokens, stop=stop,
-        seed=req.seed, stream=bool(req.stream),
-        include_usage=bool(req.stream_options and req.stream_options.include_usage), logprobs=bool(req.logprobs))
+        messages=messages,
+        tools=_tools(req.tools),
+        tool_choice=tool_choice,
+        model=req.model,  # type: ignore[arg-type]
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        max_tokens=max_tokens,
+        stop=stop,
+        seed=req.seed,
+        stream=bool(req.stream),
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        logprobs=bool(req.logprobs),
+    )
 
 
 # ---- comparing a client's history with the session's ------------------------------------------------------
@@ -248,11 +298,16 @@ EMPTY_ARGUMENTS = "{}"
 
 
 def _same_arguments(a: ToolCall, b: ToolCall) -> bool:
-    mine, theirs = a.raw_arguments or EMPTY_ARGUMENTS, b.raw_arguments or EMPTY_ARGUMENTS  # as `assistant_json`
+    mine, theirs = (
+        a.raw_arguments or EMPTY_ARGUMENTS,
+        b.raw_arguments or EMPTY_ARGUMENTS,
+    )  # as `assistant_json`
     if mine == theirs:
         return True
     try:
-        return json.dumps(loads_strict(mine), sort_keys=True) == json.dumps(loads_strict(theirs), sort_keys=True)
+        return json.dumps(loads_strict(mine), sort_keys=True) == json.dumps(
+            loads_strict(theirs), sort_keys=True
+        )
     except ValueError:
         return False
 
@@ -271,8 +326,10 @@ def message_difference(ours: Message, theirs: Message) -> str | None:
         return f"{len(theirs.tool_calls)} tool call(s), the session has {len(ours.tool_calls)}"
     for k, (a, b) in enumerate(zip(ours.tool_calls, theirs.tool_calls, strict=True)):
         if (a.id, a.name) != (b.id, b.name) or not _same_arguments(a, b):
-            return (f"tool_calls[{k}] {b.id!r} {b.name}({b.raw_arguments}), the session has "
-                    f"{a.id!r} {a.name}({a.raw_arguments})")
+            return (
+                f"tool_calls[{k}] {b.id!r} {b.name}({b.raw_arguments}), the session has "
+                f"{a.id!r} {a.name}({a.raw_arguments})"
+            )
     if ours.tool_call_id != theirs.tool_call_id:
         return f"tool_call_id {theirs.tool_call_id!r}, the session has {ours.tool_call_id!r}"
     if theirs.name is not None and ours.name != theirs.name:
@@ -290,7 +347,10 @@ def first_difference(history: Sequence[Message], messages: Sequence[Message]) ->
     """The first index where `messages` does not extend `history`, and why (None: it extends it)."""
     for i, ours in enumerate(history):
         if i >= len(messages):
-            return i, f"the request has {len(messages)} message(s) but the session's history has {len(history)}"
+            return (
+                i,
+                f"the request has {len(messages)} message(s) but the session's history has {len(history)}",
+            )
         why = message_difference(ours, messages[i])
         if why is not None:
             return i, why
@@ -307,9 +367,12 @@ class Usage:
     cached_tokens: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
 
 
 @dataclass(frozen=True)
@@ -320,8 +383,12 @@ class TokenLogprob:
     logprob: float
 
     def to_dict(self) -> dict[str, Any]:
-        return {"token": self.token, "logprob": self.logprob, "bytes": list(self.token.encode("utf-8")),
-                "top_logprobs": []}
+        return {
+            "token": self.token,
+            "logprob": self.logprob,
+            "bytes": list(self.token.encode("utf-8")),
+            "top_logprobs": [],
+        }
 
 
 @dataclass(frozen=True)
@@ -348,10 +415,22 @@ class Completion:
 
     def response(self) -> dict[str, Any]:
         """The `ChatCompletion` JSON."""
-        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "system_fingerprint": self.system_fingerprint, "usage": self.usage.to_dict(),
-                "choices": [{"index": 0, "message": assistant_json(self.message), "logprobs": self._logprobs_json(),
-                             "finish_reason": self.finish_reason}]}
+        return {
+            "id": self.id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": self.system_fingerprint,
+            "usage": self.usage.to_dict(),
+            "choices": [
+                {
+                    "index": 0,
+                    "message": assistant_json(self.message),
+                    "logprobs": self._logprobs_json(),
+                    "finish_reason": self.finish_reason,
+                }
+            ],
+        }
 
     def chunks(self, *, include_usage: bool) -> list[dict[str, Any]]:
         """The `ChatCompletionChunk` JSONs of a stream: the role, the reasoning, the content, one chunk per tool
@@ -363,12 +442,30 @@ class Completion:
         if msg["content"]:
             deltas.append({"content": msg["content"]})
         deltas += [{"tool_calls": [{"index": k, **call}]} for k, call in enumerate(msg.get("tool_calls", []))]
-        head = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                "system_fingerprint": self.system_fingerprint}
-        out = [{**head, "choices": [{"index": 0, "delta": d, "logprobs": None, "finish_reason": None}]}
-               for d in deltas]
-        out.append({**head, "choices": [{"index": 0, "delta": {}, "logprobs": self._logprobs_json(),
-                                         "finish_reason": self.finish_reason}]})
+        head = {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": self.system_fingerprint,
+        }
+        out = [
+            {**head, "choices": [{"index": 0, "delta": d, "logprobs": None, "finish_reason": None}]}
+            for d in deltas
+        ]
+        out.append(
+            {
+                **head,
+                "choices": [
+                    {
+                        "index": 0,
+                        "delta": {},
+                        "logprobs": self._logprobs_json(),
+                        "finish_reason": self.finish_reason,
+                    }
+                ],
+            }
+        )
         if include_usage:
             out.append({**head, "choices": [], "usage": self.usage.to_dict()})
         return out
@@ -377,12 +474,20 @@ class Completion:
 def assistant_json(message: Message) -> dict[str, Any]:
     """An assistant `Message` as OpenAI's `ChatCompletionMessage` JSON (content null when there are only tool
     calls; arguments as the JSON text the model wrote; `reasoning_content` when the parser separated it)."""
-    out: dict[str, Any] = {"role": "assistant", "content": message.content or (None if message.tool_calls else ""),
-                           "refusal": None}
+    out: dict[str, Any] = {
+        "role": "assistant",
+        "content": message.content or (None if message.tool_calls else ""),
+        "refusal": None,
+    }
     if message.tool_calls:
-        out["tool_calls"] = [{"id": c.id, "type": "function",
-                              "function": {"name": c.name, "arguments": c.raw_arguments or EMPTY_ARGUMENTS}}
-                             for c in message.tool_calls]
+        out["tool_calls"] = [
+            {
+                "id": c.id,
+                "type": "function",
+                "function": {"name": c.name, "arguments": c.raw_arguments or EMPTY_ARGUMENTS},
+            }
+            for c in message.tool_calls
+        ]
     if message.reasoning is not None:
         out["reasoning_content"] = message.reasoning
     return out

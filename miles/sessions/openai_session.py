@@ -35,8 +35,12 @@ from miles.sessions.spec import SessionSpec
 from miles.trajectory import message_record
 from miles.types import Message, TerminationReason
 
-_ERROR_ENDS = (TerminationReason.ENV_ERROR, TerminationReason.ENGINE_ERROR, TerminationReason.TIMEOUT,
-               TerminationReason.ABORTED)
+_ERROR_ENDS = (
+    TerminationReason.ENV_ERROR,
+    TerminationReason.ENGINE_ERROR,
+    TerminationReason.TIMEOUT,
+    TerminationReason.ABORTED,
+)
 
 
 @dataclass(frozen=True)
@@ -90,7 +94,9 @@ class Turn:
 
 
 def _template_error(exc: Exception) -> EndpointError:
-    return bad_request(f"the chat template cannot render these messages: {type(exc).__name__}: {exc}", "messages")
+    return bad_request(
+        f"the chat template cannot render these messages: {type(exc).__name__}: {exc}", "messages"
+    )
 
 
 def cut_at_stop(tito: Any, ids: list[int], stops: tuple[str, ...]) -> tuple[int, int] | None:
@@ -118,9 +124,19 @@ class OpenAISession:
     `SessionRecord`s at the end. `spec`, `recipe`, `env_id` say what the session runs (set by the agent runner;
     a session opened by an unknown client has none)."""
 
-    def __init__(self, session_id: str, *, tito: Any, parser: Any, config: OpenAISessionConfig,
-                 spec: SessionSpec | None = None, recipe: EnvRecipe | None = None, env_id: str = "openai",
-                 override: SamplingOverride | None = None, context_length: int | None = None) -> None:
+    def __init__(
+        self,
+        session_id: str,
+        *,
+        tito: Any,
+        parser: Any,
+        config: OpenAISessionConfig,
+        spec: SessionSpec | None = None,
+        recipe: EnvRecipe | None = None,
+        env_id: str = "openai",
+        override: SamplingOverride | None = None,
+        context_length: int | None = None,
+    ) -> None:
         self.session_id = session_id
         self.token = session_id  # the credential a request must carry (the endpoint sets it when it opens)
         self.tito = tito
@@ -162,11 +178,15 @@ class OpenAISession:
                 stop_ids.append(ids[0])
         seed = request.seed if request.seed is not None else self.spec.seed
         return SamplingParams(
-            temperature=o.temperature if o.temperature is not None else (
-                request.temperature if request.temperature is not None else 1.0),
+            temperature=o.temperature
+            if o.temperature is not None
+            else (request.temperature if request.temperature is not None else 1.0),
             top_p=o.top_p if o.top_p is not None else (request.top_p if request.top_p is not None else 1.0),
-            top_k=request.top_k if request.top_k is not None else -1, max_new_tokens=max_tokens,
-            stop_token_ids=tuple(stop_ids), seed=seed)
+            top_k=request.top_k if request.top_k is not None else -1,
+            max_new_tokens=max_tokens,
+            stop_token_ids=tuple(stop_ids),
+            seed=seed,
+        )
 
     def plan(self, request: ChatRequest) -> Plan:
         """Check `request` against the session and compute its prompt ids. Changes nothing; raises
@@ -175,17 +195,23 @@ class OpenAISession:
             raise EndpointError(409, f"session {self.session_id!r} is closed", code="session_closed")
         if self.config.max_turns is not None and self.turns >= self.config.max_turns:
             self.max_turns_hit = True
-            raise bad_request(f"session {self.session_id!r} reached max_turns ({self.config.max_turns}); close it",
-                              code="max_turns")
+            raise bad_request(
+                f"session {self.session_id!r} reached max_turns ({self.config.max_turns}); close it",
+                code="max_turns",
+            )
         params = self.sampling(request)
         plan = self._continue(request, params) if self.branches else None
         if plan is None:
             plan = self._new_branch(request, params, None)
         limit = self.context_length
         if limit is not None and len(plan.prompt) + params.max_new_tokens > limit:
-            raise bad_request(f"the prompt has {len(plan.prompt)} tokens and max_tokens is {params.max_new_tokens}: "
-                              f"together more than the context length {limit}; send fewer tokens or lower "
-                              "max_tokens", "messages", code="context_length_exceeded")
+            raise bad_request(
+                f"the prompt has {len(plan.prompt)} tokens and max_tokens is {params.max_new_tokens}: "
+                f"together more than the context length {limit}; send fewer tokens or lower "
+                "max_tokens",
+                "messages",
+                code="context_length_exceeded",
+            )
         return plan
 
     def _continue(self, request: ChatRequest, params: SamplingParams) -> Plan | None:
@@ -199,11 +225,15 @@ class OpenAISession:
             index, why = diff
             where = "tools" if index < 0 else f"messages[{index}]"
             if self.config.history_mismatch == "error":
-                raise EndpointError(409, f"{where} differs from session {self.session_id!r}'s history: {why}. "
-                                    "Send the history the session returned (history_mismatch: error)",
-                                    param=where, code="history_mismatch")
+                raise EndpointError(
+                    409,
+                    f"{where} differs from session {self.session_id!r}'s history: {why}. "
+                    "Send the history the session returned (history_mismatch: error)",
+                    param=where,
+                    code="history_mismatch",
+                )
             return self._new_branch(request, params, (index, why))
-        observation = list(request.messages[len(history):])
+        observation = list(request.messages[len(history) :])
         try:
             delta = self.tito.observation_delta(observation)
         except Exception as exc:  # the client's messages: TITOError, a template's raise_exception, ...
@@ -213,16 +243,32 @@ class OpenAISession:
 
     def _new_branch(self, request: ChatRequest, params: SamplingParams, fork: tuple[int, str] | None) -> Plan:
         try:
-            conv = self.tito.start(list(request.messages), tools=list(request.tools) if request.tools else None)
+            conv = self.tito.start(
+                list(request.messages), tools=list(request.tools) if request.tools else None
+            )
         except Exception as exc:  # the client's messages: TITOError, a template's raise_exception, ...
             raise _template_error(exc) from None
-        branch = Branch(conv=conv, tools=request.tools, initial=list(request.messages), started_at=time.time(),
-                        forked_at=None if fork is None else fork[0], fork_reason="" if fork is None else fork[1],
-                        sampling=params.to_dict())
+        branch = Branch(
+            conv=conv,
+            tools=request.tools,
+            initial=list(request.messages),
+            started_at=time.time(),
+            forked_at=None if fork is None else fork[0],
+            fork_reason="" if fork is None else fork[1],
+            sampling=params.to_dict(),
+        )
         return Plan(conv.prompt_ids, params, branch, True)
 
-    def commit(self, plan: Plan, request: ChatRequest, result: GenerateResult, *, rid: str,
-               queue_s: float = 0.0, generate_s: float = 0.0) -> Turn:
+    def commit(
+        self,
+        plan: Plan,
+        request: ChatRequest,
+        result: GenerateResult,
+        *,
+        rid: str,
+        queue_s: float = 0.0,
+        generate_s: float = 0.0,
+    ) -> Turn:
         """Append `plan`'s observation and `result`'s output to the branch, parse the output and record the
         turn. Returns the assistant message as the client will see it."""
         branch = plan.branch
@@ -231,8 +277,11 @@ class OpenAISession:
         else:
             appended = branch.conv.append_observation(branch.last, plan.observation)
             if appended != plan.appended:  # the template rendered the same messages differently twice
-                raise EndpointError(500, "internal error: the observation rendered differently when appended",
-                                    kind="server_error")
+                raise EndpointError(
+                    500,
+                    "internal error: the observation rendered differently when appended",
+                    kind="server_error",
+                )
             prev = branch.turns[-1]
             prev.observation = [message_record(m) for m in plan.observation]
             prev.tool_results = observed_tool_results(prev.observation)
@@ -241,16 +290,24 @@ class OpenAISession:
         finish = result.finish_reason
         cut = cut_at_stop(self.tito, ids[:-1] if ids and self.tito.is_stop(ids[-1]) else ids, request.stop)
         if cut is not None:
-            ids, lps, finish = ids[:cut[0]], lps[:cut[0]], FinishReason.STOP
+            ids, lps, finish = ids[: cut[0]], lps[: cut[0]], FinishReason.STOP
         conv = branch.conv
-        turn = TurnRecord(index=len(branch.turns), engine_id=result.engine_id, rid=rid,
-                          weight_version=result.weight_version, prompt_tokens=len(plan.prompt),
-                          cached_tokens=result.cached_tokens, output_start=len(conv), finish_reason=finish.value,
-                          queue_s=queue_s, generate_s=generate_s)
+        turn = TurnRecord(
+            index=len(branch.turns),
+            engine_id=result.engine_id,
+            rid=rid,
+            weight_version=result.weight_version,
+            prompt_tokens=len(plan.prompt),
+            cached_tokens=result.cached_tokens,
+            output_start=len(conv),
+            finish_reason=finish.value,
+            queue_s=queue_s,
+            generate_s=generate_s,
+        )
         text = conv.append_generation(ids, lps, weight_version=result.weight_version, finish_reason=finish)
         turn.output_end = len(conv)
         turn.text = text
-        message = self._parse(text[:cut[1]] if cut is not None else text, request.tool_choice)
+        message = self._parse(text[: cut[1]] if cut is not None else text, request.tool_choice)
         turn.assistant = message_record(message)
         turn.tool_calls = calls_view(turn.assistant)
         branch.turns.append(turn)
@@ -259,7 +316,8 @@ class OpenAISession:
         self.last_active = time.monotonic()
         self.policy = request.model or self.policy
         reason: Literal["stop", "length", "tool_calls"] = (
-            "length" if finish is FinishReason.LENGTH else "tool_calls" if message.tool_calls else "stop")
+            "length" if finish is FinishReason.LENGTH else "tool_calls" if message.tool_calls else "stop"
+        )
         shown = ids[:-1] if ids and self.tito.is_stop(ids[-1]) else ids
         logprobs = tuple(TokenLogprob(self.tito.decode([i]), lp) for i, lp in zip(shown, lps, strict=False))
         return Turn(message, reason, turn, logprobs)
@@ -270,7 +328,9 @@ class OpenAISession:
             content = text.strip() if parsed.reasoning is None else text.rsplit("</think>", 1)[-1].strip()
             return Message("assistant", content, reasoning=parsed.reasoning)
         message = parsed.to_message()
-        for k, call in enumerate(message.tool_calls):  # unique in the session (parsers number from 0 per message)
+        for k, call in enumerate(
+            message.tool_calls
+        ):  # unique in the session (parsers number from 0 per message)
             call.id = f"call_{self.turns}_{k}"
         return message
 
@@ -279,17 +339,28 @@ class OpenAISession:
         """The recorded session id of branch `k`: the session's id, then `<id>.fork<k>`."""
         return self.session_id if k == 0 else f"{self.session_id}.fork{k}"
 
-    def records(self, termination: TerminationReason, score: Score | None, error: ErrorInfo | None = None,
-                *, reward_source: str = "none") -> list[SessionRecord]:
+    def records(
+        self,
+        termination: TerminationReason,
+        score: Score | None,
+        error: ErrorInfo | None = None,
+        *,
+        reward_source: str = "none",
+    ) -> list[SessionRecord]:
         """Finish every branch and build its `SessionRecord` (with the `Trajectory`): every branch gets the
         session's `termination` and `score` (reward 0 when it ended in an error); `final_info` holds the score's
         info, the branch, and TITO's mismatch classification of the branch (`tito`)."""
         failed = termination in _ERROR_ENDS
         reward = 0.0 if failed or score is None else float(score.reward)
-        components = {} if failed or score is None else {str(k): float(v) for k, v in score.components.items()}
-        base_info: dict[str, Any] = {**(score.info if score is not None and not failed else {}),
-                                     "reward_source": reward_source, "branches": len(self.branches),
-                                     "policy": self.policy}
+        components = (
+            {} if failed or score is None else {str(k): float(v) for k, v in score.components.items()}
+        )
+        base_info: dict[str, Any] = {
+            **(score.info if score is not None and not failed else {}),
+            "reward_source": reward_source,
+            "branches": len(self.branches),
+            "policy": self.policy,
+        }
         if not self.branches:  # the client never got an answer: a record without tokens
             rec = self._record(self.session_id, None, termination, 0.0, {}, base_info, error)
             rec.trajectory.meta = rec.trajectory_meta()
@@ -305,8 +376,16 @@ class OpenAISession:
             last.terminated = termination is TerminationReason.DONE
             last.truncated = termination is TerminationReason.MAX_TURNS
             last.reward = reward if (last.terminated or last.truncated) else None
-            info = {**base_info, "branch": k, "tito": {"exact": report.exact, "ok": report.ok, **report.counts(),
-                                                       "summary": report.summary()}}
+            info = {
+                **base_info,
+                "branch": k,
+                "tito": {
+                    "exact": report.exact,
+                    "ok": report.ok,
+                    **report.counts(),
+                    "summary": report.summary(),
+                },
+            }
             if branch.forked_at is not None:
                 info["forked_at"], info["fork_reason"] = branch.forked_at, branch.fork_reason
             rec = self._record(self.branch_id(k), branch, termination, reward, components, info, error)
@@ -317,19 +396,38 @@ class OpenAISession:
             out.append(rec)
         return out
 
-    def _record(self, session_id: str, branch: Branch | None, termination: TerminationReason, reward: float,
-                components: dict[str, float], info: dict[str, Any], error: ErrorInfo | None) -> SessionRecord:
+    def _record(
+        self,
+        session_id: str,
+        branch: Branch | None,
+        termination: TerminationReason,
+        reward: float,
+        components: dict[str, float],
+        info: dict[str, Any],
+        error: ErrorInfo | None,
+    ) -> SessionRecord:
         tok = getattr(self.tito, "tokenizer", None)
         return SessionRecord(
-            session_id=session_id, env_id=self.env_id, env_class=f"{__name__}:{type(self).__qualname__}",
-            recipe=self.recipe, task=self.spec.task.to_record(), group_id=self.spec.group_id,
-            sample_index=self.spec.sample_index, seed=self.spec.seed,
+            session_id=session_id,
+            env_id=self.env_id,
+            env_class=f"{__name__}:{type(self).__qualname__}",
+            recipe=self.recipe,
+            task=self.spec.task.to_record(),
+            group_id=self.spec.group_id,
+            sample_index=self.spec.sample_index,
+            seed=self.spec.seed,
             sampling_params=branch.sampling if branch is not None else {},
             tokenizer=f"{getattr(self.tito, 'family', '')}:{getattr(tok, 'name_or_path', '')}",
-            tokenizer_spec=getattr(self.tito, "spec", None), parser=getattr(self.parser, "name", ""),
+            tokenizer_spec=getattr(self.tito, "spec", None),
+            parser=getattr(self.parser, "name", ""),
             tools=list(branch.tools or []) if branch is not None else [],
             initial_messages=[message_record(m) for m in branch.initial] if branch is not None else [],
-            turns=branch.turns if branch is not None else [], termination=termination, reward=reward,
-            reward_components=components, final_info=info, error=error,
+            turns=branch.turns if branch is not None else [],
+            termination=termination,
+            reward=reward,
+            reward_components=components,
+            final_info=info,
+            error=error,
             started_at=branch.started_at if branch is not None else self.started_at,
-            duration_s=time.monotonic() - self._t0)
+            duration_s=time.monotonic() - self._t0,
+        )

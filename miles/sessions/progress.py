@@ -63,8 +63,15 @@ class RunStats:
         t = Table(title="sessions", show_header=True, header_style="bold")
         for col in ("running", "finished", "failed", "aborted", "groups", "tokens/s", "mean reward"):
             t.add_column(col, justify="right")
-        t.add_row(str(self.running), str(self.finished), str(self.failed), str(self.aborted),
-                  str(self.groups_done), f"{self.tokens_per_s:,.0f}", f"{self.mean_reward:.3f}")
+        t.add_row(
+            str(self.running),
+            str(self.finished),
+            str(self.failed),
+            str(self.aborted),
+            str(self.groups_done),
+            f"{self.tokens_per_s:,.0f}",
+            f"{self.mean_reward:.3f}",
+        )
         return t
 
     def __rich__(self) -> Table:
@@ -74,7 +81,9 @@ class RunStats:
 class ProgressDisplay:
     """A rich `Live` view of `RunStats`. `enabled=None` shows it only when stdout is a terminal."""
 
-    def __init__(self, stats: RunStats, *, enabled: bool | None = None, console: Console | None = None) -> None:
+    def __init__(
+        self, stats: RunStats, *, enabled: bool | None = None, console: Console | None = None
+    ) -> None:
         self.stats = stats
         self.enabled = sys.stdout.isatty() if enabled is None else enabled
         self._console = console
@@ -82,8 +91,9 @@ class ProgressDisplay:
 
     def start(self) -> None:
         if self.enabled and self._live is None:
-            self._live = Live(self.stats, console=self._console or Console(), refresh_per_second=4,
-                              transient=False)
+            self._live = Live(
+                self.stats, console=self._console or Console(), refresh_per_second=4, transient=False
+            )
             self._live.start()
 
     def stop(self) -> None:

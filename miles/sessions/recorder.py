@@ -40,7 +40,7 @@ def _append_durably(path: Path, data: bytes) -> None:
     try:
         view = memoryview(data)
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -102,8 +102,13 @@ def repair_tail(path: str | os.PathLike[str]) -> int:
         f.truncate(start)
         f.flush()
         os.fsync(f.fileno())
-    log.warning("%s: moved a torn last line (%d bytes at offset %d) to %s", path, len(tail), start,
-                _sidecar(path, TORN_SUFFIX).name)
+    log.warning(
+        "%s: moved a torn last line (%d bytes at offset %d) to %s",
+        path,
+        len(tail),
+        start,
+        _sidecar(path, TORN_SUFFIX).name,
+    )
     return len(tail)
 
 
@@ -138,7 +143,9 @@ class Recorder:
     bytes went to the `.torn` sidecar), so the first record appended is whole.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, fsync: str = "batch", fsync_interval_s: float = 0.2) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], *, fsync: str = "batch", fsync_interval_s: float = 0.2
+    ) -> None:
         if fsync not in ("batch", "line", "none"):
             raise ValueError(f"fsync must be 'batch', 'line' or 'none', got {fsync!r}")
         if fsync_interval_s < 0:
@@ -203,8 +210,13 @@ class Recorder:
         _append_durably(_sidecar(self.path, DROPPED_SUFFIX), b"".join(dropped))  # first: nothing can be lost
         os.replace(tmp, self.path)
         _fsync_dir(self.path)
-        log.info("%s: moved %d records of sessions started after %.3f to %s", self.path, len(dropped), timestamp,
-                 _sidecar(self.path, DROPPED_SUFFIX).name)
+        log.info(
+            "%s: moved %d records of sessions started after %.3f to %s",
+            self.path,
+            len(dropped),
+            timestamp,
+            _sidecar(self.path, DROPPED_SUFFIX).name,
+        )
         return len(dropped)
 
     def _write_line(self, line: str) -> None:
@@ -216,7 +228,7 @@ class Recorder:
             if n != len(data):  # a short write (full disk): finish the line so the file stays line-aligned
                 view = memoryview(data)[n:]
                 while view:
-                    view = view[os.write(self._fd, view):]
+                    view = view[os.write(self._fd, view) :]
             if self._fsync == "line":
                 os.fsync(self._fd)
         except OSError as exc:

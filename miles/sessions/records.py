@@ -64,8 +64,15 @@ def calls_view(assistant: dict[str, Any]) -> list[dict[str, Any]]:
 
 def observed_tool_results(observation: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The tool results an observation shows: one `{call_id, name, content}` per tool message."""
-    return [{"call_id": m.get("tool_call_id") or "", "name": m.get("name") or "", "content": m.get("content") or ""}
-            for m in observation if m.get("role") == "tool"]
+    return [
+        {
+            "call_id": m.get("tool_call_id") or "",
+            "name": m.get("name") or "",
+            "content": m.get("content") or "",
+        }
+        for m in observation
+        if m.get("role") == "tool"
+    ]
 
 
 @dataclass
@@ -129,8 +136,10 @@ class TurnRecord:
     def to_dict(self) -> dict[str, Any]:
         """The JSON form; `tool_calls` and `tool_results` only when they differ from their derivation."""
         out = {name: getattr(self, name) for name in _TURN_FIELDS}
-        out["attempts"] = [{"engine_id": a.engine_id, "rid": a.rid, "error": asdict(a.error),
-                            "duration_s": a.duration_s} for a in self.attempts]
+        out["attempts"] = [
+            {"engine_id": a.engine_id, "rid": a.rid, "error": asdict(a.error), "duration_s": a.duration_s}
+            for a in self.attempts
+        ]
         if self.tool_calls == calls_view(self.assistant):
             del out["tool_calls"]
         if self.tool_results == observed_tool_results(self.observation):
@@ -141,8 +150,9 @@ class TurnRecord:
     def from_dict(cls, data: dict[str, Any]) -> TurnRecord:
         """Inverse of `to_dict` (reads version 1 turns too)."""
         data = dict(data)
-        data["attempts"] = [AttemptRecord(**{**a, "error": ErrorInfo(**a["error"])})
-                            for a in data.get("attempts", [])]
+        data["attempts"] = [
+            AttemptRecord(**{**a, "error": ErrorInfo(**a["error"])}) for a in data.get("attempts", [])
+        ]
         if "tool_calls" not in data:
             data["tool_calls"] = calls_view(data.get("assistant") or {})
         if "tool_results" not in data:
@@ -210,13 +220,25 @@ class SessionRecord:
     def trajectory_meta(self) -> TrajectoryMeta:
         """The trajectory's provenance, from this record."""
         task_id = self.task.get("task_id") or str(self.reset_info.get("task_id", "") or "")
-        return TrajectoryMeta(env_id=self.env_id, task_id=task_id, seed=self.seed, group_id=self.group_id,
-                              sample_index=self.sample_index, session_id=self.session_id,
-                              sampling_params=self.sampling_params, policy_id=self.policy_id)
+        return TrajectoryMeta(
+            env_id=self.env_id,
+            task_id=task_id,
+            seed=self.seed,
+            group_id=self.group_id,
+            sample_index=self.sample_index,
+            session_id=self.session_id,
+            sampling_params=self.sampling_params,
+            policy_id=self.policy_id,
+        )
 
     def _derived_trajectory(self) -> dict[str, Any]:
-        return {"messages": self.messages(), "meta": asdict(self.trajectory_meta()), "reward": self.reward,
-                "reward_components": self.reward_components, "termination": self.termination.value}
+        return {
+            "messages": self.messages(),
+            "meta": asdict(self.trajectory_meta()),
+            "reward": self.reward,
+            "reward_components": self.reward_components,
+            "termination": self.termination.value,
+        }
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form (each message once). Free-form parts (task, infos, tool results) were made JSON-safe
@@ -240,8 +262,9 @@ class SessionRecord:
         names = {f.name for f in dataclasses.fields(cls)}
         kw = {k: v for k, v in data.items() if k in names and k != "trajectory"}
         kw["recipe"] = EnvRecipe.from_record(data["recipe"]) if data.get("recipe") else None
-        kw["tokenizer_spec"] = (TokenizerSpec.from_record(data["tokenizer_spec"]) if data.get("tokenizer_spec")
-                                else None)
+        kw["tokenizer_spec"] = (
+            TokenizerSpec.from_record(data["tokenizer_spec"]) if data.get("tokenizer_spec") else None
+        )
         kw["termination"] = TerminationReason(data.get("termination", "aborted"))
         kw["turns"] = [TurnRecord.from_dict(t) for t in data.get("turns", [])]
         kw["error"] = ErrorInfo(**data["error"]) if data.get("error") else None

@@ -30,17 +30,24 @@ class ReplayError(RuntimeError):
 
 
 # ---- listing -----------------------------------------------------------------------------------------
-def filter_records(records: Iterable[SessionRecord], *, env: str | None = None, min_reward: float | None = None,
-                   max_reward: float | None = None, termination: str | Iterable[str] | None = None,
-                   session: str | None = None) -> list[SessionRecord]:
+def filter_records(
+    records: Iterable[SessionRecord],
+    *,
+    env: str | None = None,
+    min_reward: float | None = None,
+    max_reward: float | None = None,
+    termination: str | Iterable[str] | None = None,
+    session: str | None = None,
+) -> list[SessionRecord]:
     """Records matching every given filter (`termination` may be one reason or several)."""
     reasons: set[str] | None = None
     if termination is not None:
         reasons = {termination} if isinstance(termination, str) else set(termination)
         bad = reasons - {t.value for t in TerminationReason}
         if bad:
-            raise ValueError(f"unknown termination reason(s) {sorted(bad)}; "
-                             f"known: {[t.value for t in TerminationReason]}")
+            raise ValueError(
+                f"unknown termination reason(s) {sorted(bad)}; known: {[t.value for t in TerminationReason]}"
+            )
     out = []
     for r in records:
         if env is not None and r.env_id != env:
@@ -64,8 +71,18 @@ def list_table(records: Iterable[SessionRecord]) -> Table:
         t.add_column(col, overflow="fold")
     for r in records:
         err = f"{r.error.where}: {r.error.type}" if r.error else ""
-        t.add_row(r.session_id, r.env_id, str(r.task.get("task_id") or ""), r.group_id, str(len(r.turns)),
-                  str(len(r.trajectory)), f"{r.reward:.3f}", r.termination.value, err, f"{r.duration_s:.2f}")
+        t.add_row(
+            r.session_id,
+            r.env_id,
+            str(r.task.get("task_id") or ""),
+            r.group_id,
+            str(len(r.turns)),
+            str(len(r.trajectory)),
+            f"{r.reward:.3f}",
+            r.termination.value,
+            err,
+            f"{r.duration_s:.2f}",
+        )
     return t
 
 
@@ -92,12 +109,16 @@ def token_view(record: SessionRecord, tokenizer: Any = None) -> Text:
     out = Text()
     spans = traj.spans or []
     for s in spans:
-        ids = traj.token_ids[s.start:s.end]
-        masked = not any(traj.loss_mask[s.start:s.end])
+        ids = traj.token_ids[s.start : s.end]
+        masked = not any(traj.loss_mask[s.start : s.end])
         label = f"[{s.role} {s.start}:{s.end} mask={0 if masked else 1}"
         label += f" v={s.weight_version}]" if s.weight_version is not None else "]"
         out.append(label, style="dim bold" if masked else "bold green")
-        body = tokenizer.decode(ids, skip_special_tokens=False) if tokenizer is not None else " ".join(map(str, ids))
+        body = (
+            tokenizer.decode(ids, skip_special_tokens=False)
+            if tokenizer is not None
+            else " ".join(map(str, ids))
+        )
         out.append(body + "\n", style="dim" if masked else "green")
     if not spans and traj.token_ids:
         out.append(" ".join(map(str, traj.token_ids)))
@@ -106,19 +127,30 @@ def token_view(record: SessionRecord, tokenizer: Any = None) -> Text:
 
 def render_session(record: SessionRecord, tokenizer: Any = None) -> Group:
     """A session as readable turns, then its token view."""
-    head = Text(f"{record.session_id}  env={record.env_id}  task={record.task.get('task_id')}  "
-                f"termination={record.termination.value}  reward={record.reward:.4g} "
-                f"{record.reward_components}")
+    head = Text(
+        f"{record.session_id}  env={record.env_id}  task={record.task.get('task_id')}  "
+        f"termination={record.termination.value}  reward={record.reward:.4g} "
+        f"{record.reward_components}"
+    )
     if record.error:
-        head.append(f"\nerror in {record.error.where}: {record.error.type}: {record.error.message}", style="red")
+        head.append(
+            f"\nerror in {record.error.where}: {record.error.type}: {record.error.message}", style="red"
+        )
     parts: list[Any] = [head]
-    parts.append(Panel(Text("\n").join(_message_text(m) for m in record.initial_messages) or Text("(none)"),
-                       title="reset"))
+    parts.append(
+        Panel(
+            Text("\n").join(_message_text(m) for m in record.initial_messages) or Text("(none)"),
+            title="reset",
+        )
+    )
     for t in record.turns:
         body = Text()
-        body.append(f"engine={t.engine_id} v={t.weight_version} rid={t.rid} prompt={t.prompt_tokens} "
-                    f"cached={t.cached_tokens} finish={t.finish_reason} deadline={t.deadline_s:.2f}s "
-                    f"generate={t.generate_s:.3f}s env={t.env_s:.3f}s\n", style="dim")
+        body.append(
+            f"engine={t.engine_id} v={t.weight_version} rid={t.rid} prompt={t.prompt_tokens} "
+            f"cached={t.cached_tokens} finish={t.finish_reason} deadline={t.deadline_s:.2f}s "
+            f"generate={t.generate_s:.3f}s env={t.env_s:.3f}s\n",
+            style="dim",
+        )
         for a in t.attempts:
             body.append(f"failed attempt on {a.engine_id}: {a.error.type}: {a.error.message}\n", style="red")
         if t.assistant:
@@ -130,7 +162,9 @@ def render_session(record: SessionRecord, tokenizer: Any = None) -> Group:
         if t.tool_errors:
             body.append(f"tool errors: {t.tool_errors}\n", style="red")
         if t.reward is not None:
-            body.append(f"reward={t.reward:.4g} terminated={t.terminated} truncated={t.truncated}", style="dim")
+            body.append(
+                f"reward={t.reward:.4g} terminated={t.terminated} truncated={t.truncated}", style="dim"
+            )
         parts.append(Panel(body, title=f"turn {t.index}"))
     parts.append(Panel(token_view(record, tokenizer), title="tokens (dim: masked, green: generated)"))
     return Group(*parts)
@@ -203,8 +237,10 @@ def env_for(record: SessionRecord) -> Any:
             return _import_path(record.env_class)()
         except Exception as exc:
             errors.append(f"{record.env_class}(): {exc}")
-    raise ReplayError(f"cannot rebuild env {record.env_id!r} of session {record.session_id}: "
-                      + ("; ".join(errors) or "no env id or class recorded"))
+    raise ReplayError(
+        f"cannot rebuild env {record.env_id!r} of session {record.session_id}: "
+        + ("; ".join(errors) or "no env id or class recorded")
+    )
 
 
 def _env_from_recipe(record: SessionRecord) -> Any:
@@ -217,8 +253,9 @@ def _env_from_recipe(record: SessionRecord) -> Any:
         recipe.import_modules()
     except ConfigError as exc:
         if recipe.id not in registry():  # not registered by an --import module either
-            raise ReplayError(f"{where}: {exc.message}; or pass --import MODULE (a module name or a .py path)") \
-                from exc
+            raise ReplayError(
+                f"{where}: {exc.message}; or pass --import MODULE (a module name or a .py path)"
+            ) from exc
     try:
         return make(recipe.id, **recipe.kwargs)
     except Exception as exc:
@@ -327,11 +364,13 @@ async def redrive(record: SessionRecord, env: Any, *, parser: Any = None) -> Red
             return out
         new_obs = _messages_view(obs, record)
         results = tool_results_of(obs, info)
-        checks = [("tool results", _results_view(turn.tool_results), _results_view(results)),
-                  ("observation", turn.observation, new_obs),
-                  ("reward", turn.reward, float(reward)),
-                  ("terminated", turn.terminated, bool(terminated)),
-                  ("truncated", turn.truncated, bool(truncated))]
+        checks = [
+            ("tool results", _results_view(turn.tool_results), _results_view(results)),
+            ("observation", turn.observation, new_obs),
+            ("reward", turn.reward, float(reward)),
+            ("terminated", turn.terminated, bool(terminated)),
+            ("truncated", turn.truncated, bool(truncated)),
+        ]
         total += float(reward)
         out.reward = total
         out.reward_components = {str(k): float(v) for k, v in (info.get("reward_components") or {}).items()}
@@ -342,20 +381,27 @@ async def redrive(record: SessionRecord, env: Any, *, parser: Any = None) -> Red
         if terminated or truncated:
             break
     if record.ok and (abs(total - record.reward) > 1e-9 or out.reward_components != record.reward_components):
-        out.divergence = Divergence(len(record.turns), "final reward",
-                                    (record.reward, record.reward_components), (total, out.reward_components))
+        out.divergence = Divergence(
+            len(record.turns),
+            "final reward",
+            (record.reward, record.reward_components),
+            (total, out.reward_components),
+        )
     return out
 
 
-async def check(record: SessionRecord, env_factory: Callable[[SessionRecord], Any] = env_for, *,
-                parser: Any = None) -> RedriveResult:
+async def check(
+    record: SessionRecord, env_factory: Callable[[SessionRecord], Any] = env_for, *, parser: Any = None
+) -> RedriveResult:
     """`redrive` on a fresh env; the env is closed afterwards. A factory that fails raises `ReplayError`."""
     try:
         env = env_factory(record)
     except ReplayError:
         raise
     except Exception as exc:
-        raise ReplayError(f"cannot rebuild the env of session {record.session_id}: {error_line(exc)}") from exc
+        raise ReplayError(
+            f"cannot rebuild the env of session {record.session_id}: {error_line(exc)}"
+        ) from exc
     try:
         return await redrive(record, env, parser=parser)
     finally:
@@ -388,9 +434,14 @@ async def rescore(record: SessionRecord, env_factory: Callable[[SessionRecord], 
     error keep reward 0; a divergence before the end is reported alongside."""
     res = await check(record, env_factory)
     failed = not record.ok
-    return Rescore(record.session_id, record.reward, 0.0 if failed else res.reward, record.reward_components,
-                   {} if failed else res.reward_components,
-                   res.divergence if res.divergence is None or res.divergence.field != "final reward" else None)
+    return Rescore(
+        record.session_id,
+        record.reward,
+        0.0 if failed else res.reward,
+        record.reward_components,
+        {} if failed else res.reward_components,
+        res.divergence if res.divergence is None or res.divergence.field != "final reward" else None,
+    )
 
 
 # ---- token alignment ---------------------------------------------------------------------------------
@@ -422,8 +473,9 @@ def legacy_tokenizer_name(label: str) -> str:
     return path or label
 
 
-def tokenizer_spec_for(record: SessionRecord, *, tokenizer: str | None = None,
-                       chat_template: str | None = None) -> TokenizerSpec:
+def tokenizer_spec_for(
+    record: SessionRecord, *, tokenizer: str | None = None, chat_template: str | None = None
+) -> TokenizerSpec:
     """The spec that rebuilds the session's TITO tokenizer: the recorded one (older records: the tokenizer
     named by their label, with no template override), with `tokenizer` / `chat_template` overriding."""
     spec = record.tokenizer_spec or TokenizerSpec(legacy_tokenizer_name(record.tokenizer))
@@ -445,19 +497,33 @@ def check_tito(record: SessionRecord, tito: Any) -> TitoCheck:
     for turn in record.turns:
         if turn.output_end <= turn.output_start and not turn.assistant:
             break
-        prefix = traj.token_ids[:turn.output_start]
+        prefix = traj.token_ids[: turn.output_start]
         pos = _first_diff(conv.prompt_ids, prefix)
         if pos is not None:
-            return TitoCheck(record.session_id, False, f"turn {turn.index}: prompt ids differ from the recording "
-                             f"at token {pos}", pos)
-        ids = traj.token_ids[turn.output_start:turn.output_end]
-        lps = traj.rollout_logprobs[turn.output_start:turn.output_end]
-        text = conv.append_generation(ids, lps, weight_version=turn.weight_version or 0,
-                                      finish_reason=FinishReason(turn.finish_reason or "stop"))
+            return TitoCheck(
+                record.session_id,
+                False,
+                f"turn {turn.index}: prompt ids differ from the recording at token {pos}",
+                pos,
+            )
+        ids = traj.token_ids[turn.output_start : turn.output_end]
+        lps = traj.rollout_logprobs[turn.output_start : turn.output_end]
+        text = conv.append_generation(
+            ids,
+            lps,
+            weight_version=turn.weight_version or 0,
+            finish_reason=FinishReason(turn.finish_reason or "stop"),
+        )
         if text != turn.text:
-            return TitoCheck(record.session_id, False, f"turn {turn.index}: decoded text {text!r} differs from "
-                             f"the recorded {turn.text!r}", turn.output_start)
-        assistant = message_from_record(turn.assistant) if turn.assistant else Message(role="assistant", content=text)
+            return TitoCheck(
+                record.session_id,
+                False,
+                f"turn {turn.index}: decoded text {text!r} differs from the recorded {turn.text!r}",
+                turn.output_start,
+            )
+        assistant = (
+            message_from_record(turn.assistant) if turn.assistant else Message(role="assistant", content=text)
+        )
         if turn.reward is not None and not (turn.terminated or turn.truncated):
             conv.append_observation(assistant, [message_from_record(m) for m in turn.observation])
         else:
@@ -466,14 +532,20 @@ def check_tito(record: SessionRecord, tito: Any) -> TitoCheck:
     rebuilt = conv.trajectory
     pos = _first_diff(rebuilt.token_ids, traj.token_ids)
     if pos is not None:
-        return TitoCheck(record.session_id, False, f"rebuilt ids differ from the recording at token {pos} "
-                         f"(rebuilt {len(rebuilt.token_ids)}, recorded {len(traj.token_ids)})", pos)
+        return TitoCheck(
+            record.session_id,
+            False,
+            f"rebuilt ids differ from the recording at token {pos} "
+            f"(rebuilt {len(rebuilt.token_ids)}, recorded {len(traj.token_ids)})",
+            pos,
+        )
     mpos = _first_diff(rebuilt.loss_mask, traj.loss_mask)
     if mpos is not None:
         return TitoCheck(record.session_id, False, f"loss mask differs at token {mpos}", mpos)
     report = conv.check()
-    return TitoCheck(record.session_id, True, f"{len(traj.token_ids)} tokens aligned; re-render: {report}",
-                     report=report)
+    return TitoCheck(
+        record.session_id, True, f"{len(traj.token_ids)} tokens aligned; re-render: {report}", report=report
+    )
 
 
 def console_for(stream: Any = None) -> Console:

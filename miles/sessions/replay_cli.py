@@ -32,29 +32,52 @@ from miles.sessions.replay import (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="miles replay", description="List, render and re-check recorded sessions "
-                                "(no engine needed). Exit status: 0 fine, 1 divergence or misalignment, 2 bad "
-                                "usage or an env/tokenizer that cannot be rebuilt.")
+    p = argparse.ArgumentParser(
+        prog="miles replay",
+        description="List, render and re-check recorded sessions "
+        "(no engine needed). Exit status: 0 fine, 1 divergence or misalignment, 2 bad "
+        "usage or an env/tokenizer that cannot be rebuilt.",
+    )
     p.add_argument("file", help="a sessions.jsonl written by a run")
     p.add_argument("--session", help="render (or check) only this session id")
     p.add_argument("--env", help="only sessions of this env id")
     p.add_argument("--min-reward", type=float)
     p.add_argument("--max-reward", type=float)
     p.add_argument("--termination", action="append", help="only sessions that ended so (repeatable)")
-    p.add_argument("--check", action="store_true", help="re-drive the env with the recorded outputs and "
-                   "report the first divergence")
-    p.add_argument("--rescore", action="store_true", help="recompute rewards with the current reward functions")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="re-drive the env with the recorded outputs and report the first divergence",
+    )
+    p.add_argument(
+        "--rescore", action="store_true", help="recompute rewards with the current reward functions"
+    )
     p.add_argument("--tito", action="store_true", help="verify the token alignment against the tokenizer")
-    p.add_argument("--tokenizer", help="tokenizer for --tito and the token view: 'tiny', 'qwen3', 'llama3', "
-                   "'smollm2-135m' or a folder (default: the recorded one)")
-    p.add_argument("--chat-template", help="chat-template override for --tito: 'compact' or a .jinja file; "
-                   "'' for the tokenizer's own (default: the recorded one)")
+    p.add_argument(
+        "--tokenizer",
+        help="tokenizer for --tito and the token view: 'tiny', 'qwen3', 'llama3', "
+        "'smollm2-135m' or a folder (default: the recorded one)",
+    )
+    p.add_argument(
+        "--chat-template",
+        help="chat-template override for --tito: 'compact' or a .jinja file; "
+        "'' for the tokenizer's own (default: the recorded one)",
+    )
     p.add_argument("--parser", help="re-parse recorded texts with this tool-call parser during --check")
-    p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
-                   help="import this module (a name or a .py path) first, e.g. the one that registers your "
-                   "env (repeatable; the recorded modules are imported too)")
-    p.add_argument("--env-factory", help="module:callable that builds the env (default: the recorded recipe, "
-                   "then the registry, then the recorded class)")
+    p.add_argument(
+        "--import",
+        dest="imports",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import this module (a name or a .py path) first, e.g. the one that registers your "
+        "env (repeatable; the recorded modules are imported too)",
+    )
+    p.add_argument(
+        "--env-factory",
+        help="module:callable that builds the env (default: the recorded recipe, "
+        "then the registry, then the recorded class)",
+    )
     return p
 
 
@@ -80,12 +103,20 @@ def main(argv: list[str] | None = None, *, stdout: Any = None) -> int:
     if len(result.bad_lines) > 20:
         err.print(f"... and {len(result.bad_lines) - 20} more bad lines")
     if not result.records and (result.bad_lines or args.check or args.rescore or args.tito):
-        err.print(f"miles replay: {args.file} holds no session record ({len(result.bad_lines)} bad lines): "
-                  "give the sessions.jsonl or eval_sessions.jsonl of a run")
+        err.print(
+            f"miles replay: {args.file} holds no session record ({len(result.bad_lines)} bad lines): "
+            "give the sessions.jsonl or eval_sessions.jsonl of a run"
+        )
         return 2
     try:
-        records = filter_records(result.records, env=args.env, min_reward=args.min_reward,
-                                 max_reward=args.max_reward, termination=args.termination, session=args.session)
+        records = filter_records(
+            result.records,
+            env=args.env,
+            min_reward=args.min_reward,
+            max_reward=args.max_reward,
+            termination=args.termination,
+            session=args.session,
+        )
     except ValueError as exc:
         err.print(str(exc))
         return 2
@@ -138,15 +169,19 @@ def _tito_for(args: argparse.Namespace, record: SessionRecord, cache: dict[str, 
         try:
             cache[key] = spec.build()
         except Exception as exc:
-            raise ReplayError(f"cannot load tokenizer {spec.tokenizer!r} (chat template {spec.chat_template!r}) "
-                              f"for session {record.session_id}: {error_line(exc)}; pass --tokenizer / "
-                              "--chat-template") from exc
+            raise ReplayError(
+                f"cannot load tokenizer {spec.tokenizer!r} (chat template {spec.chat_template!r}) "
+                f"for session {record.session_id}: {error_line(exc)}; pass --tokenizer / "
+                "--chat-template"
+            ) from exc
     tito = cache[key]
     recorded = record.tokenizer_spec.template_sha256 if record.tokenizer_spec else ""
     note = ""
     if recorded and tito.spec.template_sha256 != recorded:
-        note = (f" (the chat template {tito.spec.chat_template or 'of the tokenizer'} is not the one recorded: "
-                f"sha256 {tito.spec.template_sha256[:12]} vs {recorded[:12]})")
+        note = (
+            f" (the chat template {tito.spec.chat_template or 'of the tokenizer'} is not the one recorded: "
+            f"sha256 {tito.spec.template_sha256[:12]} vs {recorded[:12]})"
+        )
     return tito, note
 
 
@@ -166,19 +201,24 @@ def _run_checks(args: argparse.Namespace, records: list[SessionRecord], out: Any
                 out.print(f"{r.session_id}: check ok ({res.steps} steps)")
             else:
                 status = 1
-                out.print(f"{r.session_id}: DIVERGED at {res.divergence.describe() if res.divergence else res.error}")
+                out.print(
+                    f"{r.session_id}: DIVERGED at {res.divergence.describe() if res.divergence else res.error}"
+                )
         if args.rescore:
             rs = asyncio.run(rescore(r, factory))
             mark = "CHANGED" if rs.changed else "same"
-            out.print(f"{r.session_id}: reward {rs.recorded_reward:.4g} -> {rs.reward:.4g} ({mark}) "
-                      f"{rs.recorded_components} -> {rs.components}")
+            out.print(
+                f"{r.session_id}: reward {rs.recorded_reward:.4g} -> {rs.reward:.4g} ({mark}) "
+                f"{rs.recorded_components} -> {rs.components}"
+            )
         if args.tito:
             tito, note = _tito_for(args, r, tito_cache)
             tc = check_tito(r, tito)
             if not tc.ok:
                 status = 1
-            out.print(f"{r.session_id}: tito {'ok' if tc.ok else 'MISALIGNED'}: {tc.message}"
-                      f"{'' if tc.ok else note}")
+            out.print(
+                f"{r.session_id}: tito {'ok' if tc.ok else 'MISALIGNED'}: {tc.message}{'' if tc.ok else note}"
+            )
     return status
 
 

@@ -78,15 +78,18 @@ class EngineView:
     @property
     def accepts(self) -> bool:
         """It may take one more request now or queue it: healthy, or on probation with no trial running."""
-        return self.state is EngineState.HEALTHY or (self.state is EngineState.PROBATION and self.inflight == 0)
+        return self.state is EngineState.HEALTHY or (
+            self.state is EngineState.PROBATION and self.inflight == 0
+        )
 
     @property
     def has_room(self) -> bool:
         return self.accepts and self.inflight < self.limit
 
 
-def choose_engine(views: Sequence[EngineView], *, cache: int | None = None, exclude: Collection[int] = (),
-                  start: int = 0) -> int | None:
+def choose_engine(
+    views: Sequence[EngineView], *, cache: int | None = None, exclude: Collection[int] = (), start: int = 0
+) -> int | None:
     """The index of the engine for the next call, or None when no engine outside `exclude` accepts work.
 
     `cache` is the engine holding the session's cache: it is chosen when it accepts work and is not
@@ -181,8 +184,14 @@ class _Counters:
 class _Engine:
     """The router's mutable view of one engine."""
 
-    def __init__(self, engine: RolloutEngine, engine_id: str, limit: int, throttler: Throttler | None,
-                 throughput: ThroughputEstimator) -> None:
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        engine_id: str,
+        limit: int,
+        throttler: Throttler | None,
+        throughput: ThroughputEstimator,
+    ) -> None:
         self.engine, self.engine_id, self.limit = engine, engine_id, limit
         self.throttler, self.throughput = throttler, throughput
         self.semaphore = asyncio.Semaphore(limit)
@@ -224,9 +233,19 @@ class _Engine:
 class Lease:
     """One generate call's engine and deadline. Hand it back to the router exactly once."""
 
-    def __init__(self, index: int, engine: _Engine, *, session_id: str | None, prompt_tokens: int,
-                 uncached_tokens: int, max_new_tokens: int, placement: Placement, retry: bool,
-                 deadline: TurnDeadline) -> None:
+    def __init__(
+        self,
+        index: int,
+        engine: _Engine,
+        *,
+        session_id: str | None,
+        prompt_tokens: int,
+        uncached_tokens: int,
+        max_new_tokens: int,
+        placement: Placement,
+        retry: bool,
+        deadline: TurnDeadline,
+    ) -> None:
         self.index = index
         self._at = engine
         self.engine: RolloutEngine = engine.engine
@@ -301,9 +320,16 @@ class Router:
     `requests_per_s` rate-limits each engine (asyncio-throttle), None for no limit.
     """
 
-    def __init__(self, engines: RolloutEngine | Sequence[RolloutEngine], *, timeouts: TimeoutConfig | None = None,
-                 retry: RetryConfig | None = None, max_inflight_per_engine: int = 64,
-                 requests_per_s: float | None = None, max_sessions: int = 100_000) -> None:
+    def __init__(
+        self,
+        engines: RolloutEngine | Sequence[RolloutEngine],
+        *,
+        timeouts: TimeoutConfig | None = None,
+        retry: RetryConfig | None = None,
+        max_inflight_per_engine: int = 64,
+        requests_per_s: float | None = None,
+        max_sessions: int = 100_000,
+    ) -> None:
         engines = [engines] if isinstance(engines, RolloutEngine) else list(engines)
         if not engines:
             raise ValueError("a Router needs at least one engine")
@@ -318,9 +344,18 @@ class Router:
                 # asyncio-throttle counts whole requests per period; a 1 s window keeps rates >= 1/s exact.
                 period = 1.0 if requests_per_s >= 1 else 1.0 / requests_per_s
                 throttler = Throttler(rate_limit=max(1, int(requests_per_s)), period=period)
-            self._engines.append(_Engine(e, getattr(e, "engine_id", "") or f"engine-{i}", max_inflight_per_engine,
-                                         throttler, ThroughputEstimator(self.timeouts)))
-        self._affinity: OrderedDict[str, tuple[int, int]] = OrderedDict()  # session -> (engine, cached tokens)
+            self._engines.append(
+                _Engine(
+                    e,
+                    getattr(e, "engine_id", "") or f"engine-{i}",
+                    max_inflight_per_engine,
+                    throttler,
+                    ThroughputEstimator(self.timeouts),
+                )
+            )
+        self._affinity: OrderedDict[str, tuple[int, int]] = (
+            OrderedDict()
+        )  # session -> (engine, cached tokens)
         self._max_sessions = max_sessions
         self._rr = 0
         self._changed = asyncio.Event()
@@ -349,12 +384,25 @@ class Router:
         out = []
         for e in self._engines:
             c = e.counters
-            out.append(EngineStats(
-                engine_id=e.engine_id, state=e.state, inflight=e.inflight, turns=c.turns,
-                prompt_tokens=c.prompt_tokens, cached_tokens=c.cached_tokens, new_sessions=c.new_sessions,
-                stayed=c.stayed, switched=c.switched, retries=c.retries, timeouts=c.timeouts, failures=c.failures,
-                suspect_marks=len(c.suspect_marked_at), suspect_marked_at=tuple(c.suspect_marked_at),
-                first_sent_at=c.first_sent_at))
+            out.append(
+                EngineStats(
+                    engine_id=e.engine_id,
+                    state=e.state,
+                    inflight=e.inflight,
+                    turns=c.turns,
+                    prompt_tokens=c.prompt_tokens,
+                    cached_tokens=c.cached_tokens,
+                    new_sessions=c.new_sessions,
+                    stayed=c.stayed,
+                    switched=c.switched,
+                    retries=c.retries,
+                    timeouts=c.timeouts,
+                    failures=c.failures,
+                    suspect_marks=len(c.suspect_marked_at),
+                    suspect_marked_at=tuple(c.suspect_marked_at),
+                    first_sent_at=c.first_sent_at,
+                )
+            )
             if reset:
                 e.counters = _Counters()
         return RouterStats(tuple(out))
@@ -378,8 +426,16 @@ class Router:
             self._open.set()
 
     # ---- leases --------------------------------------------------------------------------------------
-    async def acquire(self, session_id: str | None, *, prompt_tokens: int, max_new_tokens: int,
-                      exclude: Collection[int] = (), avoid: Collection[int] = (), retry: bool = False) -> Lease:
+    async def acquire(
+        self,
+        session_id: str | None,
+        *,
+        prompt_tokens: int,
+        max_new_tokens: int,
+        exclude: Collection[int] = (),
+        avoid: Collection[int] = (),
+        retry: bool = False,
+    ) -> Lease:
         """A lease on the engine for the next call of `session_id`, once that engine has a free slot.
 
         `exclude`d engines are never used; `avoid`ed ones only when nothing else is usable. `retry` marks
@@ -398,10 +454,16 @@ class Router:
             if i is None and shunned != exclude:
                 i = choose_engine(views, cache=cache, exclude=exclude, start=self._rr)
             if i is None:
-                suspects = [e for k, e in enumerate(self._engines)
-                            if k not in exclude and e.state is EngineState.SUSPECT]
-                trials = [e for k, e in enumerate(self._engines)
-                          if k not in exclude and e.state is EngineState.PROBATION]
+                suspects = [
+                    e
+                    for k, e in enumerate(self._engines)
+                    if k not in exclude and e.state is EngineState.SUSPECT
+                ]
+                trials = [
+                    e
+                    for k, e in enumerate(self._engines)
+                    if k not in exclude and e.state is EngineState.PROBATION
+                ]
                 if suspects and not probed:
                     probed = True
                     await asyncio.gather(*(self._probe(e) for e in suspects))
@@ -429,12 +491,31 @@ class Router:
                 e.semaphore.release()
                 continue
             self._rr += 1
-            placement = Placement.NEW if cache is None else Placement.STAYED if cache == i else Placement.SWITCHED
-            return self._send(i, e, session_id, prompt_tokens, max_new_tokens,
-                              cached if placement is Placement.STAYED else 0, placement, retry)
+            placement = (
+                Placement.NEW if cache is None else Placement.STAYED if cache == i else Placement.SWITCHED
+            )
+            return self._send(
+                i,
+                e,
+                session_id,
+                prompt_tokens,
+                max_new_tokens,
+                cached if placement is Placement.STAYED else 0,
+                placement,
+                retry,
+            )
 
-    def _send(self, i: int, e: _Engine, session_id: str | None, prompt_tokens: int, max_new_tokens: int,
-              cached: int, placement: Placement, retry: bool) -> Lease:
+    def _send(
+        self,
+        i: int,
+        e: _Engine,
+        session_id: str | None,
+        prompt_tokens: int,
+        max_new_tokens: int,
+        cached: int,
+        placement: Placement,
+        retry: bool,
+    ) -> Lease:
         now = time.monotonic()
         uncached = max(0, prompt_tokens - cached)
         per_token = e.throughput.estimate().prefill_s_per_token
@@ -447,8 +528,17 @@ class Router:
         deadline = e.throughput.deadline(uncached, max_new_tokens, prefill_wait_s=wait, requests_ahead=ahead)
         e.arrived_tokens += uncached
         e.arrivals += 1
-        lease = Lease(i, e, session_id=session_id, prompt_tokens=prompt_tokens, uncached_tokens=uncached,
-                      max_new_tokens=max_new_tokens, placement=placement, retry=retry, deadline=deadline)
+        lease = Lease(
+            i,
+            e,
+            session_id=session_id,
+            prompt_tokens=prompt_tokens,
+            uncached_tokens=uncached,
+            max_new_tokens=max_new_tokens,
+            placement=placement,
+            retry=retry,
+            deadline=deadline,
+        )
         e.sent.add(lease)
         e.queue.append(lease)
         e.queued_tokens += uncached
@@ -601,7 +691,9 @@ class Router:
             jobs = []
             for e in self._engines:
                 stale = now - e.last_probe_at >= interval
-                if stale and (e.state is EngineState.SUSPECT or (e.state is EngineState.HEALTHY and e.inflight == 0)):
+                if stale and (
+                    e.state is EngineState.SUSPECT or (e.state is EngineState.HEALTHY and e.inflight == 0)
+                ):
                     jobs.append(self._probe(e))
                 if e.reports_load and e.inflight > 0:
                     jobs.append(self._refresh_load(e))
@@ -627,7 +719,9 @@ class Router:
 
     async def aclose(self) -> None:
         """Stop background probes (the engines themselves stay open)."""
-        tasks = [t for t in [self._monitor, *(e.probe for e in self._engines)] if t is not None and not t.done()]
+        tasks = [
+            t for t in [self._monitor, *(e.probe for e in self._engines)] if t is not None and not t.done()
+        ]
         for t in tasks:
             t.cancel()
         for t in tasks:

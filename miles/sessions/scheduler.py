@@ -112,11 +112,19 @@ class SessionScheduler:
     `SessionMetrics`) is told about every session right after it is recorded.
     """
 
-    def __init__(self, engines: RolloutEngine | Sequence[RolloutEngine] | Router, *, tokenizer: Any,
-                 env_factory: Callable[[], SessionEnv] | None = None, config: SchedulerConfig | None = None,
-                 recorder: Recorder | str | os.PathLike[str] | None = None, parser: Any = None,
-                 run_id: str | None = None, recipe: EnvRecipe | None = None,
-                 observer: SessionObserver | None = None) -> None:
+    def __init__(
+        self,
+        engines: RolloutEngine | Sequence[RolloutEngine] | Router,
+        *,
+        tokenizer: Any,
+        env_factory: Callable[[], SessionEnv] | None = None,
+        config: SchedulerConfig | None = None,
+        recorder: Recorder | str | os.PathLike[str] | None = None,
+        parser: Any = None,
+        run_id: str | None = None,
+        recipe: EnvRecipe | None = None,
+        observer: SessionObserver | None = None,
+    ) -> None:
         if env_factory is None:
             if recipe is None:
                 raise ValueError("SessionScheduler needs env_factory= or recipe=")
@@ -127,9 +135,17 @@ class SessionScheduler:
         self.config.validate()
         scfg = self.config.session
         self._owns_router = not isinstance(engines, Router)
-        self.router = engines if isinstance(engines, Router) else Router(
-            engines, timeouts=scfg.timeouts, retry=scfg.retry,
-            max_inflight_per_engine=self.config.max_inflight_per_engine, requests_per_s=self.config.requests_per_s)
+        self.router = (
+            engines
+            if isinstance(engines, Router)
+            else Router(
+                engines,
+                timeouts=scfg.timeouts,
+                retry=scfg.retry,
+                max_inflight_per_engine=self.config.max_inflight_per_engine,
+                requests_per_s=self.config.requests_per_s,
+            )
+        )
         self.tokenizer = tokenizer
         self.env_factory = env_factory
         self._owns_recorder = recorder is not None and not isinstance(recorder, Recorder)
@@ -147,8 +163,13 @@ class SessionScheduler:
         self._group_counter = itertools.count()
 
     # ---- public --------------------------------------------------------------------------------------
-    async def run_groups(self, tasks: Iterable[Any], *, num_groups: int | None = None,
-                         admit: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator[Group]:
+    async def run_groups(
+        self,
+        tasks: Iterable[Any],
+        *,
+        num_groups: int | None = None,
+        admit: Callable[[], Awaitable[None]] | None = None,
+    ) -> AsyncIterator[Group]:
         """Yield groups as they complete. With `num_groups`, stop after that many, having scheduled
         `config.oversample_groups` extra ones and aborted whatever is still running; otherwise run one
         group per task until `tasks` is exhausted. `admit`, when given, is awaited before each next task is
@@ -199,8 +220,13 @@ class SessionScheduler:
             await self.recorder.aclose()
 
     # ---- internals -----------------------------------------------------------------------------------
-    async def _produce(self, tasks: Iterable[Any], limit: int | None, done: asyncio.Queue[Group | None],
-                       admit: Callable[[], Awaitable[None]] | None = None) -> None:
+    async def _produce(
+        self,
+        tasks: Iterable[Any],
+        limit: int | None,
+        done: asyncio.Queue[Group | None],
+        admit: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
         n = self.config.group_size
         unit = self.config.group_mode == "unit"
         loop = asyncio.get_running_loop()
@@ -223,8 +249,13 @@ class SessionScheduler:
                     if not unit:
                         await self._slots.acquire(1)
                     k = next(self._sample_counter)
-                    spec = SessionSpec(session_id=f"{self.run_id}-s{k}", task=task, group_id=state.group.group_id,
-                                       sample_index=i, seed=self.config.seed + k)
+                    spec = SessionSpec(
+                        session_id=f"{self.run_id}-s{k}",
+                        task=task,
+                        group_id=state.group.group_id,
+                        sample_index=i,
+                        seed=self.config.seed + k,
+                    )
                     self.stats.scheduled += 1
                     self.stats.running += 1
                     t = loop.create_task(self._run_one(spec, state, done))
@@ -236,15 +267,23 @@ class SessionScheduler:
         finally:
             done.put_nowait(None)
 
-    async def _run_one(self, spec: SessionSpec, state: _GroupState, done: asyncio.Queue[Group | None]) -> None:
+    async def _run_one(
+        self, spec: SessionSpec, state: _GroupState, done: asyncio.Queue[Group | None]
+    ) -> None:
         task = asyncio.current_task()
         assert task is not None
         rec: SessionRecord
         env = None
         try:
             env = self.env_factory()
-            session = Session(spec, env=env, tokenizer=self.tokenizer, engines=self.router,
-                              config=self.config.session, parser=self.parser)
+            session = Session(
+                spec,
+                env=env,
+                tokenizer=self.tokenizer,
+                engines=self.router,
+                config=self.config.session,
+                parser=self.parser,
+            )
         except Exception as exc:
             rec = _failed_record(spec, ErrorInfo.from_exception("reset", exc), env)
         else:
@@ -293,9 +332,16 @@ class SessionScheduler:
 
 
 def _failed_record(spec: SessionSpec, error: ErrorInfo, env: Any) -> SessionRecord:
-    rec = SessionRecord(session_id=spec.session_id, task=spec.task.to_record(), group_id=spec.group_id,
-                        sample_index=spec.sample_index, seed=spec.seed, started_at=time.time(),
-                        termination=TerminationReason.ENV_ERROR, error=error)
+    rec = SessionRecord(
+        session_id=spec.session_id,
+        task=spec.task.to_record(),
+        group_id=spec.group_id,
+        sample_index=spec.sample_index,
+        seed=spec.seed,
+        started_at=time.time(),
+        termination=TerminationReason.ENV_ERROR,
+        error=error,
+    )
     if env is not None:
         rec.env_id = str(getattr(env, "env_id", "") or type(env).__name__)
         rec.env_class = f"{type(env).__module__}:{type(env).__qualname__}"

@@ -30,8 +30,12 @@ from miles.sessions.spec import SessionSpec
 from miles.trajectory import Trajectory, message_from_record, message_record
 from miles.types import Message, TerminationReason
 
-_ERROR_ENDS = (TerminationReason.ENV_ERROR, TerminationReason.ENGINE_ERROR, TerminationReason.TIMEOUT,
-               TerminationReason.ABORTED)
+_ERROR_ENDS = (
+    TerminationReason.ENV_ERROR,
+    TerminationReason.ENGINE_ERROR,
+    TerminationReason.TIMEOUT,
+    TerminationReason.ABORTED,
+)
 
 
 class SessionEnv(Protocol):
@@ -40,8 +44,9 @@ class SessionEnv(Protocol):
     env_id: str
     max_turns: int
 
-    async def areset(self, *, seed: int | None = None, options: dict[str, Any] | None = None
-                     ) -> tuple[list[Message], dict[str, Any]]: ...
+    async def areset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[list[Message], dict[str, Any]]: ...
 
     async def astep(self, action: Message) -> tuple[list[Message], float, bool, bool, dict[str, Any]]: ...
 
@@ -72,15 +77,25 @@ class Session:
     the env's own `parse_action`).
     """
 
-    def __init__(self, spec: SessionSpec, *, env: SessionEnv, tokenizer: Any,
-                 engines: Router | RolloutEngine | Sequence[RolloutEngine],
-                 config: SessionConfig | None = None, parser: Any = None) -> None:
+    def __init__(
+        self,
+        spec: SessionSpec,
+        *,
+        env: SessionEnv,
+        tokenizer: Any,
+        engines: Router | RolloutEngine | Sequence[RolloutEngine],
+        config: SessionConfig | None = None,
+        parser: Any = None,
+    ) -> None:
         self.spec = spec
         self.env = env
         self.tokenizer = tokenizer
         self.config = config or SessionConfig()
-        self.router = engines if isinstance(engines, Router) else Router(
-            engines, timeouts=self.config.timeouts, retry=self.config.retry)
+        self.router = (
+            engines
+            if isinstance(engines, Router)
+            else Router(engines, timeouts=self.config.timeouts, retry=self.config.retry)
+        )
         if parser is None and self.config.parser is not None:
             from miles.tools import get_parser
 
@@ -94,11 +109,16 @@ class Session:
         if spec.seed is not None and sampling.seed is None:
             sampling = dataclasses.replace(sampling, seed=spec.seed)
         if not sampling.stop_token_ids:
-            sampling = dataclasses.replace(sampling, stop_token_ids=tuple(getattr(tokenizer, "stop_token_ids", ())))
+            sampling = dataclasses.replace(
+                sampling, stop_token_ids=tuple(getattr(tokenizer, "stop_token_ids", ()))
+            )
         self.sampling: SamplingParams = sampling
         first = self.router.engines[0]
-        self.context_length: int | None = (self.config.context_length or getattr(first, "context_length", None)
-                                           or getattr(first, "max_context", None))
+        self.context_length: int | None = (
+            self.config.context_length
+            or getattr(first, "context_length", None)
+            or getattr(first, "max_context", None)
+        )
         self.record: SessionRecord | None = None
         self.conversation: Any = None
         self._abort_requested = False
@@ -117,14 +137,20 @@ class Session:
         spec, env = self.spec, self.env
         tok = getattr(self.tokenizer, "tokenizer", None)
         rec = self.record = SessionRecord(
-            session_id=spec.session_id, env_id=str(getattr(env, "env_id", "") or type(env).__name__),
-            env_class=f"{type(env).__module__}:{type(env).__qualname__}", task=spec.task.to_record(),
-            group_id=spec.group_id, sample_index=spec.sample_index, seed=spec.seed,
+            session_id=spec.session_id,
+            env_id=str(getattr(env, "env_id", "") or type(env).__name__),
+            env_class=f"{type(env).__module__}:{type(env).__qualname__}",
+            task=spec.task.to_record(),
+            group_id=spec.group_id,
+            sample_index=spec.sample_index,
+            seed=spec.seed,
             sampling_params=self.sampling.to_dict(),
             tokenizer=f"{getattr(self.tokenizer, 'family', '')}:{getattr(tok, 'name_or_path', '')}",
             tokenizer_spec=getattr(self.tokenizer, "spec", None),
-            parser=getattr(self.parser, "name", "") or "env", started_at=time.time(),
-            policy_id=self.config.policy_id)
+            parser=getattr(self.parser, "name", "") or "env",
+            started_at=time.time(),
+            policy_id=self.config.policy_id,
+        )
         t0 = time.monotonic()
         budget = self.config.timeouts.session_budget_s
         self._budget_end = t0 + budget if budget is not None else None
@@ -138,8 +164,9 @@ class Session:
                 task.uncancel()
             await self._abort_inflight()
             rec.termination = TerminationReason.ABORTED
-            rec.error = ErrorInfo("session", "Aborted", "aborted by the scheduler" if self._abort_requested
-                                  else "cancelled")
+            rec.error = ErrorInfo(
+                "session", "Aborted", "aborted by the scheduler" if self._abort_requested else "cancelled"
+            )
         except Exception as exc:  # a failure outside env and engine (TITO, parser): keep the record
             rec.termination = TerminationReason.ENV_ERROR
             rec.error = ErrorInfo.from_exception("session", exc)
@@ -151,8 +178,9 @@ class Session:
         env, cfg = self.env, self.config
         task = self.spec.task
         seed = task.seed if task.seed is not None else self.spec.seed
-        obs, info = await self._env_call("reset", env.areset(seed=seed, options=dict(task.options)),
-                                         cfg.timeouts.env_reset_s)
+        obs, info = await self._env_call(
+            "reset", env.areset(seed=seed, options=dict(task.options)), cfg.timeouts.env_reset_s
+        )
         rec.initial_messages = [message_record(m) for m in obs]
         rec.reset_info = jsonable(info)
         try:
@@ -167,21 +195,30 @@ class Session:
         for index in range(max_turns):
             prompt = conv.prompt_ids
             if self.context_length is not None and len(prompt) + mnt > self.context_length:
-                raise _End(TerminationReason.CONTEXT_FULL,
-                           ErrorInfo("generate", "ContextFull", f"prompt {len(prompt)} + max_new_tokens {mnt} "
-                                     f"> context {self.context_length}"))
+                raise _End(
+                    TerminationReason.CONTEXT_FULL,
+                    ErrorInfo(
+                        "generate",
+                        "ContextFull",
+                        f"prompt {len(prompt)} + max_new_tokens {mnt} > context {self.context_length}",
+                    ),
+                )
             turn = TurnRecord(index=index, prompt_tokens=len(prompt))
             rec.turns.append(turn)
             result = await self._generate(prompt, turn)
             turn.output_start = len(conv)
             try:
-                text = conv.append_generation(result.output_ids, result.output_logprobs,
-                                              weight_version=result.weight_version,
-                                              finish_reason=result.finish_reason,
-                                              token_versions=result.token_versions)
+                text = conv.append_generation(
+                    result.output_ids,
+                    result.output_logprobs,
+                    weight_version=result.weight_version,
+                    finish_reason=result.finish_reason,
+                    token_versions=result.token_versions,
+                )
             except Exception as exc:  # output TITO cannot take (ids outside the vocabulary): a model error
-                raise _End(TerminationReason.ENGINE_ERROR,
-                           ErrorInfo.from_exception("generate", exc, turn.engine_id)) from exc
+                raise _End(
+                    TerminationReason.ENGINE_ERROR, ErrorInfo.from_exception("generate", exc, turn.engine_id)
+                ) from exc
             turn.output_end = len(conv)
             turn.text = text
             action = self._parse(text)
@@ -190,7 +227,8 @@ class Session:
             t_env = time.monotonic()
             try:
                 obs, reward, terminated, truncated, info = await self._env_call(
-                    "step", env.astep(action), cfg.timeouts.env_step_s)
+                    "step", env.astep(action), cfg.timeouts.env_step_s
+                )
             except _End:
                 conv.finish(action)
                 raise
@@ -201,8 +239,9 @@ class Session:
             turn.observation = [message_record(m) for m in obs]
             turn.tool_results = tool_results_of(obs, info)
             cumulative = {str(k): int(v) for k, v in dict(info.get("tool_errors") or {}).items()}
-            turn.tool_errors = {k: v - seen_errors.get(k, 0) for k, v in cumulative.items()
-                                if v > seen_errors.get(k, 0)}  # info counts per episode; keep this turn's
+            turn.tool_errors = {
+                k: v - seen_errors.get(k, 0) for k, v in cumulative.items() if v > seen_errors.get(k, 0)
+            }  # info counts per episode; keep this turn's
             seen_errors = cumulative
             self._final_info = info
             if terminated or truncated:
@@ -222,9 +261,14 @@ class Session:
             return timeout_s
         left = self._budget_end - time.monotonic()
         if left <= 0:
-            raise _End(TerminationReason.TIMEOUT,
-                       ErrorInfo(where, "SessionBudgetExceeded",
-                                 f"session budget of {self.config.timeouts.session_budget_s}s used up"))
+            raise _End(
+                TerminationReason.TIMEOUT,
+                ErrorInfo(
+                    where,
+                    "SessionBudgetExceeded",
+                    f"session budget of {self.config.timeouts.session_budget_s}s used up",
+                ),
+            )
         return min(timeout_s, left)
 
     async def _env_call(self, where: str, coro: Awaitable[Any], timeout_s: float) -> Any:
@@ -238,8 +282,10 @@ class Session:
                 return await coro
         except TimeoutError as exc:
             if cm.expired():
-                raise _End(TerminationReason.TIMEOUT,
-                           ErrorInfo(where, "EnvTimeout", f"env {where} took longer than {limit:.3g}s")) from exc
+                raise _End(
+                    TerminationReason.TIMEOUT,
+                    ErrorInfo(where, "EnvTimeout", f"env {where} took longer than {limit:.3g}s"),
+                ) from exc
             raise _End(TerminationReason.ENV_ERROR, ErrorInfo.from_exception(where, exc)) from exc
         except Exception as exc:
             raise _End(TerminationReason.ENV_ERROR, ErrorInfo.from_exception(where, exc)) from exc
@@ -258,14 +304,21 @@ class Session:
             rid = f"{sid}-t{turn.index}-a{attempt}"
             t_q = time.monotonic()
             try:
-                lease = await self.router.acquire(sid, prompt_tokens=len(prompt), max_new_tokens=mnt,
-                                                  exclude=timed_out_on, avoid=failed_on, retry=attempt > 0)
+                lease = await self.router.acquire(
+                    sid,
+                    prompt_tokens=len(prompt),
+                    max_new_tokens=mnt,
+                    exclude=timed_out_on,
+                    avoid=failed_on,
+                    retry=attempt > 0,
+                )
             except NoHealthyEngineError as exc:
                 turn.queue_s += time.monotonic() - t_q
                 if timed_out_on:
                     last = turn.attempts[-1].error.message
-                    raise _End(TerminationReason.TIMEOUT,
-                               ErrorInfo("generate", type(exc).__name__, f"{last}; {exc}")) from exc
+                    raise _End(
+                        TerminationReason.TIMEOUT, ErrorInfo("generate", type(exc).__name__, f"{last}; {exc}")
+                    ) from exc
                 info = ErrorInfo.from_exception("generate", exc)
                 turn.attempts.append(AttemptRecord("", "", info, 0.0))
             else:
@@ -280,16 +333,24 @@ class Session:
                     continue
                 failed_on.add(lease.index)
             if attempt >= retry.max_retries:
-                raise _End(TerminationReason.ENGINE_ERROR,
-                           ErrorInfo("generate", info.type, f"gave up after {attempt + 1} attempts; last: "
-                                     f"{info.message}", info.engine_id))
+                raise _End(
+                    TerminationReason.ENGINE_ERROR,
+                    ErrorInfo(
+                        "generate",
+                        info.type,
+                        f"gave up after {attempt + 1} attempts; last: {info.message}",
+                        info.engine_id,
+                    ),
+                )
             delay = backoff_delay_s(attempt, retry)
             if self._budget_end is not None:
                 delay = min(delay, max(0.0, self._budget_end - time.monotonic()))
             await asyncio.sleep(delay)
             attempt += 1
 
-    async def _attempt(self, lease: Lease, prompt: list[int], rid: str, turn: TurnRecord) -> GenerateResult | ErrorInfo:
+    async def _attempt(
+        self, lease: Lease, prompt: list[int], rid: str, turn: TurnRecord
+    ) -> GenerateResult | ErrorInfo:
         """One attempt on `lease`'s engine: its result, or the retryable failure it recorded. Raises `_End`
         when the turn cannot be retried."""
         eid, mnt = lease.engine_id, self.sampling.max_new_tokens
@@ -301,13 +362,16 @@ class Session:
         error: BaseException | None = None
         expired = False
         self._inflight = (lease.engine, rid)
-        policy = self.config.policy_id  # the base policy's calls carry no adapter (engines of the older contract)
+        policy = (
+            self.config.policy_id
+        )  # the base policy's calls carry no adapter (engines of the older contract)
         adapter = {} if policy == BASE_POLICY else {"adapter": policy}
         t0 = time.monotonic()
         try:
             async with lease.timeout(cap) as cm:
-                result = await lease.engine.generate(prompt, self.sampling, session_id=self.spec.session_id,
-                                                     rid=rid, **adapter)
+                result = await lease.engine.generate(
+                    prompt, self.sampling, session_id=self.spec.session_id, rid=rid, **adapter
+                )
         except TimeoutError as exc:
             expired, error = cm.expired(), exc
         except asyncio.CancelledError:
@@ -323,11 +387,23 @@ class Session:
             turn.engine_id, turn.rid, turn.generate_s = eid, rid, dt
             if self._budget_end is not None and time.monotonic() >= self._budget_end:
                 self.router.release(lease)
-                raise _End(TerminationReason.TIMEOUT, ErrorInfo("generate", "SessionBudgetExceeded",
-                           f"session budget of {self.config.timeouts.session_budget_s}s used up", eid))
+                raise _End(
+                    TerminationReason.TIMEOUT,
+                    ErrorInfo(
+                        "generate",
+                        "SessionBudgetExceeded",
+                        f"session budget of {self.config.timeouts.session_budget_s}s used up",
+                        eid,
+                    ),
+                )
             suspect = await self.router.timed_out(lease)
-            info = ErrorInfo("generate", "TurnTimeout", f"{eid} gave no reply to {rid} within "
-                             f"{lease.deadline_s:.3g}s (prompt {len(prompt)}, max_new_tokens {mnt})", eid)
+            info = ErrorInfo(
+                "generate",
+                "TurnTimeout",
+                f"{eid} gave no reply to {rid} within "
+                f"{lease.deadline_s:.3g}s (prompt {len(prompt)}, max_new_tokens {mnt})",
+                eid,
+            )
             if not suspect or len(turn.attempts) >= self.config.retry.max_retries:
                 raise _End(TerminationReason.TIMEOUT, info)
             turn.attempts.append(AttemptRecord(eid, rid, info, dt))
@@ -381,6 +457,10 @@ class Session:
         comps = {} if failed else dict(self._final_info.get("reward_components") or {})
         rec.reward_components = {str(k): float(v) for k, v in comps.items()}
         rec.final_info = jsonable(self._final_info)
-        traj.reward, traj.reward_components, traj.termination = rec.reward, rec.reward_components, rec.termination
+        traj.reward, traj.reward_components, traj.termination = (
+            rec.reward,
+            rec.reward_components,
+            rec.termination,
+        )
         traj.meta = rec.trajectory_meta()
         rec.trajectory = traj

@@ -41,8 +41,10 @@ class TaskSpec:
             return cls(task_id=str(tid) if tid is not None else None, options=dict(item))
         if hasattr(item, "id") and hasattr(item, "prompt"):
             return cls(task_id=str(item.id), options={"task": item})
-        raise InvalidTaskError(f"cannot make a task from a {type(item).__name__}; pass a Task, a task id, "
-                        "a seed or a dict of reset options")
+        raise InvalidTaskError(
+            f"cannot make a task from a {type(item).__name__}; pass a Task, a task id, "
+            "a seed or a dict of reset options"
+        )
 
     def to_record(self) -> dict[str, Any]:
         """JSON form; a `Task` object in `options["task"]` is stored as its row (`to_row()`)."""

@@ -13,31 +13,79 @@ from pathlib import Path
 DATA_DIR = Path(__file__).resolve().parent / "data"
 CORPUS_SEED = 20240607
 
-_NAMES = ["Alice", "Bob", "Carol", "Dave", "Erin", "Frank", "Grace", "Heidi", "Ivan", "Judy", "Mallory", "Oscar"]
+_NAMES = [
+    "Alice",
+    "Bob",
+    "Carol",
+    "Dave",
+    "Erin",
+    "Frank",
+    "Grace",
+    "Heidi",
+    "Ivan",
+    "Judy",
+    "Mallory",
+    "Oscar",
+]
 _CITIES = ["Paris", "Berlin", "Tokyo", "Lima", "Cairo", "Oslo", "Madrid", "Toronto", "Nairobi", "Sydney"]
 _STATUSES = ["pending", "shipped", "delivered", "cancelled"]
 _ITEMS = ["book", "lamp", "chair", "pen", "mug", "shirt", "phone", "cable", "desk", "bottle"]
 _OPS = ["+", "-", "*"]
 
 _TOOLS = [
-    {"type": "function", "function": {
-        "name": "calculate", "description": "Evaluate an arithmetic expression and return the result.",
-        "parameters": {"type": "object", "properties": {
-            "expression": {"type": "string", "description": "The expression, for example 3 + 4 * 2."}},
-            "required": ["expression"]}}},
-    {"type": "function", "function": {
-        "name": "run_sql", "description": "Run a read-only SQL query against the orders database.",
-        "parameters": {"type": "object", "properties": {
-            "query": {"type": "string", "description": "A SELECT statement."}}, "required": ["query"]}}},
-    {"type": "function", "function": {
-        "name": "get_order", "description": "Look up one order by its id.",
-        "parameters": {"type": "object", "properties": {
-            "order_id": {"type": "integer", "description": "The order id."}}, "required": ["order_id"]}}},
-    {"type": "function", "function": {
-        "name": "get_weather", "description": "Get the current weather in a city.",
-        "parameters": {"type": "object", "properties": {
-            "city": {"type": "string", "description": "The city name."},
-            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}, "required": ["city"]}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "calculate",
+            "description": "Evaluate an arithmetic expression and return the result.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "expression": {"type": "string", "description": "The expression, for example 3 + 4 * 2."}
+                },
+                "required": ["expression"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "run_sql",
+            "description": "Run a read-only SQL query against the orders database.",
+            "parameters": {
+                "type": "object",
+                "properties": {"query": {"type": "string", "description": "A SELECT statement."}},
+                "required": ["query"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_order",
+            "description": "Look up one order by its id.",
+            "parameters": {
+                "type": "object",
+                "properties": {"order_id": {"type": "integer", "description": "The order id."}},
+                "required": ["order_id"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Get the current weather in a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "description": "The city name."},
+                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+                },
+                "required": ["city"],
+            },
+        },
+    },
 ]
 
 
@@ -77,7 +125,11 @@ def _arithmetic(rng: random.Random) -> str:
 
 
 def _tool_call_block(name: str, arguments: dict) -> str:
-    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False) + "\n</tool_call>"
+    return (
+        "<tool_call>\n"
+        + json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
+        + "\n</tool_call>"
+    )
 
 
 def _tool_dialogue(rng: random.Random) -> str:
@@ -85,29 +137,45 @@ def _tool_dialogue(rng: random.Random) -> str:
     if kind == 0:
         expr, value = _expression(rng)
         call = _tool_call_block("calculate", {"expression": expr})
-        return (f"user\nWhat is {expr}?\nassistant\n{call}\nuser\n<tool_response>\n{value}\n</tool_response>\n"
-                f"assistant\nThe answer is {value}.")
+        return (
+            f"user\nWhat is {expr}?\nassistant\n{call}\nuser\n<tool_response>\n{value}\n</tool_response>\n"
+            f"assistant\nThe answer is {value}."
+        )
     if kind == 1:
         oid = rng.randint(1, 500)
-        order = {"id": oid, "customer": rng.choice(_NAMES), "status": rng.choice(_STATUSES),
-                 "items": [{"name": rng.choice(_ITEMS), "price": rng.randint(1, 99), "qty": rng.randint(1, 5)}
-                           for _ in range(rng.randint(1, 3))]}
+        order = {
+            "id": oid,
+            "customer": rng.choice(_NAMES),
+            "status": rng.choice(_STATUSES),
+            "items": [
+                {"name": rng.choice(_ITEMS), "price": rng.randint(1, 99), "qty": rng.randint(1, 5)}
+                for _ in range(rng.randint(1, 3))
+            ],
+        }
         call = _tool_call_block("get_order", {"order_id": oid})
-        return (f"user\nWhat is the status of order {oid}?\nassistant\n{call}\nuser\n<tool_response>\n"
-                f"{json.dumps(order)}\n</tool_response>\nassistant\nOrder {oid} is {order['status']}.")
+        return (
+            f"user\nWhat is the status of order {oid}?\nassistant\n{call}\nuser\n<tool_response>\n"
+            f"{json.dumps(order)}\n</tool_response>\nassistant\nOrder {oid} is {order['status']}."
+        )
     if kind == 2:
         name = rng.choice(_NAMES)
-        query = f"SELECT id, status FROM orders WHERE customer = '{name}' ORDER BY id LIMIT {rng.randint(1, 9)};"
+        query = (
+            f"SELECT id, status FROM orders WHERE customer = '{name}' ORDER BY id LIMIT {rng.randint(1, 9)};"
+        )
         rows = [[rng.randint(1, 500), rng.choice(_STATUSES)] for _ in range(rng.randint(0, 3))]
         call = _tool_call_block("run_sql", {"query": query})
-        return (f"user\nList the orders of {name}.\nassistant\n{call}\nuser\n<tool_response>\n{json.dumps(rows)}\n"
-                f"</tool_response>\nassistant\n{name} has {len(rows)} orders.")
+        return (
+            f"user\nList the orders of {name}.\nassistant\n{call}\nuser\n<tool_response>\n{json.dumps(rows)}\n"
+            f"</tool_response>\nassistant\n{name} has {len(rows)} orders."
+        )
     city = rng.choice(_CITIES)
     temp = rng.randint(-10, 35)
     call = _tool_call_block("get_weather", {"city": city, "unit": "celsius"})
-    return (f"user\nHow warm is it in {city}?\nassistant\n{call}\nuser\n<tool_response>\n"
-            f'{{"city": "{city}", "temperature": {temp}, "unit": "celsius"}}\n</tool_response>\n'
-            f"assistant\nIt is {temp} degrees in {city}.")
+    return (
+        f"user\nHow warm is it in {city}?\nassistant\n{call}\nuser\n<tool_response>\n"
+        f'{{"city": "{city}", "temperature": {temp}, "unit": "celsius"}}\n</tool_response>\n'
+        f"assistant\nIt is {temp} degrees in {city}."
+    )
 
 
 def build_corpus(seed: int = CORPUS_SEED) -> str:

@@ -36,8 +36,9 @@ TINY_SIZES: dict[str, TinySize] = {
 }
 
 
-def tiny_config(size: str = "3m", *, vocab_size: int | None = None,
-                max_position_embeddings: int = 2048) -> Qwen2Config:
+def tiny_config(
+    size: str = "3m", *, vocab_size: int | None = None, max_position_embeddings: int = 2048
+) -> Qwen2Config:
     """The `Qwen2Config` of a tiny size; `vocab_size` defaults to the tiny tokenizer's full length."""
     from transformers import Qwen2Config
 
@@ -63,8 +64,9 @@ def tiny_config(size: str = "3m", *, vocab_size: int | None = None,
     )
 
 
-def make_tiny_model(size: str = "3m", *, vocab_size: int | None = None, seed: int = 0,
-                    max_position_embeddings: int = 2048) -> Qwen2ForCausalLM:
+def make_tiny_model(
+    size: str = "3m", *, vocab_size: int | None = None, seed: int = 0, max_position_embeddings: int = 2048
+) -> Qwen2ForCausalLM:
     """A randomly initialised tiny `Qwen2ForCausalLM` (fp32, eval mode off), the same weights for the same seed.
 
     The global torch RNG state is left untouched. Save and load it with `save_pretrained` / `from_pretrained`.

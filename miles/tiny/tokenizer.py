@@ -21,8 +21,10 @@ SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 # Added as whole (non-special) tokens so that tool markup costs one token each and survives skip_special_tokens.
 MARKUP_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>")
 # Qwen2-style split: letters with one leading non-letter, every digit alone, punctuation runs, whitespace runs.
-SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+SPLIT_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
@@ -70,13 +72,17 @@ def train_tiny_tokenizer(out_dir: str | Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE, min_frequency=2, show_progress=False,
+        vocab_size=VOCAB_SIZE,
+        min_frequency=2,
+        show_progress=False,
         special_tokens=[AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
@@ -85,7 +91,8 @@ def train_tiny_tokenizer(out_dir: str | Path) -> Path:
     (out / "tokenizer.json").write_text(tok.to_str(pretty=True) + "\n", encoding="utf-8")
     config = _tokenizer_config()
     (out / "tokenizer_config.json").write_text(
-        json.dumps(config, indent=2, ensure_ascii=False, sort_keys=True) + "\n", encoding="utf-8")
+        json.dumps(config, indent=2, ensure_ascii=False, sort_keys=True) + "\n", encoding="utf-8"
+    )
     return out
 
 

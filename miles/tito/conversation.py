@@ -35,8 +35,11 @@ class Conversation:
         self.tools = list(tools) if tools else None
         self.messages: list[Message] = [_as_message(m) for m in messages]
         self._traj = Trajectory()
-        self._traj.append(tito.render_ids(self.messages, self.tools, add_generation_prompt=True),
-                          role=PROMPT, generated=False)
+        self._traj.append(
+            tito.render_ids(self.messages, self.tools, add_generation_prompt=True),
+            role=PROMPT,
+            generated=False,
+        )
         self._turn_start = len(self._traj.token_ids)  # where the current, not yet recorded, model turn begins
         self._generating = False  # engine output appended since the last observation
         self._closed = False  # the current model turn ends with a stop token
@@ -67,9 +70,15 @@ class Conversation:
         if self.finished:
             raise ConversationStateError("the conversation is finished")
 
-    def append_generation(self, output_ids: Sequence[int], logprobs: Sequence[float] | None, *,
-                          weight_version: int, finish_reason: FinishReason,
-                          token_versions: Sequence[int] | None = None) -> str:
+    def append_generation(
+        self,
+        output_ids: Sequence[int],
+        logprobs: Sequence[float] | None,
+        *,
+        weight_version: int,
+        finish_reason: FinishReason,
+        token_versions: Sequence[int] | None = None,
+    ) -> str:
         """Append engine output verbatim (loss mask 1, its logprobs) and return its text without the stop token.
 
         A generation that did not end in a stop token may be continued by another `append_generation`.
@@ -79,12 +88,15 @@ class Conversation:
         """
         self._require_open()
         if self.last_turn_closed:
-            raise ConversationStateError("the model turn already ended with a stop token; append an observation "
-                                         "or finish first")
+            raise ConversationStateError(
+                "the model turn already ended with a stop token; append an observation or finish first"
+            )
         ids = [int(i) for i in output_ids]
         bad = [i for i in ids if not 0 <= i < self.tito.vocab_size]
         if bad:
-            raise InvalidTokenError(f"output ids outside the vocabulary [0, {self.tito.vocab_size}): {bad[:5]}")
+            raise InvalidTokenError(
+                f"output ids outside the vocabulary [0, {self.tito.vocab_size}): {bad[:5]}"
+            )
         lps = [0.0] * len(ids) if logprobs is None else [float(x) for x in logprobs]
         if len(lps) != len(ids):
             raise InvalidTokenError(f"{len(ids)} output ids but {len(lps)} logprobs")
@@ -94,8 +106,13 @@ class Conversation:
         start = 0
         for end in range(1, len(ids) + 1):  # one span per run of equal versions
             if end == len(ids) or versions[end] != versions[start]:
-                self._traj.append(ids[start:end], role=ASSISTANT, generated=True, logprobs=lps[start:end],
-                                  weight_version=versions[start])
+                self._traj.append(
+                    ids[start:end],
+                    role=ASSISTANT,
+                    generated=True,
+                    logprobs=lps[start:end],
+                    weight_version=versions[start],
+                )
                 start = end
         if not ids:
             self._traj.append([], role=ASSISTANT, generated=True, logprobs=[], weight_version=weight_version)
@@ -164,9 +181,16 @@ class Conversation:
         """
         canonical, covered = self.canonical_ids()
         acc = self._traj.token_ids[:covered]
-        report = compare_ids(acc, canonical, spans=self._traj.spans, special_ids=self.tito.special_ids,
-                             decode=self.tito.decode, family=self.tito.family, explain=self.tito.handler.explain,
-                             num_tokens=len(self._traj.token_ids))
+        report = compare_ids(
+            acc,
+            canonical,
+            spans=self._traj.spans,
+            special_ids=self.tito.special_ids,
+            decode=self.tito.decode,
+            family=self.tito.family,
+            explain=self.tito.handler.explain,
+            num_tokens=len(self._traj.token_ids),
+        )
         if strict and not report.ok:
             raise TITOMismatchError(report)
         return report

@@ -53,30 +53,48 @@ class Qwen3Handler(FamilyHandler):
 _CHATML_BASE = ({"role": "user", "content": "base"}, {"role": "assistant", "content": "base"})
 # A user turn that Qwen3's template treats as a tool response, not a query: the base assistant then renders
 # without a think block whether or not more messages follow.
-_QWEN3_BASE = ({"role": "user", "content": "<tool_response>\nbase\n</tool_response>"},
-               {"role": "assistant", "content": "base"})
+_QWEN3_BASE = (
+    {"role": "user", "content": "<tool_response>\nbase\n</tool_response>"},
+    {"role": "assistant", "content": "base"},
+)
 
 HANDLERS: dict[str, FamilyHandler] = {
     "chatml": FamilyHandler(
-        name="chatml", stop_tokens=("<|im_end|>", "<|endoftext|>"), close_token="<|im_end|>",
+        name="chatml",
+        stop_tokens=("<|im_end|>", "<|endoftext|>"),
+        close_token="<|im_end|>",
         delta_base=_CHATML_BASE,
-        description="ChatML/Qwen2.5: the `\\n` after `<|im_end|>` is never generated; it opens the next delta."),
+        description="ChatML/Qwen2.5: the `\\n` after `<|im_end|>` is never generated; it opens the next delta.",
+    ),
     "tiny": FamilyHandler(
-        name="tiny", stop_tokens=("<|im_end|>", "<|endoftext|>"), close_token="<|im_end|>",
+        name="tiny",
+        stop_tokens=("<|im_end|>", "<|endoftext|>"),
+        close_token="<|im_end|>",
         delta_base=_CHATML_BASE,
-        description="miles tiny tokenizer (ChatML + Qwen2.5 tools): `\\n` after `<|im_end|>` opens the next delta."),
+        description="miles tiny tokenizer (ChatML + Qwen2.5 tools): `\\n` after `<|im_end|>` opens the next delta.",
+    ),
     "qwen3": Qwen3Handler(
-        name="qwen3", stop_tokens=("<|im_end|>", "<|endoftext|>"), close_token="<|im_end|>",
+        name="qwen3",
+        stop_tokens=("<|im_end|>", "<|endoftext|>"),
+        close_token="<|im_end|>",
         delta_base=_QWEN3_BASE,
-        description=("Qwen3: ChatML boundaries; the template strips <think> blocks from assistant turns before the "
-                     "latest user query (and empty ones from non-final turns). TITO keeps the generated thinking "
-                     "tokens verbatim; the check reports those differences as explained "
-                     "(qwen3_thinking_stripped).")),
+        description=(
+            "Qwen3: ChatML boundaries; the template strips <think> blocks from assistant turns before the "
+            "latest user query (and empty ones from non-final turns). TITO keeps the generated thinking "
+            "tokens verbatim; the check reports those differences as explained "
+            "(qwen3_thinking_stripped)."
+        ),
+    ),
     "llama3": FamilyHandler(
-        name="llama3", stop_tokens=("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>"), close_token="<|eot_id|>",
+        name="llama3",
+        stop_tokens=("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>"),
+        close_token="<|eot_id|>",
         delta_base=({"role": "user", "content": "base"}, {"role": "assistant", "content": "base"}),
-        description=("Llama 3.x: turns end with <|eot_id|> (nothing follows it); each delta opens with "
-                     "<|start_header_id|>role<|end_header_id|>\\n\\n headers.")),
+        description=(
+            "Llama 3.x: turns end with <|eot_id|> (nothing follows it); each delta opens with "
+            "<|start_header_id|>role<|end_header_id|>\\n\\n headers."
+        ),
+    ),
 }
 
 
@@ -100,8 +118,10 @@ def detect_family(tokenizer: Any, chat_template: str | None = None) -> str:
     """Pick the family from the chat template's markers (and the vocabulary when the template is ambiguous)."""
     template = template_source(tokenizer, chat_template)
     if not template:
-        raise UnknownFamilyError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template; "
-                                 "pass chat_template= or load it with miles.tito.load_tokenizer")
+        raise UnknownFamilyError(
+            f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template; "
+            "pass chat_template= or load it with miles.tito.load_tokenizer"
+        )
     if "miles-tiny" in template:
         return "tiny"
     if "<|start_header_id|>" in template or "<|eot_id|>" in template:

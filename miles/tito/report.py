@@ -71,21 +71,28 @@ class TITOReport:
 
     def metrics(self, prefix: str = "tito/") -> dict[str, float]:
         """Per-session metrics: exactness, mismatch regions, and mismatching tokens per kind."""
-        out = {f"{prefix}exact": float(self.exact), f"{prefix}ok": float(self.ok),
-               f"{prefix}mismatches": float(len(self.mismatches)),
-               f"{prefix}unexplained_mismatches": float(len(self.unexplained))}
+        out = {
+            f"{prefix}exact": float(self.exact),
+            f"{prefix}ok": float(self.ok),
+            f"{prefix}mismatches": float(len(self.mismatches)),
+            f"{prefix}unexplained_mismatches": float(len(self.unexplained)),
+        }
         out.update({f"{prefix}mismatch_tokens_{k}": float(v) for k, v in self.counts().items()})
         return out
 
     def summary(self) -> str:
         if self.exact:
             return f"TITO check ({self.family}): exact over {self.compared_tokens} tokens"
-        lines = [f"TITO check ({self.family}): {len(self.mismatches)} mismatch(es), "
-                 f"{len(self.unexplained)} unexplained, over {self.compared_tokens} tokens"]
+        lines = [
+            f"TITO check ({self.family}): {len(self.mismatches)} mismatch(es), "
+            f"{len(self.unexplained)} unexplained, over {self.compared_tokens} tokens"
+        ]
         for m in self.mismatches[:8]:
-            lines.append(f"  {m.kind.value} acc[{m.acc_start}:{m.acc_end}]={m.accumulated_text!r} "
-                         f"canon[{m.canon_start}:{m.canon_end}]={m.canonical_text!r}"
-                         + (f" ({m.explanation})" if m.explanation else ""))
+            lines.append(
+                f"  {m.kind.value} acc[{m.acc_start}:{m.acc_end}]={m.accumulated_text!r} "
+                f"canon[{m.canon_start}:{m.canon_end}]={m.canonical_text!r}"
+                + (f" ({m.explanation})" if m.explanation else "")
+            )
         return "\n".join(lines)
 
 
@@ -94,17 +101,29 @@ def _span_roles(spans: Sequence[TurnSpan], start: int, end: int) -> set[str]:
     return {s.role for s in spans if s.start < hi and lo < s.end}
 
 
-def compare_ids(accumulated: Sequence[int], canonical: Sequence[int], *, spans: Sequence[TurnSpan],
-                special_ids: set[int], decode: Callable[[Sequence[int]], str], family: str,
-                explain: Callable[[str, str], str | None], num_tokens: int | None = None) -> TITOReport:
+def compare_ids(
+    accumulated: Sequence[int],
+    canonical: Sequence[int],
+    *,
+    spans: Sequence[TurnSpan],
+    special_ids: set[int],
+    decode: Callable[[Sequence[int]], str],
+    family: str,
+    explain: Callable[[str, str], str | None],
+    num_tokens: int | None = None,
+) -> TITOReport:
     """Diff two id sequences and classify each differing region.
 
     A region is `special_tokens` when either side holds a special token, else `assistant_text` when it
     touches a generated (role "assistant") span, else `non_assistant_text`.
     """
     acc, canon = list(accumulated), list(canonical)
-    report = TITOReport(family=family, num_tokens=num_tokens if num_tokens is not None else len(acc),
-                        num_canonical_tokens=len(canon), compared_tokens=len(acc))
+    report = TITOReport(
+        family=family,
+        num_tokens=num_tokens if num_tokens is not None else len(acc),
+        num_canonical_tokens=len(canon),
+        compared_tokens=len(acc),
+    )
     if acc == canon:
         return report
     head = 0
@@ -114,7 +133,9 @@ def compare_ids(accumulated: Sequence[int], canonical: Sequence[int], *, spans: 
     tail = 0
     while tail < limit - head and acc[-1 - tail] == canon[-1 - tail]:
         tail += 1
-    matcher = SequenceMatcher(None, acc[head:len(acc) - tail], canon[head:len(canon) - tail], autojunk=False)
+    matcher = SequenceMatcher(
+        None, acc[head : len(acc) - tail], canon[head : len(canon) - tail], autojunk=False
+    )
     for tag, i1, i2, j1, j2 in matcher.get_opcodes():
         if tag == "equal":
             continue
@@ -127,7 +148,16 @@ def compare_ids(accumulated: Sequence[int], canonical: Sequence[int], *, spans: 
             kind = MismatchKind.ASSISTANT_TEXT
         else:
             kind = MismatchKind.NON_ASSISTANT_TEXT
-        report.mismatches.append(Mismatch(kind=kind, acc_start=a0, acc_end=a1, canon_start=c0, canon_end=c1,
-                                          accumulated_text=a_text, canonical_text=c_text,
-                                          explanation=explain(a_text, c_text)))
+        report.mismatches.append(
+            Mismatch(
+                kind=kind,
+                acc_start=a0,
+                acc_end=a1,
+                canon_start=c0,
+                canon_end=c1,
+                accumulated_text=a_text,
+                canonical_text=c_text,
+                explanation=explain(a_text, c_text),
+            )
+        )
     return report

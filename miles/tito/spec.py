@@ -47,8 +47,9 @@ def resolve_chat_template(name: str | None) -> str | None:
         return CHAT_TEMPLATES[name]()
     path = Path(name)
     if not path.is_file():
-        raise ChatTemplateError(f"{name!r} is neither a template name ({', '.join(CHAT_TEMPLATES)}) nor a .jinja "
-                                "file")
+        raise ChatTemplateError(
+            f"{name!r} is neither a template name ({', '.join(CHAT_TEMPLATES)}) nor a .jinja file"
+        )
     return path.read_text(encoding="utf-8")
 
 
@@ -70,20 +71,33 @@ class TokenizerSpec:
 
     def build(self) -> TITOTokenizer:
         """The TITO tokenizer; its `spec` is this spec with `template_sha256` filled in."""
-        tito = TITOTokenizer(load_tokenizer(self.tokenizer), chat_template=resolve_chat_template(self.chat_template),
-                             chat_template_kwargs=dict(self.chat_template_kwargs))
-        tito.spec = replace(self, chat_template_kwargs=dict(self.chat_template_kwargs),
-                            template_sha256=template_sha256(tito.chat_template))
+        tito = TITOTokenizer(
+            load_tokenizer(self.tokenizer),
+            chat_template=resolve_chat_template(self.chat_template),
+            chat_template_kwargs=dict(self.chat_template_kwargs),
+        )
+        tito.spec = replace(
+            self,
+            chat_template_kwargs=dict(self.chat_template_kwargs),
+            template_sha256=template_sha256(tito.chat_template),
+        )
         return tito
 
     def to_record(self) -> dict[str, Any]:
         """The JSON form."""
-        return {"tokenizer": self.tokenizer, "chat_template": self.chat_template,
-                "chat_template_kwargs": dict(self.chat_template_kwargs), "template_sha256": self.template_sha256}
+        return {
+            "tokenizer": self.tokenizer,
+            "chat_template": self.chat_template,
+            "chat_template_kwargs": dict(self.chat_template_kwargs),
+            "template_sha256": self.template_sha256,
+        }
 
     @classmethod
     def from_record(cls, data: Mapping[str, Any]) -> TokenizerSpec:
         """Inverse of `to_record`."""
-        return cls(tokenizer=str(data["tokenizer"]), chat_template=data.get("chat_template"),
-                   chat_template_kwargs=dict(data.get("chat_template_kwargs") or {}),
-                   template_sha256=str(data.get("template_sha256") or ""))
+        return cls(
+            tokenizer=str(data["tokenizer"]),
+            chat_template=data.get("chat_template"),
+            chat_template_kwargs=dict(data.get("chat_template_kwargs") or {}),
+            template_sha256=str(data.get("template_sha256") or ""),
+        )

@@ -36,8 +36,14 @@ class TITOTokenizer:
     #: The names that rebuild this tokenizer, when `TokenizerSpec.build` made it (sessions record it).
     spec: TokenizerSpec | None = None
 
-    def __init__(self, tokenizer: Any, family: str | None = None, *, chat_template: str | None = None,
-                 chat_template_kwargs: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        family: str | None = None,
+        *,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.chat_template = template_source(tokenizer, chat_template)
         if not self.chat_template:
@@ -51,7 +57,8 @@ class TITOTokenizer:
         if self.handler.close_token not in vocab:
             raise TemplateTokenizerMismatchError(
                 f"the chat template is a {self.family} template, but the tokenizer lacks its turn-closing token "
-                f"{self.handler.close_token!r}: use a template of this tokenizer's family")
+                f"{self.handler.close_token!r}: use a template of this tokenizer's family"
+            )
         self.close_token_id: int = vocab[self.handler.close_token]
         self._stop_set = frozenset(self.stop_token_ids)
         self.special_ids: set[int] = set(tokenizer.all_special_ids)
@@ -59,7 +66,9 @@ class TITOTokenizer:
             if getattr(added, "special", False):
                 self.special_ids.add(int(idx))
         backend = getattr(tokenizer, "backend_tokenizer", None)
-        self._encode_fast = (lambda text: backend.encode(text, add_special_tokens=False).ids) if backend else None
+        self._encode_fast = (
+            (lambda text: backend.encode(text, add_special_tokens=False).ids) if backend else None
+        )
         self._base_ids: list[int] | None = None
 
     def __repr__(self) -> str:
@@ -67,12 +76,22 @@ class TITOTokenizer:
 
     # rendering -------------------------------------------------------------------------------------------
 
-    def render_text(self, messages: Sequence[MessageLike], tools: list[dict] | None = None, *,
-                    add_generation_prompt: bool = False) -> str:
+    def render_text(
+        self,
+        messages: Sequence[MessageLike],
+        tools: list[dict] | None = None,
+        *,
+        add_generation_prompt: bool = False,
+    ) -> str:
         """The chat template's text for `messages` (and tool schemas)."""
         return self.tokenizer.apply_chat_template(
-            as_dicts(messages), tools=tools or None, chat_template=self.chat_template, tokenize=False,
-            add_generation_prompt=add_generation_prompt, **self.chat_template_kwargs)
+            as_dicts(messages),
+            tools=tools or None,
+            chat_template=self.chat_template,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            **self.chat_template_kwargs,
+        )
 
     def check_renders_tools(self, messages: Sequence[MessageLike], tools: list[dict] | None) -> None:
         """`TemplateDropsToolsError` unless the chat template shows `tools` to the model: the prompt of
@@ -86,13 +105,17 @@ class TITOTokenizer:
         if with_tools != without and not missing:
             return
         fix = {"llama3": "llama3-tools"}.get(self.family, "chatml-tools")
-        what = ("renders the prompt the same with and without its tool schemas" if with_tools == without
-                else f"leaves out {len(missing)} of the {len(names)} tools ({', '.join(missing[:3])})")
+        what = (
+            "renders the prompt the same with and without its tool schemas"
+            if with_tools == without
+            else f"leaves out {len(missing)} of the {len(names)} tools ({', '.join(missing[:3])})"
+        )
         name = self.spec.tokenizer if self.spec is not None else getattr(self.tokenizer, "name_or_path", "")
         raise TemplateDropsToolsError(
             f"the chat template of tokenizer {name!r} {what}, so "
             f"the model would never see its tools: set model.chat_template: {fix} (or a .jinja file that renders "
-            "`tools`)")
+            "`tools`)"
+        )
 
     def encode(self, text: str) -> list[int]:
         """Ids of `text` with no BOS/EOS added (templates write their own)."""
@@ -103,8 +126,13 @@ class TITOTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
-    def render_ids(self, messages: Sequence[MessageLike], tools: list[dict] | None = None, *,
-                   add_generation_prompt: bool = False) -> list[int]:
+    def render_ids(
+        self,
+        messages: Sequence[MessageLike],
+        tools: list[dict] | None = None,
+        *,
+        add_generation_prompt: bool = False,
+    ) -> list[int]:
         """`encode(render_text(...))`: the canonical ids of a conversation."""
         return self.encode(self.render_text(messages, tools, add_generation_prompt=add_generation_prompt))
 
@@ -115,7 +143,7 @@ class TITOTokenizer:
         """`ids` up to and including the last stop token (all of `ids` when there is none)."""
         for i in range(len(ids) - 1, -1, -1):
             if ids[i] in self._stop_set:
-                return ids[:i + 1]
+                return ids[: i + 1]
         return ids
 
     # deltas ------------------------------------------------------------------------------------------------
@@ -133,12 +161,15 @@ class TITOTokenizer:
         the base's last stop token.
         """
         base = self._delta_base_ids()
-        full = self.render_ids(list(self.handler.delta_base) + as_dicts(observation), add_generation_prompt=True)
-        if full[:len(base)] != base:
+        full = self.render_ids(
+            list(self.handler.delta_base) + as_dicts(observation), add_generation_prompt=True
+        )
+        if full[: len(base)] != base:
             raise DeltaPrefixError(
                 f"{self.family}: rendering the base conversation with {len(observation)} more message(s) changes "
                 f"its tokens; the template is not append-only for "
-                f"{json.dumps([m.get('role') for m in as_dicts(observation)])}")
+                f"{json.dumps([m.get('role') for m in as_dicts(observation)])}"
+            )
         cut = len(self.cut_after_last_stop(base))
         return full[cut:]
 
@@ -146,8 +177,9 @@ class TITOTokenizer:
         """What the template adds after a closed turn to open the next assistant turn (no messages between)."""
         return self.observation_delta([])
 
-    def expected_generation(self, history: Sequence[MessageLike], assistant: MessageLike,
-                            tools: list[dict] | None = None) -> list[int]:
+    def expected_generation(
+        self, history: Sequence[MessageLike], assistant: MessageLike, tools: list[dict] | None = None
+    ) -> list[int]:
         """The ids a model that follows the template exactly would generate for `assistant` after `history`.
 
         The template's text for the assistant turn, up to and including its stop token.
@@ -155,9 +187,11 @@ class TITOTokenizer:
         prompt = self.render_text(history, tools, add_generation_prompt=True)
         full = self.render_text(list(history) + [assistant], tools)
         if not full.startswith(prompt):
-            raise DeltaPrefixError(f"{self.family}: the generation prompt is not a prefix of the rendered "
-                                   "assistant turn; the template is not append-only there")
-        return self.cut_after_last_stop(self.encode(full[len(prompt):]))
+            raise DeltaPrefixError(
+                f"{self.family}: the generation prompt is not a prefix of the rendered "
+                "assistant turn; the template is not append-only there"
+            )
+        return self.cut_after_last_stop(self.encode(full[len(prompt) :]))
 
     def start(self, messages: Sequence[MessageLike], tools: list[dict] | None = None):
         """Render the first prompt once (with the generation prompt) and open a `Conversation` on it."""

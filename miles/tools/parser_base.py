@@ -10,8 +10,16 @@ from typing import Any
 
 from miles.types import STRICT_JSON, Message, ToolCall, loads_strict
 
-__all__ = ["STRICT_JSON", "ParsedOutput", "ToolCallParser", "arguments_json", "call_from_payload", "garbage_call",
-           "loads_strict", "member_text"]
+__all__ = [
+    "STRICT_JSON",
+    "ParsedOutput",
+    "ToolCallParser",
+    "arguments_json",
+    "call_from_payload",
+    "garbage_call",
+    "loads_strict",
+    "member_text",
+]
 
 _NAME_IN_GARBAGE = re.compile(r'"name"\s*:\s*"([^"\\]{1,64})"')
 _JSON_SPACE = " \t\n\r"
@@ -28,8 +36,9 @@ class ParsedOutput:
 
     def to_message(self) -> Message:
         """The assistant message these parts make up."""
-        return Message(role="assistant", content=self.content, tool_calls=list(self.calls),
-                       reasoning=self.reasoning)
+        return Message(
+            role="assistant", content=self.content, tool_calls=list(self.calls), reasoning=self.reasoning
+        )
 
 
 def _skip_space(text: str, pos: int) -> int:
@@ -75,12 +84,22 @@ def call_from_payload(payload: Any, index: int, raw: str, *, args_keys: tuple[st
     """
     call_id = f"call_{index}"
     if not isinstance(payload, dict):
-        return ToolCall(name="", arguments=None, id=call_id, raw_arguments=raw,
-                        parse_error=f"a tool call must be a JSON object, got {type(payload).__name__}")
+        return ToolCall(
+            name="",
+            arguments=None,
+            id=call_id,
+            raw_arguments=raw,
+            parse_error=f"a tool call must be a JSON object, got {type(payload).__name__}",
+        )
     name = payload.get("name")
     if not isinstance(name, str) or not name:
-        return ToolCall(name="", arguments=None, id=call_id, raw_arguments=raw,
-                        parse_error='the tool call has no "name" string')
+        return ToolCall(
+            name="",
+            arguments=None,
+            id=call_id,
+            raw_arguments=raw,
+            parse_error='the tool call has no "name" string',
+        )
     key = next((k for k in args_keys if k in payload), None)
     args: Any = payload[key] if key else {}
     if isinstance(args, str):  # some models emit the arguments as a JSON string; that string is their text
@@ -88,13 +107,23 @@ def call_from_payload(payload: Any, index: int, raw: str, *, args_keys: tuple[st
         try:
             args = loads_strict(args) if args.strip() else {}
         except ValueError as exc:
-            return ToolCall(name=name, arguments=None, id=call_id, raw_arguments=text,
-                            parse_error=f"invalid JSON in arguments: {exc}")
+            return ToolCall(
+                name=name,
+                arguments=None,
+                id=call_id,
+                raw_arguments=text,
+                parse_error=f"invalid JSON in arguments: {exc}",
+            )
     else:
         text = (member_text(raw, key) if key else None) or json.dumps(args, ensure_ascii=False)
     if not isinstance(args, dict):
-        return ToolCall(name=name, arguments=None, id=call_id, raw_arguments=text,
-                        parse_error=f"arguments must be a JSON object, got {type(args).__name__}")
+        return ToolCall(
+            name=name,
+            arguments=None,
+            id=call_id,
+            raw_arguments=text,
+            parse_error=f"arguments must be a JSON object, got {type(args).__name__}",
+        )
     return ToolCall(name=name, arguments=args, id=call_id, raw_arguments=text)
 
 
@@ -110,8 +139,13 @@ def arguments_json(call: ToolCall) -> str:
 def garbage_call(body: str, index: int, error: str) -> ToolCall:
     """A call whose body is not JSON; keeps a recognisable name for the error message when there is one."""
     match = _NAME_IN_GARBAGE.search(body)
-    return ToolCall(name=match.group(1) if match else "", arguments=None, id=f"call_{index}",
-                    raw_arguments=body, parse_error=error)
+    return ToolCall(
+        name=match.group(1) if match else "",
+        arguments=None,
+        id=f"call_{index}",
+        raw_arguments=body,
+        parse_error=error,
+    )
 
 
 class ToolCallParser(ABC):

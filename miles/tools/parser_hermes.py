@@ -34,7 +34,7 @@ class HermesParser(ToolCallParser):
         pieces: list[str] = []
         pos = 0
         for match in _BLOCK.finditer(text):
-            pieces.append(text[pos:match.start()])
+            pieces.append(text[pos : match.start()])
             pos = match.end()
             body = match.group(1).strip()
             closed = match.group(0).endswith(CLOSE)

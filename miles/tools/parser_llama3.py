@@ -46,11 +46,12 @@ class Llama3JsonParser(ToolCallParser):
     def _parse(self, text: str) -> ParsedOutput:
         stripped = _strip_end(text)
         tagged = stripped.startswith(PYTHON_TAG)
-        body = stripped[len(PYTHON_TAG):].lstrip() if tagged else stripped
+        body = stripped[len(PYTHON_TAG) :].lstrip() if tagged else stripped
         if not body.startswith("{"):
             if tagged and body:
-                return ParsedOutput(content="", calls=[garbage_call(body, 0, "expected a JSON object after "
-                                                                    "<|python_tag|>")])
+                return ParsedOutput(
+                    content="", calls=[garbage_call(body, 0, "expected a JSON object after <|python_tag|>")]
+                )
             return ParsedOutput(content=stripped if not tagged else "", calls=[])
         calls: list[ToolCall] = []
         pos = 0
@@ -73,8 +74,10 @@ class Llama3JsonParser(ToolCallParser):
         return ParsedOutput(content=body[pos:].strip(), calls=calls)
 
     def render(self, content: str, calls: list[ToolCall]) -> str:
-        parts = [f'{{"name": {json.dumps(c.name, ensure_ascii=False)}, "parameters": {arguments_json(c)}}}'
-                 for c in calls]
+        parts = [
+            f'{{"name": {json.dumps(c.name, ensure_ascii=False)}, "parameters": {arguments_json(c)}}}'
+            for c in calls
+        ]
         text = "; ".join(parts)
         if content:
             text = f"{text}\n{content}" if text else content

@@ -42,9 +42,9 @@ def split_reasoning(text: str) -> tuple[str | None, str]:
         rest.append(text[pos:start])
         end = text.find(THINK_CLOSE, start + len(THINK_OPEN))
         if end == -1:
-            thoughts.append(text[start + len(THINK_OPEN):])
+            thoughts.append(text[start + len(THINK_OPEN) :])
             break
-        thoughts.append(text[start + len(THINK_OPEN):end])
+        thoughts.append(text[start + len(THINK_OPEN) : end])
         pos = end + len(THINK_CLOSE)
     if not thoughts:
         return None, text

@@ -31,7 +31,9 @@ def get_parser(name: str) -> ToolCallParser:
     try:
         return _REGISTRY[name]()
     except KeyError:
-        raise UnknownParserError(f"unknown tool-call parser {name!r}; registered: {sorted(_REGISTRY)}") from None
+        raise UnknownParserError(
+            f"unknown tool-call parser {name!r}; registered: {sorted(_REGISTRY)}"
+        ) from None
 
 
 def available_parsers() -> list[str]:

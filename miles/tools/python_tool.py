@@ -20,15 +20,23 @@ def format_sandbox_result(result: SandboxResult) -> str:
     return "\n".join(parts) if parts else "[no output]"
 
 
-def make_run_python_tool(*, timeout_s: float = 10.0, memory_mb: int = 512, files: dict[str, str] | None = None,
-                         max_output_chars: int = 4096, name: str = "run_python", backend: str | None = None
-                         ) -> Callable[[str], str]:
+def make_run_python_tool(
+    *,
+    timeout_s: float = 10.0,
+    memory_mb: int = 512,
+    files: dict[str, str] | None = None,
+    max_output_chars: int = 4096,
+    name: str = "run_python",
+    backend: str | None = None,
+) -> Callable[[str], str]:
     """A `run_python(code)` tool with the given limits; `files` are placed in every run's working directory.
     `backend` ("auto", "bwrap" or "audit"; None defers to $MILES_SANDBOX) is resolved at each call, see
     `miles.tools.sandbox_backend`."""
-    description = (f"Run a Python 3 program in a sandbox and return what it printed (stdout, then stderr). "
-                   f"Each call is a fresh process in an empty temporary directory, limited to {timeout_s:g} s "
-                   f"and {memory_mb} MB, without network or subprocesses. Use print() to show results.")
+    description = (
+        f"Run a Python 3 program in a sandbox and return what it printed (stdout, then stderr). "
+        f"Each call is a fresh process in an empty temporary directory, limited to {timeout_s:g} s "
+        f"and {memory_mb} MB, without network or subprocesses. Use print() to show results."
+    )
 
     def run_python(code: str) -> str:
         """Run Python code in a sandbox.
@@ -36,11 +44,17 @@ def make_run_python_tool(*, timeout_s: float = 10.0, memory_mb: int = 512, files
         Args:
             code: The complete Python program to run.
         """
-        return format_sandbox_result(run_python_sandboxed(code, timeout_s=timeout_s, memory_mb=memory_mb,
-                                                          files=files, backend=backend))
+        return format_sandbox_result(
+            run_python_sandboxed(code, timeout_s=timeout_s, memory_mb=memory_mb, files=files, backend=backend)
+        )
 
-    return tool(run_python, name=name, description=description, timeout_s=timeout_s + 5.0,
-                max_output_chars=max_output_chars)
+    return tool(
+        run_python,
+        name=name,
+        description=description,
+        timeout_s=timeout_s + 5.0,
+        max_output_chars=max_output_chars,
+    )
 
 
 run_python = make_run_python_tool()

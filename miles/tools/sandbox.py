@@ -123,9 +123,13 @@ class _BwrapProbe:
             if self._warned:
                 return
             self._warned = True
-        log.warning("sandbox: %s, so run_python code runs under the audit-hook sandbox, which does not stop "
-                    "reads, network or processes at the OS level; %s, or set %s=audit to accept this",
-                    self.problem, _INSTALL_HINT, SANDBOX_ENV_VAR)
+        log.warning(
+            "sandbox: %s, so run_python code runs under the audit-hook sandbox, which does not stop "
+            "reads, network or processes at the OS level; %s, or set %s=audit to accept this",
+            self.problem,
+            _INSTALL_HINT,
+            SANDBOX_ENV_VAR,
+        )
 
 
 def _probe_bwrap() -> tuple[Bwrap | None, str | None]:
@@ -145,9 +149,19 @@ def _try_bwrap(bwrap: Bwrap) -> str | None:
     """None when a short run under `bwrap` works, else what went wrong."""
     mode = "privileged" if bwrap.privileged else "in a user namespace"
     try:
-        res = _run("print('ok')", bwrap=bwrap, timeout_s=30.0, memory_mb=512, cpu_s=None, files={},
-                   max_output_bytes=4096, max_file_mb=1, allow_subprocess=False, allow_network=False,
-                   max_processes=None)
+        res = _run(
+            "print('ok')",
+            bwrap=bwrap,
+            timeout_s=30.0,
+            memory_mb=512,
+            cpu_s=None,
+            files={},
+            max_output_bytes=4096,
+            max_file_mb=1,
+            allow_subprocess=False,
+            allow_network=False,
+            max_processes=None,
+        )
     except OSError as exc:
         return f"{mode}: {exc}"
     if res.ok and res.stdout == "ok\n":
@@ -177,8 +191,10 @@ def sandbox_backend(requested: str | None = None) -> Backend:
     if problem is None:
         return "bwrap"
     if choice == "bwrap":
-        raise SandboxError(f"the bwrap sandbox was asked for but {problem}; {_INSTALL_HINT}, "
-                           f"or set {SANDBOX_ENV_VAR}=auto to fall back to the audit-hook sandbox")
+        raise SandboxError(
+            f"the bwrap sandbox was asked for but {problem}; {_INSTALL_HINT}, "
+            f"or set {SANDBOX_ENV_VAR}=auto to fall back to the audit-hook sandbox"
+        )
     _PROBE.warn_once()
     return "audit"
 
@@ -212,16 +228,26 @@ class _Capture(threading.Thread):
 
 def _minimal_env(workdir: str) -> dict[str, str]:
     # Nothing is inherited: API keys, tokens and proxies in the parent's environment stay there.
-    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
-            "LC_ALL": "C.UTF-8", "PYTHONIOENCODING": "utf-8", "OMP_NUM_THREADS": "1",
-            "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    return {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "HOME": workdir,
+        "TMPDIR": workdir,
+        "LANG": "C.UTF-8",
+        "LC_ALL": "C.UTF-8",
+        "PYTHONIOENCODING": "utf-8",
+        "OMP_NUM_THREADS": "1",
+        "OPENBLAS_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+    }
 
 
 def _write_files(workdir: str, files: dict[str, str]) -> None:
     for name, content in files.items():
         rel = PurePosixPath(name)
         if not name or rel.is_absolute() or ".." in rel.parts:
-            raise SandboxError(f"sandbox file name {name!r} must be a relative path inside the working directory")
+            raise SandboxError(
+                f"sandbox file name {name!r} must be a relative path inside the working directory"
+            )
         if not isinstance(content, str):
             raise SandboxError(f"sandbox file {name!r} content must be str, got {type(content).__name__}")
         target = Path(workdir, *rel.parts)
@@ -244,10 +270,20 @@ def _hand_over(workdir: str, uid: int) -> None:
     os.chmod(workdir, 0o770)
 
 
-def run_python_sandboxed(code: str, *, timeout_s: float = 10.0, memory_mb: int = 512, cpu_s: float | None = None,
-                         files: dict[str, str] | None = None, max_output_bytes: int = 65536,
-                         max_file_mb: int = 64, allow_subprocess: bool = False, allow_network: bool = False,
-                         max_processes: int | None = None, backend: str | None = None) -> SandboxResult:
+def run_python_sandboxed(
+    code: str,
+    *,
+    timeout_s: float = 10.0,
+    memory_mb: int = 512,
+    cpu_s: float | None = None,
+    files: dict[str, str] | None = None,
+    max_output_bytes: int = 65536,
+    max_file_mb: int = 64,
+    allow_subprocess: bool = False,
+    allow_network: bool = False,
+    max_processes: int | None = None,
+    backend: str | None = None,
+) -> SandboxResult:
     """Run `code` with `python -I` in a fresh temporary working directory and return its output.
 
     Limits: wall clock `timeout_s` (the whole process group is killed; under bwrap, the whole pid
@@ -265,14 +301,35 @@ def run_python_sandboxed(code: str, *, timeout_s: float = 10.0, memory_mb: int =
     if memory_mb < 32:
         raise SandboxError(f"memory_mb must be at least 32, got {memory_mb!r}")
     bwrap = _PROBE.get()[0] if sandbox_backend(backend) == "bwrap" else None
-    return _run(code, bwrap=bwrap, timeout_s=timeout_s, memory_mb=memory_mb, cpu_s=cpu_s, files=files or {},
-                max_output_bytes=max_output_bytes, max_file_mb=max_file_mb, allow_subprocess=allow_subprocess,
-                allow_network=allow_network, max_processes=max_processes)
+    return _run(
+        code,
+        bwrap=bwrap,
+        timeout_s=timeout_s,
+        memory_mb=memory_mb,
+        cpu_s=cpu_s,
+        files=files or {},
+        max_output_bytes=max_output_bytes,
+        max_file_mb=max_file_mb,
+        allow_subprocess=allow_subprocess,
+        allow_network=allow_network,
+        max_processes=max_processes,
+    )
 
 
-def _run(code: str, *, bwrap: Bwrap | None, timeout_s: float, memory_mb: int, cpu_s: float | None,
-         files: dict[str, str], max_output_bytes: int, max_file_mb: int, allow_subprocess: bool,
-         allow_network: bool, max_processes: int | None) -> SandboxResult:
+def _run(
+    code: str,
+    *,
+    bwrap: Bwrap | None,
+    timeout_s: float,
+    memory_mb: int,
+    cpu_s: float | None,
+    files: dict[str, str],
+    max_output_bytes: int,
+    max_file_mb: int,
+    allow_subprocess: bool,
+    allow_network: bool,
+    max_processes: int | None,
+) -> SandboxResult:
     with tempfile.TemporaryDirectory(prefix="miles-sandbox-", ignore_cleanup_errors=True) as tmp:
         workdir = os.path.realpath(tmp)
         _write_files(workdir, files)
@@ -285,15 +342,32 @@ def _run(code: str, *, bwrap: Bwrap | None, timeout_s: float, memory_mb: int, cp
             if max_processes is None:
                 max_processes = BWRAP_DEFAULT_MAX_PROCESSES
             command = bwrap_argv(bwrap, workdir, BOOTSTRAP, allow_network=allow_network) + [
-                sys.executable, "-I", BOOTSTRAP_MOUNT]
-        config = {"workdir": workdir, "cpu_s": cpu_s if cpu_s is not None else math.ceil(timeout_s) + 1,
-                  "memory_bytes": memory_mb * 1024 * 1024, "fsize_bytes": max_file_mb * 1024 * 1024,
-                  "nproc": max_processes, "allow_subprocess": allow_subprocess, "allow_network": allow_network,
-                  "isolated": bwrap is not None, "uid": uid}
+                sys.executable,
+                "-I",
+                BOOTSTRAP_MOUNT,
+            ]
+        config = {
+            "workdir": workdir,
+            "cpu_s": cpu_s if cpu_s is not None else math.ceil(timeout_s) + 1,
+            "memory_bytes": memory_mb * 1024 * 1024,
+            "fsize_bytes": max_file_mb * 1024 * 1024,
+            "nproc": max_processes,
+            "allow_subprocess": allow_subprocess,
+            "allow_network": allow_network,
+            "isolated": bwrap is not None,
+            "uid": uid,
+        }
         start = time.perf_counter()
-        proc = subprocess.Popen([*command, json.dumps(config)], cwd=workdir, env=_minimal_env(workdir),
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                start_new_session=True, close_fds=True)
+        proc = subprocess.Popen(
+            [*command, json.dumps(config)],
+            cwd=workdir,
+            env=_minimal_env(workdir),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            close_fds=True,
+        )
         out, err = _Capture(proc.stdout, max_output_bytes), _Capture(proc.stderr, max_output_bytes)
         out.start()
         err.start()
@@ -315,9 +389,15 @@ def _run(code: str, *, bwrap: Bwrap | None, timeout_s: float, memory_mb: int, cp
         stdout, cut_out = out.text()
         stderr, cut_err = err.text()
         returncode = proc.returncode if bwrap is None or timed_out else decode_returncode(proc.returncode)
-        return SandboxResult(stdout=stdout, stderr=stderr, returncode=returncode, timed_out=timed_out,
-                             duration_s=duration, backend="audit" if bwrap is None else "bwrap",
-                             output_truncated=cut_out or cut_err)
+        return SandboxResult(
+            stdout=stdout,
+            stderr=stderr,
+            returncode=returncode,
+            timed_out=timed_out,
+            duration_s=duration,
+            backend="audit" if bwrap is None else "bwrap",
+            output_truncated=cut_out or cut_err,
+        )
 
 
 def _feed(stdin, code: str) -> None:

@@ -32,20 +32,45 @@ import types
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
 _PROC_PID = re.compile(r"^/proc/(\d+)(/|$)")
 _PATH_EVENTS = {  # event -> indices of the path arguments that must stay inside the working directory
-    "os.remove": (0,), "os.rmdir": (0,), "os.mkdir": (0,), "os.rename": (0, 1), "os.symlink": (1,),
-    "os.link": (1,), "os.chmod": (0,), "os.chown": (0,), "os.truncate": (0,), "os.utime": (0,),
-    "os.chflags": (0,), "os.lchflags": (0,), "os.setxattr": (0,), "os.removexattr": (0,),
-    "shutil.rmtree": (0,), "os.mkfifo": (0,), "os.mknod": (0,),
+    "os.remove": (0,),
+    "os.rmdir": (0,),
+    "os.mkdir": (0,),
+    "os.rename": (0, 1),
+    "os.symlink": (1,),
+    "os.link": (1,),
+    "os.chmod": (0,),
+    "os.chown": (0,),
+    "os.truncate": (0,),
+    "os.utime": (0,),
+    "os.chflags": (0,),
+    "os.lchflags": (0,),
+    "os.setxattr": (0,),
+    "os.removexattr": (0,),
+    "shutil.rmtree": (0,),
+    "os.mkfifo": (0,),
+    "os.mknod": (0,),
 }
-_PROCESS_EVENTS = {"subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork",
-                   "os.forkpty", "pty.spawn"}
+_PROCESS_EVENTS = {
+    "subprocess.Popen",
+    "os.system",
+    "os.exec",
+    "os.posix_spawn",
+    "os.spawn",
+    "os.fork",
+    "os.forkpty",
+    "pty.spawn",
+}
 _NETWORK_EVENTS = {"socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg"}
 
 
 def _set_limits(cfg: dict) -> None:
     cpu = cfg.get("cpu_s")
-    limits = [(resource.RLIMIT_CPU, None if cpu is None else max(1, -(-cpu // 1))), (resource.RLIMIT_AS, cfg.get("memory_bytes")),
-              (resource.RLIMIT_FSIZE, cfg.get("fsize_bytes")), (resource.RLIMIT_NPROC, cfg.get("nproc"))]
+    limits = [
+        (resource.RLIMIT_CPU, None if cpu is None else max(1, -(-cpu // 1))),
+        (resource.RLIMIT_AS, cfg.get("memory_bytes")),
+        (resource.RLIMIT_FSIZE, cfg.get("fsize_bytes")),
+        (resource.RLIMIT_NPROC, cfg.get("nproc")),
+    ]
     for which, value in limits:
         if value is not None:
             # CPU: SIGXCPU at the soft limit, SIGKILL one second later should it be caught.
@@ -85,7 +110,8 @@ def _make_hook(root: str, allow_subprocess: bool, allow_network: bool, isolated:
             if isinstance(path, int) or path is None:
                 return
             writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
-                isinstance(flags, int) and flags & _WRITE_FLAGS)
+                isinstance(flags, int) and flags & _WRITE_FLAGS
+            )
             if writing and not inside(path):
                 deny(f"writing {fsdecode(path)!r} outside the working directory")
             m = _PROC_PID.match(realpath(fsdecode(path)))
@@ -142,8 +168,11 @@ def main() -> int:
     module = types.ModuleType("__main__")
     module.__dict__["__builtins__"] = __builtins__
     sys.modules["__main__"] = module
-    sys.addaudithook(_make_hook(root, bool(cfg.get("allow_subprocess")), bool(cfg.get("allow_network")),
-                                bool(cfg.get("isolated"))))
+    sys.addaudithook(
+        _make_hook(
+            root, bool(cfg.get("allow_subprocess")), bool(cfg.get("allow_network")), bool(cfg.get("isolated"))
+        )
+    )
     try:
         exec(compiled, module.__dict__)
     except SystemExit:

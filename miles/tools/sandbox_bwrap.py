@@ -86,8 +86,14 @@ def runtime_mounts() -> tuple[Mount, ...]:
             candidates.append(Mount(os.readlink(path), path, symlink=True))
         elif os.path.isdir(path):
             candidates.append(Mount(path, path))
-    runtime = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
-               os.path.dirname(sys.executable), *site.getsitepackages()}
+    runtime = {
+        sys.prefix,
+        sys.base_prefix,
+        sys.exec_prefix,
+        sys.base_exec_prefix,
+        os.path.dirname(sys.executable),
+        *site.getsitepackages(),
+    }
     for path in runtime:
         if os.path.isdir(path):
             real = os.path.realpath(path)
@@ -122,8 +128,17 @@ def private_uid(bwrap: Bwrap) -> int | None:
 def bwrap_argv(bwrap: Bwrap, workdir: str, bootstrap: str, *, allow_network: bool) -> list[str]:
     """The bwrap options (the command to run follows them) for a run in the existing directory `workdir`,
     with the file `bootstrap` at `BOOTSTRAP_MOUNT`."""
-    argv = [bwrap.path, "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
-            "--hostname", "sandbox", "--die-with-parent", "--new-session"]
+    argv = [
+        bwrap.path,
+        "--unshare-pid",
+        "--unshare-ipc",
+        "--unshare-uts",
+        "--unshare-cgroup-try",
+        "--hostname",
+        "sandbox",
+        "--die-with-parent",
+        "--new-session",
+    ]
     if bwrap.privileged:
         argv += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     else:
@@ -140,8 +155,19 @@ def bwrap_argv(bwrap: Bwrap, workdir: str, bootstrap: str, *, allow_network: boo
         argv += ["--perms", "0755", "--dir", parent]
     for m in mounts:
         argv += ["--symlink", m.source, m.dest] if m.symlink else ["--ro-bind", m.source, m.dest]
-    argv += ["--dev", "/dev", "--remount-ro", "/dev", "--bind", workdir, workdir, "--chdir", workdir,
-             "--remount-ro", "/"]
+    argv += [
+        "--dev",
+        "/dev",
+        "--remount-ro",
+        "/dev",
+        "--bind",
+        workdir,
+        workdir,
+        "--chdir",
+        workdir,
+        "--remount-ro",
+        "/",
+    ]
     return argv
 
 

@@ -50,8 +50,10 @@ class ToolSpec:
 
     def openai_schema(self) -> dict[str, Any]:
         """The OpenAI function-tool entry, as chat templates take it in `tools=[...]`."""
-        return {"type": "function",
-                "function": {"name": self.name, "description": self.description, "parameters": self.parameters}}
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
+        }
 
     def validation_errors(self, arguments: Any, limit: int = 5) -> list[str]:
         """Precise messages for every schema violation of `arguments` (empty when valid).
@@ -62,8 +64,11 @@ class ToolSpec:
         errors = sorted(validator.iter_errors(arguments), key=lambda e: [str(p) for p in e.absolute_path])
         messages = [(list(err.absolute_path), err.message) for err in errors]
         reported = {tuple(path) for path, _ in messages}
-        messages += [(path, f"{value!r} is not a finite number") for path, value in _non_finite(arguments)
-                     if tuple(path) not in reported]
+        messages += [
+            (path, f"{value!r} is not a finite number")
+            for path, value in _non_finite(arguments)
+            if tuple(path) not in reported
+        ]
         out = []
         for path_parts, message in messages[:limit]:
             path = "/".join(str(p) for p in path_parts)
@@ -72,8 +77,9 @@ class ToolSpec:
             out.append(f"... and {len(messages) - limit} more")
         return out
 
-    def bind_arguments(self, arguments: Mapping[str, Any],
-                       context: Mapping[str, Any]) -> tuple[list[Any], dict[str, Any]]:
+    def bind_arguments(
+        self, arguments: Mapping[str, Any], context: Mapping[str, Any]
+    ) -> tuple[list[Any], dict[str, Any]]:
         """(args, kwargs) for calling the tool: converted model arguments plus injected values.
 
         Raises `ArgumentConversionError` when conversion fails and `KeyError` for a missing injected value.
@@ -119,7 +125,9 @@ def _resolve_hints(fn: Callable[..., Any], name: str) -> dict[str, Any]:
     try:
         return typing.get_type_hints(fn, include_extras=True)
     except Exception as exc:
-        raise ToolDefinitionError(f"tool '{name}': cannot resolve type hints: {type(exc).__name__}: {exc}") from exc
+        raise ToolDefinitionError(
+            f"tool '{name}': cannot resolve type hints: {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def _param_docs(doc: docstring_parser.Docstring) -> dict[str, str]:
@@ -130,8 +138,14 @@ def _param_docs(doc: docstring_parser.Docstring) -> dict[str, str]:
     return out
 
 
-def build_spec(fn: Callable[..., Any], *, name: str | None = None, description: str | None = None,
-               timeout_s: float | None = None, max_output_chars: int | None = None) -> ToolSpec:
+def build_spec(
+    fn: Callable[..., Any],
+    *,
+    name: str | None = None,
+    description: str | None = None,
+    timeout_s: float | None = None,
+    max_output_chars: int | None = None,
+) -> ToolSpec:
     """Derive a `ToolSpec` from `fn`'s signature, type hints and Google/NumPy docstring.
 
     Raises `ToolDefinitionError` when the tool cannot be described.
@@ -147,11 +161,16 @@ def build_spec(fn: Callable[..., Any], *, name: str | None = None, description: 
     if timeout_s is not None and not timeout_s > 0:
         raise ToolDefinitionError(f"tool '{tool_name}': timeout_s must be positive, got {timeout_s!r}")
     if max_output_chars is not None and max_output_chars < 1:
-        raise ToolDefinitionError(f"tool '{tool_name}': max_output_chars must be >= 1, got {max_output_chars!r}")
+        raise ToolDefinitionError(
+            f"tool '{tool_name}': max_output_chars must be >= 1, got {max_output_chars!r}"
+        )
 
     doc = docstring_parser.parse(inspect.getdoc(target) or "")
-    text = description if description is not None else "\n\n".join(
-        p for p in (doc.short_description, doc.long_description) if p)
+    text = (
+        description
+        if description is not None
+        else "\n\n".join(p for p in (doc.short_description, doc.long_description) if p)
+    )
     if not text.strip():
         raise ToolDefinitionError(f"tool '{tool_name}' has no description: give it a docstring")
     docs = _param_docs(doc)
@@ -200,23 +219,39 @@ def build_spec(fn: Callable[..., Any], *, name: str | None = None, description: 
     known = {p.name for p in params}
     unknown_docs = sorted(set(docs) - known)
     if unknown_docs:
-        raise ToolDefinitionError(f"tool '{tool_name}': docstring documents unknown parameter(s) {unknown_docs}")
+        raise ToolDefinitionError(
+            f"tool '{tool_name}': docstring documents unknown parameter(s) {unknown_docs}"
+        )
 
     parameters: dict[str, Any] = {"type": "object", "properties": props, "additionalProperties": False}
     if required:
         parameters["required"] = required
     Draft202012Validator.check_schema(parameters)
     return ToolSpec(
-        name=tool_name, description=text.strip(), parameters=parameters, fn=target,
-        is_async=inspect.iscoroutinefunction(target), timeout_s=timeout_s, max_output_chars=max_output_chars,
-        injected=tuple(injected), takes_self=takes_self, positional_only=tuple(positional_only),
-        injected_defaults=injected_defaults, converters=converters,
+        name=tool_name,
+        description=text.strip(),
+        parameters=parameters,
+        fn=target,
+        is_async=inspect.iscoroutinefunction(target),
+        timeout_s=timeout_s,
+        max_output_chars=max_output_chars,
+        injected=tuple(injected),
+        takes_self=takes_self,
+        positional_only=tuple(positional_only),
+        injected_defaults=injected_defaults,
+        converters=converters,
         validator=Draft202012Validator(parameters, format_checker=Draft202012Validator.FORMAT_CHECKER),
     )
 
 
-def tool(fn: Callable[..., Any] | None = None, *, name: str | None = None, timeout_s: float | None = None,
-         max_output_chars: int | None = None, description: str | None = None) -> Any:
+def tool(
+    fn: Callable[..., Any] | None = None,
+    *,
+    name: str | None = None,
+    timeout_s: float | None = None,
+    max_output_chars: int | None = None,
+    description: str | None = None,
+) -> Any:
     """Decorate a function or method as a tool; usable as `@tool` or `@tool(name=..., timeout_s=...)`.
 
     The schema comes from the type hints and the Google/NumPy docstring; `self` is skipped and
@@ -225,8 +260,9 @@ def tool(fn: Callable[..., Any] | None = None, *, name: str | None = None, timeo
     """
 
     def wrap(f: Callable[..., Any]) -> Callable[..., Any]:
-        spec = build_spec(f, name=name, description=description, timeout_s=timeout_s,
-                          max_output_chars=max_output_chars)
+        spec = build_spec(
+            f, name=name, description=description, timeout_s=timeout_s, max_output_chars=max_output_chars
+        )
         f.__miles_tool__ = spec  # type: ignore[attr-defined]
         return f
 

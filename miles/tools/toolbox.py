@@ -65,8 +65,14 @@ class ToolBox:
     finishes on its own.
     """
 
-    def __init__(self, tools: Iterable[Callable[..., Any]], *, default_timeout_s: float = 10.0,
-                 max_output_chars: int = 4096, context: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        tools: Iterable[Callable[..., Any]],
+        *,
+        default_timeout_s: float = 10.0,
+        max_output_chars: int = 4096,
+        context: Mapping[str, Any] | None = None,
+    ) -> None:
         if not default_timeout_s > 0:
             raise ValueError(f"default_timeout_s must be positive, got {default_timeout_s!r}")
         if max_output_chars < 1:
@@ -79,7 +85,8 @@ class ToolBox:
             spec = get_spec(fn) or build_spec(fn)
             if spec.takes_self and not inspect.ismethod(fn):
                 raise ToolDefinitionError(
-                    f"tool '{spec.name}' is a method; pass it bound to an instance (see collect_tools(obj))")
+                    f"tool '{spec.name}' is a method; pass it bound to an instance (see collect_tools(obj))"
+                )
             if spec.name in self._tools:
                 raise ToolDefinitionError(f"duplicate tool name '{spec.name}'")
             self._tools[spec.name] = (spec, fn)
@@ -130,8 +137,12 @@ class ToolBox:
         try:
             result = await self._run(call)
         except Exception as exc:  # a bug in the executor itself must still not end the episode
-            result = ToolResult(call.id, call.name, f"Error: internal error running tool '{call.name}': "
-                                f"{type(exc).__name__}: {exc}", ToolErrorType.TOOL_EXCEPTION)
+            result = ToolResult(
+                call.id,
+                call.name,
+                f"Error: internal error running tool '{call.name}': {type(exc).__name__}: {exc}",
+                ToolErrorType.TOOL_EXCEPTION,
+            )
         result.duration_s = time.perf_counter() - start
         return result
 
@@ -143,27 +154,40 @@ class ToolBox:
             reason = call.parse_error or "arguments are missing or not a JSON object"
             raw = call.raw_arguments if len(call.raw_arguments) <= 200 else call.raw_arguments[:200] + "..."
             label = f"tool call '{call.name}'" if call.name else "tool call"
-            return self._error(call, ToolErrorType.INVALID_JSON,
-                               f"could not parse the {label}: {reason}. Raw arguments: {raw!r}. "
-                               'Send a JSON object such as {"name": "...", "arguments": {...}}.')
+            return self._error(
+                call,
+                ToolErrorType.INVALID_JSON,
+                f"could not parse the {label}: {reason}. Raw arguments: {raw!r}. "
+                'Send a JSON object such as {"name": "...", "arguments": {...}}.',
+            )
         entry = self._tools.get(call.name)
         if entry is None:
-            return self._error(call, ToolErrorType.UNKNOWN_TOOL,
-                               f"unknown tool '{call.name}'. Available tools: {', '.join(self._tools) or 'none'}.")
+            return self._error(
+                call,
+                ToolErrorType.UNKNOWN_TOOL,
+                f"unknown tool '{call.name}'. Available tools: {', '.join(self._tools) or 'none'}.",
+            )
         spec, fn = entry
         problems = spec.validation_errors(call.arguments)
         if problems:
-            return self._error(call, ToolErrorType.SCHEMA_VIOLATION,
-                               f"invalid arguments for tool '{spec.name}': " + "; ".join(problems))
+            return self._error(
+                call,
+                ToolErrorType.SCHEMA_VIOLATION,
+                f"invalid arguments for tool '{spec.name}': " + "; ".join(problems),
+            )
         try:
             args, kwargs = spec.bind_arguments(call.arguments, self.context)
         except ArgumentConversionError as exc:
-            return self._error(call, ToolErrorType.SCHEMA_VIOLATION,
-                               f"invalid arguments for tool '{spec.name}': {exc}")
+            return self._error(
+                call, ToolErrorType.SCHEMA_VIOLATION, f"invalid arguments for tool '{spec.name}': {exc}"
+            )
         except KeyError as exc:
-            return self._error(call, ToolErrorType.TOOL_EXCEPTION,
-                               f"tool '{spec.name}' needs the injected value {exc.args[0]!r}, which the "
-                               "environment did not provide")
+            return self._error(
+                call,
+                ToolErrorType.TOOL_EXCEPTION,
+                f"tool '{spec.name}' needs the injected value {exc.args[0]!r}, which the "
+                "environment did not provide",
+            )
         timeout = spec.timeout_s or self.default_timeout_s
         future: asyncio.Future[Any]
         if spec.is_async:
@@ -174,15 +198,23 @@ class ToolBox:
         if not done:
             future.cancel()
             future.add_done_callback(_consume)
-            return self._error(call, ToolErrorType.TIMEOUT, f"tool '{spec.name}' timed out after {timeout:g} s")
+            return self._error(
+                call, ToolErrorType.TIMEOUT, f"tool '{spec.name}' timed out after {timeout:g} s"
+            )
         exc = future.exception() if not future.cancelled() else asyncio.CancelledError("tool was cancelled")
         if exc is not None:
-            return self._error(call, ToolErrorType.TOOL_EXCEPTION,
-                               f"tool '{spec.name}' raised {type(exc).__name__}: {exc}")
-        text, truncated = truncate_output(format_output(future.result()),
-                                          spec.max_output_chars or self.max_output_chars)
-        return ToolResult(call_id=call.id, name=call.name, content=text,
-                          error=ToolErrorType.OUTPUT_TRUNCATED if truncated else None)
+            return self._error(
+                call, ToolErrorType.TOOL_EXCEPTION, f"tool '{spec.name}' raised {type(exc).__name__}: {exc}"
+            )
+        text, truncated = truncate_output(
+            format_output(future.result()), spec.max_output_chars or self.max_output_chars
+        )
+        return ToolResult(
+            call_id=call.id,
+            name=call.name,
+            content=text,
+            error=ToolErrorType.OUTPUT_TRUNCATED if truncated else None,
+        )
 
 
 def _consume(future: asyncio.Future[Any]) -> None:

@@ -53,7 +53,9 @@ class GroupStats:
 def group_stats(rewards: torch.Tensor, group_ids: torch.Tensor) -> GroupStats:
     """Mean, sample std and size of every group, with a dense index from sequences to groups."""
     if rewards.dim() != 1 or group_ids.shape != rewards.shape:
-        raise ValueError(f"rewards {tuple(rewards.shape)} and group_ids {tuple(group_ids.shape)} must be equal 1-D")
+        raise ValueError(
+            f"rewards {tuple(rewards.shape)} and group_ids {tuple(group_ids.shape)} must be equal 1-D"
+        )
     rewards = rewards.to(torch.float64)
     _, index = torch.unique(group_ids, return_inverse=True)
     num_groups = int(index.max()) + 1 if index.numel() else 0
@@ -64,8 +66,13 @@ def group_stats(rewards: torch.Tensor, group_ids: torch.Tensor) -> GroupStats:
     return GroupStats(index=index, count=count, mean=mean, std=std)
 
 
-def compute_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, config: AdvantageConfig | None = None,
-                       *, token_counts: torch.Tensor | None = None) -> torch.Tensor:
+def compute_advantages(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    config: AdvantageConfig | None = None,
+    *,
+    token_counts: torch.Tensor | None = None,
+) -> torch.Tensor:
     """One advantage per sequence (float32, shape of `rewards`).
 
     `token_counts` (number of trained tokens per sequence) weights the batch whitening of
@@ -117,4 +124,3 @@ def batch_advantages(batch: Any, config: AdvantageConfig) -> tuple[torch.Tensor,
     token_counts = (c[batch.cu_seqlens[1:]] - c[batch.cu_seqlens[:-1]]).to(torch.float32)
     adv_seq = compute_advantages(batch.rewards, batch.group_ids, config, token_counts=token_counts)
     return token_counts, adv_seq, expand_to_tokens(adv_seq, batch.cu_seqlens)
-

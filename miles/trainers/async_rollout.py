@@ -48,9 +48,16 @@ class AsyncRollout:
     engines get the weights through the process queue instead).
     """
 
-    def __init__(self, cfg: TrainConfig, *, http: bool, push: Callable[[int], Awaitable[None]],
-                 position: int = 0, consumed: tuple[int, ...] = (),
-                 spawn: Callable[[TrainConfig, RolloutStart], RolloutProcess] = RolloutProcess) -> None:
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        *,
+        http: bool,
+        push: Callable[[int], Awaitable[None]],
+        position: int = 0,
+        consumed: tuple[int, ...] = (),
+        spawn: Callable[[TrainConfig, RolloutStart], RolloutProcess] = RolloutProcess,
+    ) -> None:
         self.cfg = cfg
         self.acfg = cfg.asynchronous
         self.http = http
@@ -66,11 +73,22 @@ class AsyncRollout:
         self._idle_mark = 0.0  # ... at the end of the previous step
         self._clock = time.monotonic()
 
-    async def start(self, version: int, state_dict: dict[str, torch.Tensor] | None, *, run_id: str,
-                    resume_time: float | None = None) -> None:
+    async def start(
+        self,
+        version: int,
+        state_dict: dict[str, torch.Tensor] | None,
+        *,
+        run_id: str,
+        resume_time: float | None = None,
+    ) -> None:
         """Start the rollout process at the cursor and hand it weights `version` (the engines' first)."""
-        start = RolloutStart(position=self.position, skip=tuple(sorted(self.consumed)), first_version=version,
-                             run_id=run_id, resume_time=resume_time)
+        start = RolloutStart(
+            position=self.position,
+            skip=tuple(sorted(self.consumed)),
+            first_version=version,
+            run_id=run_id,
+            resume_time=resume_time,
+        )
         self.process = self.spawn(self.cfg, start)
         await self.process.ready()
         self.process.publish(version, None if self.http else state_dict)
@@ -92,13 +110,18 @@ class AsyncRollout:
         self._taken = []
 
         def lagging() -> bool:
-            return self._oldest_running is not None and trainer_version - self._oldest_running >= self.acfg.max_staleness
+            return (
+                self._oldest_running is not None
+                and trainer_version - self._oldest_running >= self.acfg.max_staleness
+            )
 
         def take(group: Finished) -> None:
             self._consume(group.position)
             kept.extend(group.records)
-            staleness.extend(trainer_version - (r.trajectory.oldest_weight_version or trainer_version)
-                             for r in group.records)
+            staleness.extend(
+                trainer_version - (r.trajectory.oldest_weight_version or trainer_version)
+                for r in group.records
+            )
 
         while len(self._taken) < self.cfg.rollout.tasks_per_step or lagging():
             if self._deferred:
@@ -137,9 +160,12 @@ class AsyncRollout:
         idle_share = min(1.0, max(0.0, idle / wall)) if wall > 0 else 0.0
         hist = Counter(staleness)
         metrics: dict[str, float] = {
-            "trainer_wait_s": waited, "collect_s": now - t0, "rollout_idle_ratio": idle_share,
+            "trainer_wait_s": waited,
+            "collect_s": now - t0,
+            "rollout_idle_ratio": idle_share,
             "staleness_mean": float(sum(staleness) / len(staleness)) if staleness else 0.0,
-            "staleness_max": float(max(staleness, default=0)), "stale_groups_dropped": float(dropped),
+            "staleness_max": float(max(staleness, default=0)),
+            "stale_groups_dropped": float(dropped),
             "late_groups": float(late),
             "buffer_groups": float(self.process.buffered),
         }

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 
-def plan_micro_batches(lengths: list[int], token_budget: int, *, padded: bool = False) -> list[tuple[int, int]]:
+def plan_micro_batches(
+    lengths: list[int], token_budget: int, *, padded: bool = False
+) -> list[tuple[int, int]]:
     """Split sequences (in order) into contiguous ``[start, end)`` ranges of at most ``token_budget`` tokens.
 
     With ``padded=True`` a range costs ``count * longest`` (what a right-padded micro-batch holds).

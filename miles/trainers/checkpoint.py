@@ -56,8 +56,13 @@ def capture_rng_state() -> dict[str, Any]:
     np_state = np.random.get_state()
     state: dict[str, Any] = {
         "python": _to_lists(random.getstate()),
-        "numpy": {"kind": np_state[0], "keys": torch.from_numpy(np_state[1].astype(np.int64)),
-                  "pos": int(np_state[2]), "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])},
+        "numpy": {
+            "kind": np_state[0],
+            "keys": torch.from_numpy(np_state[1].astype(np.int64)),
+            "pos": int(np_state[2]),
+            "has_gauss": int(np_state[3]),
+            "cached_gaussian": float(np_state[4]),
+        },
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -69,17 +74,26 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     """Inverse of `capture_rng_state`."""
     random.setstate(_to_tuples(state["python"]))
     n = state["numpy"]
-    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
-                         n["cached_gaussian"]))
+    np.random.set_state(
+        (n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
+    )
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(root: str | Path, *, step: int, model_state: dict[str, torch.Tensor],
-                    optimizer_state: dict[str, Any] | None = None, scheduler_state: dict[str, Any] | None = None,
-                    data_cursor: dict[str, Any] | None = None, extra: dict[str, Any] | None = None,
-                    rng_states: list[dict[str, Any]] | None = None, keep_last: int | None = None) -> Path:
+def save_checkpoint(
+    root: str | Path,
+    *,
+    step: int,
+    model_state: dict[str, torch.Tensor],
+    optimizer_state: dict[str, Any] | None = None,
+    scheduler_state: dict[str, Any] | None = None,
+    data_cursor: dict[str, Any] | None = None,
+    extra: dict[str, Any] | None = None,
+    rng_states: list[dict[str, Any]] | None = None,
+    keep_last: int | None = None,
+) -> Path:
     """Write checkpoint ``root/step_<step>`` atomically and point ``root/latest`` at it; return its path.
 
     ``rng_states`` holds one `capture_rng_state` dict per rank (default: this process's).
@@ -87,8 +101,13 @@ def save_checkpoint(root: str | Path, *, step: int, model_state: dict[str, torch
     """
     if step < 0:
         raise CheckpointError(f"step must be >= 0, got {step}")
-    meta = {"format_version": FORMAT_VERSION, "step": int(step), "data_cursor": data_cursor or {},
-            "extra": extra or {}, "has_optimizer": optimizer_state is not None}
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "step": int(step),
+        "data_cursor": data_cursor or {},
+        "extra": extra or {},
+        "has_optimizer": optimizer_state is not None,
+    }
     try:
         json.dumps(meta)
     except TypeError as e:
@@ -98,11 +117,16 @@ def save_checkpoint(root: str | Path, *, step: int, model_state: dict[str, torch
     name = f"{PREFIX}{step:08d}"
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=root))
     try:
-        save_file({k: v.detach().to("cpu").contiguous().clone() for k, v in model_state.items()},
-                  str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_file(
+            {k: v.detach().to("cpu").contiguous().clone() for k, v in model_state.items()},
+            str(tmp / "model.safetensors"),
+            metadata={"format": "pt"},
+        )
         if optimizer_state is not None:
             torch.save(optimizer_state, tmp / "optimizer.pt")
-        torch.save({"scheduler": scheduler_state, "rng": rng_states or [capture_rng_state()]}, tmp / "state.pt")
+        torch.save(
+            {"scheduler": scheduler_state, "rng": rng_states or [capture_rng_state()]}, tmp / "state.pt"
+        )
         meta["files"] = {f.name: _sha256(f) for f in sorted(tmp.iterdir())}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True))
         for f in tmp.iterdir():
@@ -129,7 +153,7 @@ def list_checkpoints(root: str | Path) -> list[Path]:
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and _complete(p)]
-    return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
+    return sorted(found, key=lambda p: int(p.name[len(PREFIX) :]))
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:
@@ -198,9 +222,16 @@ def _read(path: Path) -> Checkpoint:
         if not (path / "optimizer.pt").is_file():
             raise CheckpointError(f"{path}: optimizer.pt is missing")
         optimizer = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
-    return Checkpoint(path=path, step=int(meta["step"]), model=load_file(str(path / "model.safetensors")),
-                      optimizer=optimizer, scheduler=state["scheduler"], rng=list(state["rng"]),
-                      data_cursor=meta["data_cursor"], extra=meta["extra"])
+    return Checkpoint(
+        path=path,
+        step=int(meta["step"]),
+        model=load_file(str(path / "model.safetensors")),
+        optimizer=optimizer,
+        scheduler=state["scheduler"],
+        rng=list(state["rng"]),
+        data_cursor=meta["data_cursor"],
+        extra=meta["extra"],
+    )
 
 
 def _complete(p: Path) -> bool:

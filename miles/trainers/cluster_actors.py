@@ -93,9 +93,15 @@ def sglang_spec(cfg: TrainConfig, host: str, port: int) -> Any:
     from miles.engines.auth import admin_token
     from miles.engines.launcher import LaunchSpec
 
-    return LaunchSpec(engine="sglang", model=cfg.model.init_from or cfg.model.name,
-                      tp=int(cfg.cluster.engines.gpus_per_engine), host=host, port=port, router=False,
-                      admin_key=admin_token(create=True))
+    return LaunchSpec(
+        engine="sglang",
+        model=cfg.model.init_from or cfg.model.name,
+        tp=int(cfg.cluster.engines.gpus_per_engine),
+        host=host,
+        port=port,
+        router=False,
+        admin_key=admin_token(create=True),
+    )
 
 
 class EngineActor:
@@ -123,11 +129,15 @@ class EngineActor:
 
         seed_everything(cfg.seed)
         tito = build_tito(cfg.model)
-        engine = WeightGatedEngine(build_policy(cfg.model, tito.tokenizer), tokenizer=tito.tokenizer,
-                                   device="cuda" if ray.get_gpu_ids() else cfg.engine.device,
-                                   max_batch_size=cfg.engine.max_batch_size, engine_id=f"ray-engine-{self.index}",
-                                   kv_cache_fraction=cfg.engine.kv_cache_fraction,
-                                   model_path=cfg.model.init_from or cfg.model.name)
+        engine = WeightGatedEngine(
+            build_policy(cfg.model, tito.tokenizer),
+            tokenizer=tito.tokenizer,
+            device="cuda" if ray.get_gpu_ids() else cfg.engine.device,
+            max_batch_size=cfg.engine.max_batch_size,
+            engine_id=f"ray-engine-{self.index}",
+            kv_cache_fraction=cfg.engine.kv_cache_fraction,
+            model_path=cfg.model.init_from or cfg.model.name,
+        )
         self._server = serve_in_thread(engine, host=host, port=port, admin_key=admin_token(create=True))
         return self._server.url
 
@@ -148,16 +158,20 @@ class EngineActor:
         deadline = time.monotonic() + cfg.cluster.timeout_s
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
-                raise RuntimeError(f"the SGLang server of engine {self.index} exited with code "
-                                   f"{self._process.returncode}: {log_tail(log, 5)}")
+                raise RuntimeError(
+                    f"the SGLang server of engine {self.index} exited with code "
+                    f"{self._process.returncode}: {log_tail(log, 5)}"
+                )
             try:
                 if httpx.get(f"{url}/health", timeout=5.0).status_code == 200:
                     return url
             except httpx.HTTPError:
                 pass
             time.sleep(1.0)
-        raise RuntimeError(f"the SGLang server of engine {self.index} did not answer /health within "
-                           f"{cfg.cluster.timeout_s:.0f} s (log: {log})")
+        raise RuntimeError(
+            f"the SGLang server of engine {self.index} did not answer /health within "
+            f"{cfg.cluster.timeout_s:.0f} s (log: {log})"
+        )
 
     def info(self) -> EngineInfo:
         return EngineInfo(index=self.index, url=self.url, pid=os.getpid(), node_id=self.node_id)

@@ -14,7 +14,9 @@ from .errors import ConfigError
 def _check_resources(resources: dict[str, float]) -> None:
     for name, amount in resources.items():
         if name in ("CPU", "GPU", "memory"):
-            raise ConfigError(f"resources.{name}", "set CPUs and GPUs with the role's own keys (cpus, gpus_per_*)")
+            raise ConfigError(
+                f"resources.{name}", "set CPUs and GPUs with the role's own keys (cpus, gpus_per_*)"
+            )
         if not amount > 0:
             raise ConfigError(f"resources.{name}", f"must be > 0, got {amount}")
 
@@ -44,8 +46,12 @@ class EngineRoleConfig:
             raise ConfigError("count", f"must be >= 1, got {self.count}")
         if self.gpus_per_engine < 0 or self.cpus < 0:
             raise ConfigError("gpus_per_engine" if self.gpus_per_engine < 0 else "cpus", "must be >= 0")
-        if self.server == "sglang" and (self.gpus_per_engine < 1 or self.gpus_per_engine != int(self.gpus_per_engine)):
-            raise ConfigError("gpus_per_engine", "an SGLang server runs on whole GPUs (its --tp): set 1, 2, 4 or 8")
+        if self.server == "sglang" and (
+            self.gpus_per_engine < 1 or self.gpus_per_engine != int(self.gpus_per_engine)
+        ):
+            raise ConfigError(
+                "gpus_per_engine", "an SGLang server runs on whole GPUs (its --tp): set 1, 2, 4 or 8"
+            )
         if self.max_restarts < 0:
             raise ConfigError("max_restarts", f"must be >= 0, got {self.max_restarts}")
         _check_resources(self.resources)
@@ -66,7 +72,9 @@ class TrainerRoleConfig:
         if self.ranks is not None and self.ranks < 1:
             raise ConfigError("ranks", f"must be >= 1, got {self.ranks}")
         if self.gpus_per_rank not in (0, 1) and not 0 < self.gpus_per_rank < 1:
-            raise ConfigError("gpus_per_rank", "a rank drives one device: 0 (CPU), 1, or a fraction of one GPU")
+            raise ConfigError(
+                "gpus_per_rank", "a rank drives one device: 0 (CPU), 1, or a fraction of one GPU"
+            )
         if self.cpus_per_rank < 0:
             raise ConfigError("cpus_per_rank", "must be >= 0")
         _check_resources(self.resources)
@@ -108,9 +116,14 @@ class ClusterConfig:
 
     def __post_init__(self) -> None:
         if self.address is not None and not self.address.strip():
-            raise ConfigError("address", "must not be empty: use null (a private local instance), auto or HOST:PORT")
+            raise ConfigError(
+                "address", "must not be empty: use null (a private local instance), auto or HOST:PORT"
+            )
         if not self.timeout_s > 0:
             raise ConfigError("timeout_s", f"must be > 0, got {self.timeout_s}")
         if self.placement == "colocated" and self.engines.gpus_per_engine != self.trainer.gpus_per_rank:
-            raise ConfigError("engines.gpus_per_engine", "colocated: an engine shares its trainer rank's GPU; set "
-                              "it equal to trainer.gpus_per_rank (or use placement: disaggregated)")
+            raise ConfigError(
+                "engines.gpus_per_engine",
+                "colocated: an engine shares its trainer rank's GPU; set "
+                "it equal to trainer.gpus_per_rank (or use placement: disaggregated)",
+            )

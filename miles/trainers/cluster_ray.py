@@ -95,21 +95,39 @@ def plan_placement(cluster: ClusterConfig, ranks: int) -> Placement:
     e, t = cluster.engines, cluster.trainer
     if cluster.placement == "disaggregated":
         return Placement(
-            groups={"engines": tuple(_bundle(e.cpus, e.gpus_per_engine, e.resources) for _ in range(e.count)),
-                    "trainer": tuple(_bundle(t.cpus_per_rank, t.gpus_per_rank, t.resources) for _ in range(ranks))},
+            groups={
+                "engines": tuple(_bundle(e.cpus, e.gpus_per_engine, e.resources) for _ in range(e.count)),
+                "trainer": tuple(
+                    _bundle(t.cpus_per_rank, t.gpus_per_rank, t.resources) for _ in range(ranks)
+                ),
+            },
             engines=tuple(Slot("engines", i, e.cpus, e.gpus_per_engine) for i in range(e.count)),
-            ranks=tuple(Slot("trainer", r, t.cpus_per_rank, t.gpus_per_rank) for r in range(ranks)))
+            ranks=tuple(Slot("trainer", r, t.cpus_per_rank, t.gpus_per_rank) for r in range(ranks)),
+        )
     if e.count > ranks:
-        raise ConfigError("cluster.engines.count", f"colocated places one engine beside each trainer rank: at most "
-                          f"{ranks} engines for {ranks} ranks (or use placement: disaggregated)")
+        raise ConfigError(
+            "cluster.engines.count",
+            f"colocated places one engine beside each trainer rank: at most "
+            f"{ranks} engines for {ranks} ranks (or use placement: disaggregated)",
+        )
     merged = {**t.resources, **{k: v + t.resources.get(k, 0) for k, v in e.resources.items()}}
-    bundles = tuple(_bundle(t.cpus_per_rank + (e.cpus if r < e.count else 0), t.gpus_per_rank,
-                            merged if r < e.count else t.resources) for r in range(ranks))
+    bundles = tuple(
+        _bundle(
+            t.cpus_per_rank + (e.cpus if r < e.count else 0),
+            t.gpus_per_rank,
+            merged if r < e.count else t.resources,
+        )
+        for r in range(ranks)
+    )
     share = t.gpus_per_rank / 2
-    return Placement(groups={"shared": bundles},
-                     engines=tuple(Slot("shared", i, e.cpus, share) for i in range(e.count)),
-                     ranks=tuple(Slot("shared", r, t.cpus_per_rank, share if r < e.count else t.gpus_per_rank)
-                                 for r in range(ranks)))
+    return Placement(
+        groups={"shared": bundles},
+        engines=tuple(Slot("shared", i, e.cpus, share) for i in range(e.count)),
+        ranks=tuple(
+            Slot("shared", r, t.cpus_per_rank, share if r < e.count else t.gpus_per_rank)
+            for r in range(ranks)
+        ),
+    )
 
 
 def trainer_ranks(cfg: TrainConfig) -> int:
@@ -117,8 +135,10 @@ def trainer_ranks(cfg: TrainConfig) -> int:
     world = world_size_of(cfg)
     asked = cfg.cluster.trainer.ranks
     if asked is not None and asked != world:
-        raise ConfigError("cluster.trainer.ranks", f"{asked}, but parallel tp*pp*dp = {world}: set it to {world} "
-                          "(or leave it out)")
+        raise ConfigError(
+            "cluster.trainer.ranks",
+            f"{asked}, but parallel tp*pp*dp = {world}: set it to {world} (or leave it out)",
+        )
     return world
 
 
@@ -137,8 +157,10 @@ def runtime_env_for(imports: tuple[str, ...] | list[str]) -> tuple[dict[str, Any
         if _is_path(name):
             path = Path(name).expanduser()
             if not path.exists():
-                raise ConfigError(IMPORT_KEY, f"cannot ship {name!r} to the Ray workers: no such file or folder "
-                                  f"(from {os.getcwd()})")
+                raise ConfigError(
+                    IMPORT_KEY,
+                    f"cannot ship {name!r} to the Ray workers: no such file or folder (from {os.getcwd()})",
+                )
             path = path.resolve()
             shipped.append(str(path))
             names.append(path.stem if path.suffix == ".py" else path.name)
@@ -148,9 +170,14 @@ def runtime_env_for(imports: tuple[str, ...] | list[str]) -> tuple[dict[str, Any
             sys.path.insert(0, os.getcwd())  # as `import_user_modules` does: the working folder first
         spec = importlib.util.find_spec(top)
         if spec is None:
-            raise ConfigError(IMPORT_KEY, f"cannot ship {name!r} to the Ray workers: no module named {top!r} here; "
-                              "run from the folder that holds it, or give the path to its .py file")
-        origin = Path(spec.submodule_search_locations[0] if spec.submodule_search_locations else spec.origin or "")
+            raise ConfigError(
+                IMPORT_KEY,
+                f"cannot ship {name!r} to the Ray workers: no module named {top!r} here; "
+                "run from the folder that holds it, or give the path to its .py file",
+            )
+        origin = Path(
+            spec.submodule_search_locations[0] if spec.submodule_search_locations else spec.origin or ""
+        )
         if origin.exists() and "site-packages" not in origin.parts and "dist-packages" not in origin.parts:
             shipped.append(str(origin))
         names.append(name)
@@ -182,26 +209,43 @@ def connect(cluster: ClusterConfig, runtime_env: dict[str, Any], *, num_cpus: fl
     """Join `cluster.address`, or start a private Ray instance bound to 127.0.0.1 (with at least `num_cpus`
     logical CPUs, so one machine can place every role)."""
     loopback = cluster.address is None or is_loopback(cluster.address.rpartition(":")[0] or cluster.address)
-    if loopback:  # a cluster on this machine's loopback: Ray must not swap 127.0.0.1 for the machine's address
+    if (
+        loopback
+    ):  # a cluster on this machine's loopback: Ray must not swap 127.0.0.1 for the machine's address
         os.environ[_LOOPBACK_SWITCH] = "0"
     ray = _import_ray()
     if ray.is_initialized():
-        raise RuntimeError("this process is connected to Ray already; run `miles train` in a process of its own")
+        raise RuntimeError(
+            "this process is connected to Ray already; run `miles train` in a process of its own"
+        )
     if loopback:
         from ray._private import ray_constants
 
-        ray_constants.ENABLE_RAY_CLUSTER = False  # read at call time; the variable above reaches Ray's processes
-    kwargs: dict[str, Any] = {"runtime_env": runtime_env or None, "namespace": NAMESPACE,
-                              "logging_level": "WARNING", "log_to_driver": True}
+        ray_constants.ENABLE_RAY_CLUSTER = (
+            False  # read at call time; the variable above reaches Ray's processes
+        )
+    kwargs: dict[str, Any] = {
+        "runtime_env": runtime_env or None,
+        "namespace": NAMESPACE,
+        "logging_level": "WARNING",
+        "log_to_driver": True,
+    }
     if cluster.address is None:
-        ray.init(address="local", include_dashboard=False, num_cpus=max(os.cpu_count() or 1, int(num_cpus + 0.999)),
-                 **kwargs)
+        ray.init(
+            address="local",
+            include_dashboard=False,
+            num_cpus=max(os.cpu_count() or 1, int(num_cpus + 0.999)),
+            **kwargs,
+        )
         return
     try:
         ray.init(address=cluster.address, **kwargs)
     except (ConnectionError, RuntimeError, ValueError) as exc:
-        raise ConfigError("cluster.address", f"cannot join the Ray cluster at {cluster.address!r} "
-                          f"({_first_line(exc)}); start it with `ray start --head`, or fix the address") from None
+        raise ConfigError(
+            "cluster.address",
+            f"cannot join the Ray cluster at {cluster.address!r} "
+            f"({_first_line(exc)}); start it with `ray start --head`, or fix the address",
+        ) from None
 
 
 class RayRun:
@@ -230,15 +274,20 @@ class RayRun:
         from miles.engines.auth import API_KEY_ENV, TOKEN_ENV, admin_token, api_key
 
         # every actor (engines, trainer ranks, the rollout manager) guards or calls the engines with one token
-        runtime_env["env_vars"] = {TOKEN_ENV: admin_token(create=True), **({API_KEY_ENV: api_key()} if api_key() else {})}
+        runtime_env["env_vars"] = {
+            TOKEN_ENV: admin_token(create=True),
+            **({API_KEY_ENV: api_key()} if api_key() else {}),
+        }
         demand = sum(b.get("CPU", 0) for bundles in self.placement.groups.values() for b in bundles)
         connect(self.cfg.cluster, runtime_env, num_cpus=demand + self.cfg.cluster.manager.cpus)
         try:
             self._place()
             infos = self._start_engines()
             cfg = dataclasses.replace(
-                self.cfg, engine=dataclasses.replace(self.cfg.engine, kind="sglang", urls=[i.url for i in infos]),
-                env=dataclasses.replace(self.cfg.env, imports=list(worker_imports)))
+                self.cfg,
+                engine=dataclasses.replace(self.cfg.engine, kind="sglang", urls=[i.url for i in infos]),
+                env=dataclasses.replace(self.cfg.env, imports=list(worker_imports)),
+            )
             self._start_ranks()
             self._write_manifest(infos)
             return self._train(cfg)
@@ -249,40 +298,58 @@ class RayRun:
     def _strategy(self, slot: Any) -> Any:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        return PlacementGroupSchedulingStrategy(self.groups[slot.group], placement_group_bundle_index=slot.bundle)
+        return PlacementGroupSchedulingStrategy(
+            self.groups[slot.group], placement_group_bundle_index=slot.bundle
+        )
 
     def _place(self) -> None:
         import ray
         from ray.util.placement_group import placement_group
 
         for name, bundles in self.placement.groups.items():
-            self.groups[name] = placement_group(list(bundles), strategy="PACK", name=f"miles-{self.token}-{name}")
+            self.groups[name] = placement_group(
+                list(bundles), strategy="PACK", name=f"miles-{self.token}-{name}"
+            )
         try:
             ray.get([g.ready() for g in self.groups.values()], timeout=self.cfg.cluster.timeout_s)
         except ray.exceptions.GetTimeoutError:
             asked = {name: list(b) for name, b in self.placement.groups.items()}
-            raise ConfigError("cluster", f"Ray could not place {asked} within {self.cfg.cluster.timeout_s:.0f} s; the "
-                              f"cluster has {ray.cluster_resources()}: add nodes, or lower cluster.engines / "
-                              "cluster.trainer (resources names custom node resources)") from None
+            raise ConfigError(
+                "cluster",
+                f"Ray could not place {asked} within {self.cfg.cluster.timeout_s:.0f} s; the "
+                f"cluster has {ray.cluster_resources()}: add nodes, or lower cluster.engines / "
+                "cluster.trainer (resources names custom node resources)",
+            ) from None
 
     def _start_engines(self) -> list[EngineInfo]:
         import ray
 
         engine_cls = ray.remote(EngineActor)
         port_probe = ray.remote(num_cpus=0)(probe_port)
-        ports = ray.get([port_probe.options(scheduling_strategy=self._strategy(s)).remote()
-                         for s in self.placement.engines])
+        ports = ray.get(
+            [
+                port_probe.options(scheduling_strategy=self._strategy(s)).remote()
+                for s in self.placement.engines
+            ]
+        )
         for i, (slot, (_, port)) in enumerate(zip(self.placement.engines, ports, strict=True)):
             launch = EngineLaunch(cfg=self.cfg, index=i, port=port, folder=self.folder)
-            self.engines.append(engine_cls.options(
-                name=f"{self.token}-engine-{i}", num_cpus=slot.cpus, num_gpus=slot.gpus,
-                max_restarts=self.cfg.cluster.engines.max_restarts, max_task_retries=-1,
-                scheduling_strategy=self._strategy(slot)).remote(launch))
+            self.engines.append(
+                engine_cls.options(
+                    name=f"{self.token}-engine-{i}",
+                    num_cpus=slot.cpus,
+                    num_gpus=slot.gpus,
+                    max_restarts=self.cfg.cluster.engines.max_restarts,
+                    max_task_retries=-1,
+                    scheduling_strategy=self._strategy(slot),
+                ).remote(launch)
+            )
         try:
             return list(ray.get([e.info.remote() for e in self.engines], timeout=self.cfg.cluster.timeout_s))
         except ray.exceptions.GetTimeoutError:
-            raise ConfigError("cluster.timeout_s", f"the engines did not come up within "
-                              f"{self.cfg.cluster.timeout_s:.0f} s") from None
+            raise ConfigError(
+                "cluster.timeout_s", f"the engines did not come up within {self.cfg.cluster.timeout_s:.0f} s"
+            ) from None
         except ray.exceptions.RayError as exc:
             raise _engine_failure(exc) from None
 
@@ -291,9 +358,15 @@ class RayRun:
 
         rank_cls = ray.remote(TrainerRankActor)
         for r, slot in enumerate(self.placement.ranks):
-            self.ranks.append(rank_cls.options(
-                name=f"{self.token}-rank-{r}", num_cpus=slot.cpus, num_gpus=slot.gpus, max_restarts=0,
-                scheduling_strategy=self._strategy(slot)).remote(r, self.world, self.folder))
+            self.ranks.append(
+                rank_cls.options(
+                    name=f"{self.token}-rank-{r}",
+                    num_cpus=slot.cpus,
+                    num_gpus=slot.gpus,
+                    max_restarts=0,
+                    scheduling_strategy=self._strategy(slot),
+                ).remote(r, self.world, self.folder)
+            )
 
     def _write_manifest(self, infos: list[EngineInfo]) -> None:
         """`cluster.json` in the run folder: where every role runs (actor names in the `miles` namespace)."""
@@ -302,10 +375,14 @@ class RayRun:
         nodes = ray.get([r.node.remote() for r in self.ranks])
         out = Path(self.cfg.output_dir)
         out.mkdir(parents=True, exist_ok=True)
-        manifest = {"namespace": NAMESPACE, "placement": self.cfg.cluster.placement,
-                    "engines": [{"name": f"{self.token}-engine-{i.index}", "url": i.url, "node_id": i.node_id}
-                                for i in infos],
-                    "ranks": [{"name": f"{self.token}-rank-{r}", "node_id": n} for r, n in enumerate(nodes)]}
+        manifest = {
+            "namespace": NAMESPACE,
+            "placement": self.cfg.cluster.placement,
+            "engines": [
+                {"name": f"{self.token}-engine-{i.index}", "url": i.url, "node_id": i.node_id} for i in infos
+            ],
+            "ranks": [{"name": f"{self.token}-rank-{r}", "node_id": n} for r, n in enumerate(nodes)],
+        }
         (out / "cluster.json").write_text(json.dumps(manifest, indent=1))
 
     def _train(self, cfg: TrainConfig) -> Any:
@@ -314,9 +391,21 @@ class RayRun:
         env: list[dict[str, str]] = [{} for _ in self.ranks]
         if self.world > 1:
             host, port = ray.get(self.ranks[0].master.remote())
-            env = [{"RANK": str(r), "WORLD_SIZE": str(self.world), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-                    "MASTER_ADDR": host, "MASTER_PORT": str(port), WORKER_ENV: "1"} for r in range(self.world)]
-        refs = {rank.run.remote(cfg, env[r], self.resume, self.extend): r for r, rank in enumerate(self.ranks)}
+            env = [
+                {
+                    "RANK": str(r),
+                    "WORLD_SIZE": str(self.world),
+                    "LOCAL_RANK": "0",
+                    "LOCAL_WORLD_SIZE": "1",
+                    "MASTER_ADDR": host,
+                    "MASTER_PORT": str(port),
+                    WORKER_ENV: "1",
+                }
+                for r in range(self.world)
+            ]
+        refs = {
+            rank.run.remote(cfg, env[r], self.resume, self.extend): r for r, rank in enumerate(self.ranks)
+        }
         summary = None
         pending = list(refs)
         while pending:
@@ -340,8 +429,9 @@ class RayRun:
             try:
                 ray.get(ref)
             except ray.exceptions.RayActorError as exc:
-                return TrainerRankError(f"trainer rank {refs[ref]} died ({_first_line(exc)}); continue the run "
-                                        "with --resume")
+                return TrainerRankError(
+                    f"trainer rank {refs[ref]} died ({_first_line(exc)}); continue the run with --resume"
+                )
             except ray.exceptions.RayError:
                 continue
         return remote_cause(first)

@@ -129,9 +129,16 @@ class RayRolloutProcess(RolloutProcess):
         import ray
 
         manager = cfg.cluster.manager
-        actor = ray.remote(RolloutManagerActor).options(
-            num_cpus=manager.cpus, resources=dict(manager.resources) or None, max_restarts=0, max_concurrency=4,
-        ).remote(cfg, start, os.getcwd())
+        actor = (
+            ray.remote(RolloutManagerActor)
+            .options(
+                num_cpus=manager.cpus,
+                resources=dict(manager.resources) or None,
+                max_restarts=0,
+                max_concurrency=4,
+            )
+            .remote(cfg, start, os.getcwd())
+        )
         self.timeout_s = cfg.asynchronous.manager_timeout_s
         self.inbox = self.outbox = _Mailbox(actor)
         self.process = _ActorProcess(actor, actor.run.remote())

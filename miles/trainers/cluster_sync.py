@@ -29,8 +29,14 @@ class RejoiningSync:
     `WeightSync` 's.
     """
 
-    def __init__(self, sync: WeightSync, build: Callable[[], Awaitable[WeightSync]], *, wait_s: float = 600.0,
-                 poll_s: float = 0.5) -> None:
+    def __init__(
+        self,
+        sync: WeightSync,
+        build: Callable[[], Awaitable[WeightSync]],
+        *,
+        wait_s: float = 600.0,
+        poll_s: float = 0.5,
+    ) -> None:
         self.sync = sync
         self._build = build
         self.wait_s, self.poll_s = wait_s, poll_s
@@ -48,8 +54,10 @@ class RejoiningSync:
                 return int(await engine.refresh_weight_version())
             except EngineError as exc:
                 if time.monotonic() > deadline:
-                    raise WeightSyncError(f"engine {engine.engine_id} did not answer for {self.wait_s:.0f} s "
-                                          f"(it died and was not restarted?): {exc}") from exc
+                    raise WeightSyncError(
+                        f"engine {engine.engine_id} did not answer for {self.wait_s:.0f} s "
+                        f"(it died and was not restarted?): {exc}"
+                    ) from exc
                 await asyncio.sleep(self.poll_s)
 
     async def lost(self) -> list[str]:
@@ -77,10 +85,14 @@ class RejoiningSync:
         return getattr(self.__dict__["sync"], name)
 
 
-async def rejoining_weight_sync(cfg: SyncConfig, engines: Sequence[RolloutEngine], *,
-                                staging_dir: str | Path | None = None,
-                                drain_engines: Sequence[RolloutEngine] | None = None,
-                                wait_s: float = 600.0) -> RejoiningSync:
+async def rejoining_weight_sync(
+    cfg: SyncConfig,
+    engines: Sequence[RolloutEngine],
+    *,
+    staging_dir: str | Path | None = None,
+    drain_engines: Sequence[RolloutEngine] | None = None,
+    wait_s: float = 600.0,
+) -> RejoiningSync:
     """`build_weight_sync` (same arguments), as a `RejoiningSync`."""
 
     def build() -> Awaitable[WeightSync]:

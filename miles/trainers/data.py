@@ -56,6 +56,9 @@ def load_tasks(recipe: EnvRecipe, split: str, n: int, *, distinct: bool = False)
     finally:
         env.close()
     if not tasks:
-        raise ConfigError("env", f"the {split!r} split of {recipe.id} has no tasks; give the env more tasks or "
-                          "another split (env.train_split / env.eval_split)")
+        raise ConfigError(
+            "env",
+            f"the {split!r} split of {recipe.id} has no tasks; give the env more tasks or "
+            "another split (env.train_split / env.eval_split)",
+        )
     return tasks

@@ -11,8 +11,9 @@ from miles.trajectory import Trajectory
 from miles.types import Message
 
 
-def demo_trajectory(tito: Any, messages: Sequence[Message], tools: list[dict] | None, *,
-                    first_assistant: int) -> Trajectory:
+def demo_trajectory(
+    tito: Any, messages: Sequence[Message], tools: list[dict] | None, *, first_assistant: int
+) -> Trajectory:
     """Tokenize one finished conversation exactly as a rollout would have produced it.
 
     `messages[:first_assistant]` is the prompt. Each assistant message is appended as the ids a
@@ -30,7 +31,7 @@ def demo_trajectory(tito: Any, messages: Sequence[Message], tools: list[dict] | 
         j = i + 1
         while j < len(messages) and messages[j].role != "assistant":
             j += 1
-        observation = list(messages[i + 1:j])
+        observation = list(messages[i + 1 : j])
         history.append(assistant)
         if j < len(messages) or observation:
             conv.append_observation(assistant, observation)
@@ -43,8 +44,9 @@ def demo_trajectory(tito: Any, messages: Sequence[Message], tools: list[dict] | 
     return conv.trajectory
 
 
-async def oracle_demos(env_factory: Callable[[], Env], tasks: Sequence[Task], tito: Any, *,
-                       only_successful: bool = True) -> list[Trajectory]:
+async def oracle_demos(
+    env_factory: Callable[[], Env], tasks: Sequence[Task], tito: Any, *, only_successful: bool = True
+) -> list[Trajectory]:
     """Run the env's scripted oracle on each task and tokenize the episodes through TITO."""
     env = env_factory()
     out: list[Trajectory] = []

@@ -36,8 +36,16 @@ from .protocol import Trainer
 STOP = "stop"
 SET_STEP = "set_step"
 # The `Trainer` methods that rank 0 mirrors onto the workers (every one is a collective on the trainer side).
-COLLECTIVE_METHODS = ("train_step", "sft_step", "begin_sft", "compute_logprobs", "hf_state_dict",
-                      "save_checkpoint", "load_checkpoint", "save_pretrained")
+COLLECTIVE_METHODS = (
+    "train_step",
+    "sft_step",
+    "begin_sft",
+    "compute_logprobs",
+    "hf_state_dict",
+    "save_checkpoint",
+    "load_checkpoint",
+    "save_pretrained",
+)
 # Workers wait this long for the next command (rollout and evaluation on rank 0 happen in between).
 DEFAULT_COMMAND_TIMEOUT_S = 4 * 3600.0
 
@@ -111,8 +119,9 @@ def weights_fingerprint(model: torch.nn.Module) -> tuple[int, float]:
         return len(sd), float(sum(v.double().abs().sum() for v in sd.values()))
 
 
-def open_channel(fingerprint: tuple[int, float], expected_world: int, *,
-                 timeout_s: float = DEFAULT_COMMAND_TIMEOUT_S) -> CommandChannel:
+def open_channel(
+    fingerprint: tuple[int, float], expected_world: int, *, timeout_s: float = DEFAULT_COMMAND_TIMEOUT_S
+) -> CommandChannel:
     """Open the command channel (a collective) and check that the job has `expected_world` ranks, all of which
     started from the same initial weights (`fingerprint`, taken before any wrapping or conversion)."""
     world = dist.get_world_size()
@@ -121,8 +130,11 @@ def open_channel(fingerprint: tuple[int, float], expected_world: int, *,
     channel = CommandChannel(timeout_s=timeout_s)
     prints = channel.all_gather(fingerprint)
     if len(set(prints)) != 1:
-        raise ConfigError("model", f"the ranks built different initial weights {prints}; the model must be "
-                                   "deterministic (model.seed) or loaded from a folder (model.init_from)")
+        raise ConfigError(
+            "model",
+            f"the ranks built different initial weights {prints}; the model must be "
+            "deterministic (model.seed) or loaded from a folder (model.init_from)",
+        )
     return channel
 
 
@@ -167,8 +179,14 @@ class CollectiveTrainer:
         """`Trainer.hf_state_dict` on every rank; rank 0 keeps the result."""
         return self._call("hf_state_dict", cpu=cpu)
 
-    def save_checkpoint(self, root: str | Path, *, data_cursor: dict[str, Any] | None = None,
-                        extra: dict[str, Any] | None = None, keep_last: int | None = None) -> Path | None:
+    def save_checkpoint(
+        self,
+        root: str | Path,
+        *,
+        data_cursor: dict[str, Any] | None = None,
+        extra: dict[str, Any] | None = None,
+        keep_last: int | None = None,
+    ) -> Path | None:
         """`Trainer.save_checkpoint` on every rank (rank 0 writes)."""
         return self._call("save_checkpoint", root, data_cursor=data_cursor, extra=extra, keep_last=keep_last)
 

@@ -53,18 +53,25 @@ class EngineSet:
                 await engine.close()
 
 
-async def build_engine_set(cfg: EngineConfig, model: torch.nn.Module, tokenizer: Any,
-                           tokenizer_name: str) -> EngineSet:
+async def build_engine_set(
+    cfg: EngineConfig, model: torch.nn.Module, tokenizer: Any, tokenizer_name: str
+) -> EngineSet:
     """Start or attach the engines of `cfg`. Raises `ConfigError` (one line) for unusable servers."""
     if cfg.kind == "embedded":
         from miles.engines.embedded import EmbeddedEngine
 
         try:
             engines: list[RolloutEngine] = [
-                EmbeddedEngine(copy.deepcopy(model).eval(), tokenizer=tokenizer, device=cfg.device,
-                               max_batch_size=cfg.max_batch_size, engine_id=f"embedded-{i}",
-                               kv_cache_fraction=cfg.kv_cache_fraction)
-                for i in range(cfg.num_engines)]
+                EmbeddedEngine(
+                    copy.deepcopy(model).eval(),
+                    tokenizer=tokenizer,
+                    device=cfg.device,
+                    max_batch_size=cfg.max_batch_size,
+                    engine_id=f"embedded-{i}",
+                    kv_cache_fraction=cfg.kv_cache_fraction,
+                )
+                for i in range(cfg.num_engines)
+            ]
         except ValueError as exc:  # a cache that holds (almost) nothing
             raise ConfigError("engine.kv_cache_fraction", str(exc)) from None
         return EngineSet(rollout=engines, workers=engines, is_http=False)
@@ -72,8 +79,11 @@ async def build_engine_set(cfg: EngineConfig, model: torch.nn.Module, tokenizer:
     if cfg.kind == "router":
         from miles.engines.sglang_router import SGLangRouter
 
-        router = (await SGLangRouter.attach(cfg.router_url, list(cfg.urls)) if cfg.router_url
-                  else await SGLangRouter.launch(list(cfg.urls)))
+        router = (
+            await SGLangRouter.attach(cfg.router_url, list(cfg.urls))
+            if cfg.router_url
+            else await SGLangRouter.launch(list(cfg.urls))
+        )
         return EngineSet(rollout=[router], workers=list(router.workers.values()), is_http=True, facts=facts)
     from miles.engines.client import SGLangClient
 
@@ -85,6 +95,8 @@ def bounded_by_context(scheduler: SchedulerConfig, context_length: int | None) -
     """`scheduler` with its session context length set to the engines' when the config left it open (or set
     it larger than the engines can hold), so sessions end `context_full` before a server refuses the prompt."""
     session = scheduler.session
-    if context_length is None or (session.context_length is not None and session.context_length <= context_length):
+    if context_length is None or (
+        session.context_length is not None and session.context_length <= context_length
+    ):
         return scheduler
     return dataclasses.replace(scheduler, session=dataclasses.replace(session, context_length=context_length))

@@ -35,8 +35,11 @@ class EvalReport:
     categories: dict[str, str]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"weights": self.weights, "categories": self.categories,
-                "results": {k: r.to_dict() for k, r in self.results.items()}}
+        return {
+            "weights": self.weights,
+            "categories": self.categories,
+            "results": {k: r.to_dict() for k, r in self.results.items()},
+        }
 
     @property
     def invalid(self) -> list[str]:
@@ -55,9 +58,12 @@ def _load_run_weights(model: Any, run_dir: Path) -> str:
         raise ConfigError("--run", f"{exc}; give the folder of a `miles train` run") from None
     missing, unexpected = model.load_state_dict(ckpt.model, strict=False)
     if unexpected or [k for k in missing if not k.endswith("lm_head.weight")]:
-        raise ConfigError("--run", f"{ckpt.path} does not fit model {model.config.model_type!r} "
-                          f"({len(missing)} missing, {len(unexpected)} unexpected tensors): evaluate it with the "
-                          "run's own config.yaml")
+        raise ConfigError(
+            "--run",
+            f"{ckpt.path} does not fit model {model.config.model_type!r} "
+            f"({len(missing)} missing, {len(unexpected)} unexpected tensors): evaluate it with the "
+            "run's own config.yaml",
+        )
     return str(ckpt.path)
 
 
@@ -74,12 +80,19 @@ async def run_eval(cfg: TrainConfig, *, run_dir: Path | None = None, echo: Any =
         for part in sets:
             await check_tools_reach_model(tito, part.recipe, part.tasks[0])
         model = build_policy(cfg.model, tito.tokenizer)
-        weights = _load_run_weights(model, run_dir) if run_dir is not None else (cfg.model.init_from or cfg.model.name)
+        weights = (
+            _load_run_weights(model, run_dir)
+            if run_dir is not None
+            else (cfg.model.init_from or cfg.model.name)
+        )
         engines = await build_engine_set(cfg.engine, model, tito.tokenizer, cfg.model.tokenizer)
         if engines.is_http and run_dir is not None:
             await engines.close()
-            raise ConfigError("--run", "loads the weights into the embedded engine; SGLang servers evaluate the "
-                              "weights they serve (leave out --run)")
+            raise ConfigError(
+                "--run",
+                "loads the weights into the embedded engine; SGLang servers evaluate the "
+                "weights they serve (leave out --run)",
+            )
         scheduler = bounded_by_context(cfg.rollout.scheduler, engines.context_length)
         recorder = Recorder(out / "eval_sessions.jsonl")
         results: dict[str, EvalResult] = {}
@@ -92,14 +105,23 @@ async def run_eval(cfg: TrainConfig, *, run_dir: Path | None = None, echo: Any =
                 env.close()
                 for mode in modes:
                     t0 = time.perf_counter()
-                    res = await evaluate(engines.rollout, tokenizer=tito, recipe=part.recipe, tasks=part.tasks,
-                                         scheduler=scheduler, greedy=mode == "greedy", recorder=recorder,
-                                         max_new_tokens=cfg.eval.max_new_tokens,
-                                         run_id=f"eval-{(part.label or cfg.env.id)}-{mode}")
+                    res = await evaluate(
+                        engines.rollout,
+                        tokenizer=tito,
+                        recipe=part.recipe,
+                        tasks=part.tasks,
+                        scheduler=scheduler,
+                        greedy=mode == "greedy",
+                        recorder=recorder,
+                        max_new_tokens=cfg.eval.max_new_tokens,
+                        run_id=f"eval-{(part.label or cfg.env.id)}-{mode}",
+                    )
                     key = f"{part.label or cfg.env.id}/{mode}"
                     results[key] = res
-                    echo(f"[eval] {key}: success {res.success_rate:.1%}  mean reward {res.mean_reward:.3f}  "
-                         f"({res.num_tasks} held-out tasks, {time.perf_counter() - t0:.0f} s)")
+                    echo(
+                        f"[eval] {key}: success {res.success_rate:.1%}  mean reward {res.mean_reward:.3f}  "
+                        f"({res.num_tasks} held-out tasks, {time.perf_counter() - t0:.0f} s)"
+                    )
         finally:
             await recorder.aclose()
             await engines.close()
@@ -114,15 +136,22 @@ def format_eval(report: EvalReport) -> str:
     """The table: held-out success and mean reward per env and mode, each env's category, and the mean over
     the envs per mode when there are several (BFCL's overall multi-turn accuracy is that mean)."""
     width = max(len(k) for k in report.results) + 2
-    lines = ["", f"{'env/mode':<{width}}{'category':<26}{'held-out success':>18}{'mean reward':>14}{'tasks':>8}"]
+    lines = [
+        "",
+        f"{'env/mode':<{width}}{'category':<26}{'held-out success':>18}{'mean reward':>14}{'tasks':>8}",
+    ]
     for key, r in report.results.items():
         category = report.categories.get(key.rsplit("/", 1)[0], "")
-        lines.append(f"{key:<{width}}{category:<26}{r.success_rate:>18.1%}{r.mean_reward:>14.3f}{r.num_tasks:>8}")
+        lines.append(
+            f"{key:<{width}}{category:<26}{r.success_rate:>18.1%}{r.mean_reward:>14.3f}{r.num_tasks:>8}"
+        )
     by_mode: dict[str, list[float]] = {}
     for key, r in report.results.items():
         by_mode.setdefault(key.rsplit("/", 1)[1], []).append(r.success_rate)
     for mode, rates in by_mode.items():
         if len(rates) > 1:
-            lines.append(f"{'overall/' + mode:<{width}}{'mean of the envs':<26}{sum(rates) / len(rates):>18.1%}")
+            lines.append(
+                f"{'overall/' + mode:<{width}}{'mean of the envs':<26}{sum(rates) / len(rates):>18.1%}"
+            )
     lines.append(f"weights: {report.weights}")
     return "\n".join(lines)

@@ -37,7 +37,9 @@ class EvalResult:
         """Why this result is no score (most sessions failed in the infrastructure), or ""."""
         failed = sum(self.terminations.get(t, 0) for t in _INFRASTRUCTURE)
         if self.num_tasks and failed * 2 > self.num_tasks:
-            kinds = ", ".join(f"{self.terminations[t]} {t}" for t in _INFRASTRUCTURE if self.terminations.get(t))
+            kinds = ", ".join(
+                f"{self.terminations[t]} {t}" for t in _INFRASTRUCTURE if self.terminations.get(t)
+            )
             return f"{failed} of {self.num_tasks} sessions failed in the engines ({kinds})"
         return ""
 
@@ -61,7 +63,11 @@ def eval_sets(recipe: EnvRecipe, split: str, num_tasks: int, extra_envs: Sequenc
     out = [EvalSet("", recipe.with_kwargs(split=split), load_tasks(recipe, split, num_tasks, distinct=True))]
     for env_id in extra_envs:
         other = EnvRecipe(id=env_id, imports=recipe.imports)
-        out.append(EvalSet(env_id, other.with_kwargs(split=split), load_tasks(other, split, num_tasks, distinct=True)))
+        out.append(
+            EvalSet(
+                env_id, other.with_kwargs(split=split), load_tasks(other, split, num_tasks, distinct=True)
+            )
+        )
     return out
 
 
@@ -72,14 +78,27 @@ def summarize(mode: str, records: Sequence[SessionRecord]) -> EvalResult:
     for r in records:
         terms[r.termination.value] = terms.get(r.termination.value, 0) + 1
     success = sum(bool(r.final_info.get("success", False)) for r in records)
-    return EvalResult(mode=mode, num_tasks=n, success_rate=success / n if n else 0.0,
-                      mean_reward=sum(r.reward for r in records) / n if n else 0.0, terminations=terms)
+    return EvalResult(
+        mode=mode,
+        num_tasks=n,
+        success_rate=success / n if n else 0.0,
+        mean_reward=sum(r.reward for r in records) / n if n else 0.0,
+        terminations=terms,
+    )
 
 
-async def evaluate(engine: RolloutEngine | Sequence[RolloutEngine], *, tokenizer: Any,
-                   recipe: EnvRecipe, tasks: Sequence[Task], scheduler: SchedulerConfig,
-                   greedy: bool = True, recorder: Recorder | None = None,
-                   max_new_tokens: int | None = None, run_id: str = "eval") -> EvalResult:
+async def evaluate(
+    engine: RolloutEngine | Sequence[RolloutEngine],
+    *,
+    tokenizer: Any,
+    recipe: EnvRecipe,
+    tasks: Sequence[Task],
+    scheduler: SchedulerConfig,
+    greedy: bool = True,
+    recorder: Recorder | None = None,
+    max_new_tokens: int | None = None,
+    run_id: str = "eval",
+) -> EvalResult:
     """Run one session per task (group size 1) and summarize. Greedy sets temperature 0. The envs are built
     from `recipe`, which is recorded with every session (`miles replay --check` rebuilds them from it);
     `run_id` prefixes the session ids, so give each evaluation of a run its own."""
@@ -89,10 +108,17 @@ async def evaluate(engine: RolloutEngine | Sequence[RolloutEngine], *, tokenizer
         sampling = dataclasses.replace(sampling, temperature=0.0, seed=None)
     if max_new_tokens is not None:
         sampling = dataclasses.replace(sampling, max_new_tokens=max_new_tokens)
-    config = dataclasses.replace(scheduler, group_size=1, oversample_groups=0, group_mode="backfill",
-                                 progress=False, session=dataclasses.replace(session, sampling=sampling))
-    sched = SessionScheduler(engine, tokenizer=tokenizer, config=config, recorder=recorder, run_id=run_id,
-                             recipe=recipe)
+    config = dataclasses.replace(
+        scheduler,
+        group_size=1,
+        oversample_groups=0,
+        group_mode="backfill",
+        progress=False,
+        session=dataclasses.replace(session, sampling=sampling),
+    )
+    sched = SessionScheduler(
+        engine, tokenizer=tokenizer, config=config, recorder=recorder, run_id=run_id, recipe=recipe
+    )
     try:
         groups = await sched.run([{"task": t} for t in tasks])
     finally:

@@ -46,8 +46,14 @@ def torch_trainer_config(cfg: TrainConfig) -> TorchTrainerConfig:
 
 def megatron_trainer_config(cfg: TrainConfig) -> MegatronTrainerConfig:
     """``trainer:`` plus ``megatron:``, ``parallel.tp/pp`` and ``seed`` as the Megatron backend's config."""
-    return merge(MegatronTrainerConfig, cfg.trainer, cfg.megatron, tp=cfg.parallel.tp, pp=cfg.parallel.pp,
-                 seed=cfg.seed)
+    return merge(
+        MegatronTrainerConfig,
+        cfg.trainer,
+        cfg.megatron,
+        tp=cfg.parallel.tp,
+        pp=cfg.parallel.pp,
+        seed=cfg.seed,
+    )
 
 
 def check_trainer_setup(cfg: TrainConfig) -> None:
@@ -65,13 +71,18 @@ def check_trainer_setup(cfg: TrainConfig) -> None:
         except ModuleNotFoundError:
             found = False
         if not found:
-            raise ConfigError("backend", "the megatron backend needs megatron-core: pip install -e '.[megatron]' "
-                                         "(or use backend: torch)")
+            raise ConfigError(
+                "backend",
+                "the megatron backend needs megatron-core: pip install -e '.[megatron]' "
+                "(or use backend: torch)",
+            )
         if cfg.megatron.attention == "te":
             from miles.trainers.megatron.model import te_available
 
             if not te_available():
-                raise ConfigError("megatron.attention", "te needs Transformer Engine and a GPU; use sdpa or auto")
+                raise ConfigError(
+                    "megatron.attention", "te needs Transformer Engine and a GPU; use sdpa or auto"
+                )
 
 
 def check_model_fits(cfg: TrainConfig, hf_config: Any) -> None:
@@ -80,12 +91,17 @@ def check_model_fits(cfg: TrainConfig, hf_config: Any) -> None:
     p = cfg.parallel
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
     if kv_heads % p.tp:
-        raise ConfigError("parallel.tp", f"the model's {kv_heads} key/value heads do not split over tp={p.tp}; "
-                                         f"use a divisor of {kv_heads}")
+        raise ConfigError(
+            "parallel.tp",
+            f"the model's {kv_heads} key/value heads do not split over tp={p.tp}; "
+            f"use a divisor of {kv_heads}",
+        )
     layers = hf_config.num_hidden_layers
     if layers % p.pp:
-        raise ConfigError("parallel.pp", f"the model's {layers} layers do not split into pp={p.pp} stages; "
-                                         f"use a divisor of {layers}")
+        raise ConfigError(
+            "parallel.pp",
+            f"the model's {layers} layers do not split into pp={p.pp} stages; use a divisor of {layers}",
+        )
 
 
 def _local_trainer(cfg: TrainConfig, model: torch.nn.Module) -> Trainer:
@@ -98,8 +114,9 @@ def _local_trainer(cfg: TrainConfig, model: torch.nn.Module) -> Trainer:
         try:
             return MegatronTrainer(model, megatron_trainer_config(cfg), cfg.algorithm)
         except UnsupportedModelError as e:
-            raise ConfigError("model", f"the Megatron backend cannot build it: {e} (backend: torch trains any HF "
-                                       "causal LM)") from e
+            raise ConfigError(
+                "model", f"the Megatron backend cannot build it: {e} (backend: torch trains any HF causal LM)"
+            ) from e
     if cfg.adapters:  # LoRA adapters on the frozen base (peft), one optimizer each, in a process of their own
         from miles.trainers.lora_process import LoraTrainerProcess
 
@@ -109,8 +126,9 @@ def _local_trainer(cfg: TrainConfig, model: torch.nn.Module) -> Trainer:
     return TorchTrainer(model, torch_trainer_config(cfg), cfg.algorithm)
 
 
-def build_trainer(cfg: TrainConfig, model: torch.nn.Module, *,
-                  timeout_s: float = DEFAULT_COMMAND_TIMEOUT_S) -> Trainer:
+def build_trainer(
+    cfg: TrainConfig, model: torch.nn.Module, *, timeout_s: float = DEFAULT_COMMAND_TIMEOUT_S
+) -> Trainer:
     """The `Trainer` the train loop drives: the backend's trainer over `model` in a single process; on rank 0
     of a torchrun job, a `CollectiveTrainer` around it (the other ranks run `run_worker`).
 
@@ -121,8 +139,11 @@ def build_trainer(cfg: TrainConfig, model: torch.nn.Module, *,
     world = world_size_of(cfg)
     if not in_torchrun_worker():
         if world > 1:
-            raise ConfigError("parallel", f"tp*pp*dp = {world} ranks: run it with `miles train`, which launches "
-                                          "them under torchrun (or set parallel sizes to 1)")
+            raise ConfigError(
+                "parallel",
+                f"tp*pp*dp = {world} ranks: run it with `miles train`, which launches "
+                "them under torchrun (or set parallel sizes to 1)",
+            )
         return _local_trainer(cfg, model)
     init_distributed()
     if dist.get_rank() != 0:

@@ -68,7 +68,11 @@ class Verdict:
 def first_nonfinite(state: Mapping[str, Any]) -> str | None:
     """The name of the first floating-point tensor of `state` holding a NaN or inf, or None."""
     for name, tensor in state.items():
-        if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        if (
+            isinstance(tensor, torch.Tensor)
+            and tensor.is_floating_point()
+            and not bool(torch.isfinite(tensor).all())
+        ):
             return name
     return None
 
@@ -97,8 +101,10 @@ class StepActivity:
     def metrics(self) -> dict[str, float]:
         """The step's row entries: `<termination>_sessions` for every termination, tool calls per session,
         unparsable tool calls and the share of groups with no reward spread."""
-        row: dict[str, float] = {f"{reason.value}_sessions": float(self.terminations.get(reason.value, 0))
-                                 for reason in TerminationReason}
+        row: dict[str, float] = {
+            f"{reason.value}_sessions": float(self.terminations.get(reason.value, 0))
+            for reason in TerminationReason
+        }
         row["tool_calls_per_session"] = self.tool_calls / self.sessions if self.sessions else 0.0
         row["tool_parse_failures"] = float(self.parse_failures)
         row["informative_groups"] = float(self.informative_groups)
@@ -117,13 +123,21 @@ def step_activity(records: Iterable[SessionRecord]) -> StepActivity:
             calls += len(turn.tool_calls)
             failures += sum(1 for c in turn.tool_calls if c.get("parse_error"))
     return StepActivity(
-        sessions=len(records), groups=len(groups), informative_groups=sum(len(g) > 1 for g in groups.values()),
-        tool_calls=calls, parse_failures=failures,
+        sessions=len(records),
+        groups=len(groups),
+        informative_groups=sum(len(g) > 1 for g in groups.values()),
+        tool_calls=calls,
+        parse_failures=failures,
         terminations=dict(Counter(r.termination.value for r in records)),
-        rewards=frozenset(float(r.reward) for r in records), has_tools=any(r.tools for r in records),
-        env_errors=tuple((r.session_id, r.error) for r in records
-                         if r.termination == TerminationReason.ENV_ERROR and r.error is not None),
-        successes=sum(bool(r.final_info.get("success")) for r in records))
+        rewards=frozenset(float(r.reward) for r in records),
+        has_tools=any(r.tools for r in records),
+        env_errors=tuple(
+            (r.session_id, r.error)
+            for r in records
+            if r.termination == TerminationReason.ENV_ERROR and r.error is not None
+        ),
+        successes=sum(bool(r.final_info.get("success")) for r in records),
+    )
 
 
 def diagnose(window: list[StepActivity]) -> str:
@@ -138,23 +152,31 @@ def diagnose(window: list[StepActivity]) -> str:
     head = f"nothing trained in {n} steps"
     if not sessions:
         return f"{head}: no session finished"
-    for reason, cause in ((TerminationReason.ENGINE_ERROR, "the engines failed them"),
-                          (TerminationReason.ENV_ERROR, "the env raised (see each record's `error`)"),
-                          (TerminationReason.TIMEOUT, "they ran out of time"),
-                          (TerminationReason.ABORTED, "they were aborted")):
+    for reason, cause in (
+        (TerminationReason.ENGINE_ERROR, "the engines failed them"),
+        (TerminationReason.ENV_ERROR, "the env raised (see each record's `error`)"),
+        (TerminationReason.TIMEOUT, "they ran out of time"),
+        (TerminationReason.ABORTED, "they were aborted"),
+    ):
         if ends[reason.value] * 2 > sessions:
             return f"{head}: {ends[reason.value]} of {sessions} sessions ended {reason.value}: {cause}"
     if any(a.has_tools for a in window) and calls == 0:
-        return (f"{head}: no session called a tool ({sessions} sessions answered without them); the model does "
-                "not use the tool format its prompt shows: warm start it with SFT (sft.enabled: true)")
+        return (
+            f"{head}: no session called a tool ({sessions} sessions answered without them); the model does "
+            "not use the tool format its prompt shows: warm start it with SFT (sft.enabled: true)"
+        )
     if calls and failures * 2 > calls:
-        return (f"{head}: {failures} of {calls} tool calls could not be parsed; the model's tool-call format "
-                "does not match the env's parser: warm start it with SFT (sft.enabled: true)")
+        return (
+            f"{head}: {failures} of {calls} tool calls could not be parsed; the model's tool-call format "
+            "does not match the env's parser: warm start it with SFT (sft.enabled: true)"
+        )
     rewards = sorted(set().union(*(a.rewards for a in window)))
     seen = ", ".join(f"{r:g}" for r in rewards[:4]) + (", ..." if len(rewards) > 4 else "")
-    return (f"{head}: every group's samples got the same reward ({seen}), so GRPO has no signal; the task is "
-            "out of reach (or solved) for this policy: warm start with SFT, make the task easier, or raise "
-            "rollout.scheduler.group_size")
+    return (
+        f"{head}: every group's samples got the same reward ({seen}), so GRPO has no signal; the task is "
+        "out of reach (or solved) for this policy: warm start with SFT, make the task easier, or raise "
+        "rollout.scheduler.group_size"
+    )
 
 
 class RunHealth:
@@ -182,23 +204,31 @@ class RunHealth:
         """Take one step (its sessions, and its metrics row when it trained)."""
         row = row or {}
         self._warn_env_errors(activity)
-        failed = sum(activity.terminations.get(t.value, 0) for t in (TerminationReason.ENGINE_ERROR,
-                                                                      TerminationReason.ABORTED))
+        failed = sum(
+            activity.terminations.get(t.value, 0)
+            for t in (TerminationReason.ENGINE_ERROR, TerminationReason.ABORTED)
+        )
         sync_failed = bool(row.get("sync_failed"))
         bad_step = failed * 2 > activity.sessions or not activity.sessions or sync_failed
         self.engine_failures = self.engine_failures + 1 if bad_step else 0
         if self.engine_failures >= self.config.engine_failure_steps:
             n = self.config.engine_failure_steps
             last = "the weight update did not reach them, " if sync_failed else ""
-            return Verdict(f"the engines failed {n} steps in a row (last step: {last}{failed} of {activity.sessions} "
-                           "sessions ended engine_error or aborted): they are dead or wedged; check them and "
-                           "continue with --resume", stop=True)
+            return Verdict(
+                f"the engines failed {n} steps in a row (last step: {last}{failed} of {activity.sessions} "
+                "sessions ended engine_error or aborted): they are dead or wedged; check them and "
+                "continue with --resume",
+                stop=True,
+            )
         steps = float(row.get("optimizer_steps", 0.0))
         self.nonfinite = self.nonfinite + 1 if steps and row.get("nonfinite_steps", 0.0) >= steps else 0
         if self.nonfinite >= self.config.nonfinite_steps:
-            return Verdict(f"the update was NaN or inf in {self.nonfinite} steps in a row (loss {row.get('loss')}, "
-                           f"grad norm {row.get('grad_norm')}); each was skipped and the weights are unchanged: "
-                           "lower trainer.lr, or look for extreme rewards or logprobs (miles replay)", stop=True)
+            return Verdict(
+                f"the update was NaN or inf in {self.nonfinite} steps in a row (loss {row.get('loss')}, "
+                f"grad norm {row.get('grad_norm')}); each was skipped and the weights are unchanged: "
+                "lower trainer.lr, or look for extreme rewards or logprobs (miles replay)",
+                stop=True,
+            )
         return self._signal(activity)
 
     def _signal(self, activity: StepActivity) -> Verdict | None:
@@ -219,5 +249,7 @@ class RunHealth:
             if kind not in self._env_errors_seen:
                 self._env_errors_seen.add(kind)
                 first_line = error.message.splitlines()[0][:200] if error.message else ""
-                self.warn(f"[warn] session {session_id} ended env_error in {error.where}: {error.type}: "
-                          f"{first_line} (later ones are counted in env_error_sessions)")
+                self.warn(
+                    f"[warn] session {session_id} ended env_error in {error.where}: {error.type}: "
+                    f"{first_line} (later ones are counted in env_error_sessions)"
+                )

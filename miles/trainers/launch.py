@@ -28,8 +28,9 @@ def in_torchrun_worker() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
 
 
-def torchrun_command(target: Sequence[str], nproc_per_node: int, *, master_port: int | None = None,
-                     python: str | None = None) -> list[str]:
+def torchrun_command(
+    target: Sequence[str], nproc_per_node: int, *, master_port: int | None = None, python: str | None = None
+) -> list[str]:
     """The argv that runs `target` (``["-m", "miles.cli", "train", ...]`` or ``["script.py", ...]``) on
     ``nproc_per_node`` local ranks."""
     if nproc_per_node < 1:
@@ -37,12 +38,25 @@ def torchrun_command(target: Sequence[str], nproc_per_node: int, *, master_port:
     if not target:
         raise ValueError("torchrun needs a script or '-m module' to run")
     port = master_port or free_port()
-    return [python or sys.executable, "-m", "miles.trainers.launch", "--standalone" if master_port is None
-            else f"--master-port={port}", "--nproc-per-node", str(nproc_per_node), *target]
+    return [
+        python or sys.executable,
+        "-m",
+        "miles.trainers.launch",
+        "--standalone" if master_port is None else f"--master-port={port}",
+        "--nproc-per-node",
+        str(nproc_per_node),
+        *target,
+    ]
 
 
-def launch_torchrun(target: Sequence[str], nproc_per_node: int, *, env: Mapping[str, str] | None = None,
-                    master_port: int | None = None, timeout_s: float | None = None) -> int:
+def launch_torchrun(
+    target: Sequence[str],
+    nproc_per_node: int,
+    *,
+    env: Mapping[str, str] | None = None,
+    master_port: int | None = None,
+    timeout_s: float | None = None,
+) -> int:
     """Run `target` under torchrun and wait; returns torchrun's exit status (non-zero if any rank failed)."""
     full_env = {**os.environ, **(env or {}), WORKER_ENV: "1"}
     full_env.setdefault("OMP_NUM_THREADS", "1")
@@ -50,8 +64,9 @@ def launch_torchrun(target: Sequence[str], nproc_per_node: int, *, env: Mapping[
     return subprocess.run(cmd, env=full_env, timeout=timeout_s, check=False).returncode
 
 
-def relaunch_under_torchrun(nproc_per_node: int, argv: Sequence[str] | None = None, *,
-                            module: str = "miles.cli") -> int | None:
+def relaunch_under_torchrun(
+    nproc_per_node: int, argv: Sequence[str] | None = None, *, module: str = "miles.cli"
+) -> int | None:
     """From the CLI: re-run ``python -m <module> <argv>`` under torchrun unless this already is a worker.
 
     Returns torchrun's exit status, or None when the caller is a worker (or one rank suffices) and should
@@ -84,8 +99,11 @@ def torchrun_main(argv: Sequence[str]) -> int:
         run(parse_args(list(argv)))
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
-        how = (f"was killed by {signal.Signals(-failure.exitcode).name}" if failure.exitcode < 0
-               else f"exited with status {failure.exitcode}")
+        how = (
+            f"was killed by {signal.Signals(-failure.exitcode).name}"
+            if failure.exitcode < 0
+            else f"exited with status {failure.exitcode}"
+        )
         print(f"miles: rank {rank} {how} (its own output is above)", file=sys.stderr)
         return 1
     return 0

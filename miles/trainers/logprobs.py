@@ -26,8 +26,9 @@ LOGIT_CHUNK_ELEMENTS: dict[str, int] = {"cpu": 1 << 18, "cuda": 1 << 24}
 _PAD_LOGIT = -1e30  # padded vocabulary rows: zero probability, and finite so that 0 * logit stays 0
 
 
-def shifted_token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, seq_starts: torch.Tensor,
-                           temperature: float = 1.0) -> torch.Tensor:
+def shifted_token_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, seq_starts: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
     """Logprob of every packed token under the logits of the position before it.
 
     ``logits``: ``[N, V]`` for ``N`` packed tokens; ``token_ids``: ``[N]``; ``seq_starts``: indices (into the
@@ -35,7 +36,9 @@ def shifted_token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, seq_st
     the first token of each sequence has no predecessor and gets 0. Computed in float32.
     """
     scaled = _scale(logits, temperature)
-    picked = scaled.gather(-1, next_tokens(token_ids).unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scaled, dim=-1)
+    picked = scaled.gather(-1, next_tokens(token_ids).unsqueeze(-1)).squeeze(-1) - torch.logsumexp(
+        scaled, dim=-1
+    )
     return shift_to_tokens(picked, seq_starts)
 
 
@@ -60,10 +63,19 @@ def shift_to_tokens(per_position: torch.Tensor, seq_starts: torch.Tensor) -> tor
     return out
 
 
-def token_logprobs_from_hidden(hidden: torch.Tensor, weight: torch.Tensor, token_ids: torch.Tensor,
-                               seq_starts: torch.Tensor, temperature: float = 1.0, *, entropy: bool = False,
-                               chunk_tokens: int | None = None, vocab_start: int = 0, vocab_size: int | None = None,
-                               group: Any = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def token_logprobs_from_hidden(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    token_ids: torch.Tensor,
+    seq_starts: torch.Tensor,
+    temperature: float = 1.0,
+    *,
+    entropy: bool = False,
+    chunk_tokens: int | None = None,
+    vocab_start: int = 0,
+    vocab_size: int | None = None,
+    group: Any = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs ``[N]`` (and entropies ``[N]`` when `entropy`) of packed tokens from the LM head's input.
 
     ``hidden``: ``[N, H]``, the final hidden states of the ``N`` packed tokens; ``weight``: ``[V_local, H]``, the
@@ -80,15 +92,26 @@ def token_logprobs_from_hidden(hidden: torch.Tensor, weight: torch.Tensor, token
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0 to recompute logprobs, got {temperature}")
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.size(1) != weight.size(1):
-        raise ValueError(f"hidden [N, H] and weight [V, H] disagree: {tuple(hidden.shape)} vs {tuple(weight.shape)}")
+        raise ValueError(
+            f"hidden [N, H] and weight [V, H] disagree: {tuple(hidden.shape)} vs {tuple(weight.shape)}"
+        )
     local = weight.size(0)
     budget = LOGIT_CHUNK_ELEMENTS.get(hidden.device.type, LOGIT_CHUNK_ELEMENTS["cuda"])
     chunk = chunk_tokens or max(1, budget // local)
     pad_from = local if vocab_size is None else min(max(vocab_size - vocab_start, 0), local)
     if group is not None and dist.get_world_size(group) == 1:
         group = None
-    lp, ent = _FusedHeadLogprobs.apply(hidden, weight, next_tokens(token_ids), float(temperature), bool(entropy),
-                                       int(chunk), int(vocab_start), int(pad_from), group)
+    lp, ent = _FusedHeadLogprobs.apply(
+        hidden,
+        weight,
+        next_tokens(token_ids),
+        float(temperature),
+        bool(entropy),
+        int(chunk),
+        int(vocab_start),
+        int(pad_from),
+        group,
+    )
     lp = shift_to_tokens(lp, seq_starts)
     return lp, (shift_to_tokens(ent, seq_starts) if entropy else None)
 
@@ -120,9 +143,18 @@ class _FusedHeadLogprobs(torch.autograd.Function):
     """Per-position ``log p(target)`` and entropy of ``softmax(hidden @ weight.T / T)``, chunked over positions."""
 
     @staticmethod
-    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
-                entropy: bool, chunk: int, vocab_start: int, pad_from: int, group: Any
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        temperature: float,
+        entropy: bool,
+        chunk: int,
+        vocab_start: int,
+        pad_from: int,
+        group: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         n, local = hidden.size(0), weight.size(0)
         w = weight.to(hidden.dtype)
         acc = dict(dtype=_acc_dtype(hidden), device=hidden.device)
@@ -215,7 +247,9 @@ def _acc_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float, pad_from: int) -> torch.Tensor:
+def _chunk_logits(
+    hidden: torch.Tensor, weight: torch.Tensor, temperature: float, pad_from: int
+) -> torch.Tensor:
     z = (hidden @ weight.t()).to(_acc_dtype(hidden))
     if temperature != 1.0:
         z = z / temperature

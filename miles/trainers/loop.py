@@ -64,9 +64,14 @@ class RunSummary:
     stopped: str = ""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"output_dir": self.output_dir, "steps_done": self.steps_done, "seconds": self.seconds,
-                "broken": self.broken, "stopped": self.stopped,
-                "evals": {stage: {m: r.to_dict() for m, r in res.items()} for stage, res in self.evals.items()}}
+        return {
+            "output_dir": self.output_dir,
+            "steps_done": self.steps_done,
+            "seconds": self.seconds,
+            "broken": self.broken,
+            "stopped": self.stopped,
+            "evals": {stage: {m: r.to_dict() for m, r in res.items()} for stage, res in self.evals.items()},
+        }
 
 
 def seed_everything(seed: int) -> None:
@@ -104,12 +109,14 @@ def split_by_reward_spread(trajs: list[Trajectory]) -> tuple[list[Trajectory], i
 
 def progress_line(step: int, steps: int, row: dict[str, Any]) -> str:
     """The console line of one RL step: reward and success, then whether the step could teach anything."""
-    return (f"[step {step}/{steps}] reward {row['rollout_reward_mean']:.3f}  "
-            f"success {row['rollout_success_rate']:.1%}  trained {row['trained_sessions']}/{row['sessions']}  "
-            f"zero-spread {row['rollout_zero_std_group_frac']:.0%}  "
-            f"tool calls/session {row['tool_calls_per_session']:.1f}  "
-            f"parse errors {row['tool_parse_failures']:.0f}  env errors {row['env_error_sessions']:.0f}  "
-            f"{row['step_s']:.1f} s")
+    return (
+        f"[step {step}/{steps}] reward {row['rollout_reward_mean']:.3f}  "
+        f"success {row['rollout_success_rate']:.1%}  trained {row['trained_sessions']}/{row['sessions']}  "
+        f"zero-spread {row['rollout_zero_std_group_frac']:.0%}  "
+        f"tool calls/session {row['tool_calls_per_session']:.1f}  "
+        f"parse errors {row['tool_parse_failures']:.0f}  env errors {row['env_error_sessions']:.0f}  "
+        f"{row['step_s']:.1f} s"
+    )
 
 
 #: Cancellations sent to a run's work past its wall (each unwinds one cleanup that waits on a stuck peer).
@@ -128,9 +135,11 @@ class _StopSignals:
         if threading.current_thread() is not threading.main_thread():
             return
         for sig in (signal.SIGINT, signal.SIGTERM):
+
             def handler(sig: int = sig) -> None:
                 summary.stopped = summary.stopped or signal.Signals(sig).name
                 stop.set()
+
             self.loop.add_signal_handler(sig, handler)
             self.installed.append(sig)
 
@@ -146,8 +155,14 @@ class NonFiniteWeightsError(RuntimeError):
 class TrainLoop:
     """One `miles train` run. `await run()` does SFT (if enabled), evaluation, and the RL steps."""
 
-    def __init__(self, cfg: TrainConfig, *, resume: bool = False, extend: bool = False,
-                 echo: Callable[[str], None] = print) -> None:
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        *,
+        resume: bool = False,
+        extend: bool = False,
+        echo: Callable[[str], None] = print,
+    ) -> None:
         self.cfg = cfg
         self.resume = resume
         self.extend = extend  # a resumed run gets a whole new max_seconds instead of what its budget has left
@@ -164,7 +179,9 @@ class TrainLoop:
             self.lock.release()
             raise
         self.summary = RunSummary(output_dir=str(self.out), steps_done=0)
-        self.weights_ok = True  # False once the weights held a NaN or inf: nothing is synced or saved after that
+        self.weights_ok = (
+            True  # False once the weights held a NaN or inf: nothing is synced or saved after that
+        )
 
     def _set_aside_after(self, saved_at: float) -> None:
         """Forget the metric rows and move aside the sessions of the work after `saved_at`, which a resumed run
@@ -180,16 +197,22 @@ class TrainLoop:
         check_devices(cfg)
         seed_everything(cfg.seed)
         self.recipe = cfg.env.recipe
-        self.recipe.make(split=cfg.env.train_split).close()  # imports the user's modules; fails early, in one line
+        self.recipe.make(
+            split=cfg.env.train_split
+        ).close()  # imports the user's modules; fails early, in one line
         self.tito = build_tito(cfg.model)
         self.train_recipe = self.recipe.with_kwargs(split=cfg.env.train_split)
         self.train_tasks = load_tasks(self.recipe, cfg.env.train_split, cfg.env.num_train_tasks)
         self.eval_sets = eval_sets(self.recipe, cfg.env.eval_split, cfg.eval.num_tasks, cfg.eval.envs)
-        await check_tools_reach_model(self.tito, self.train_recipe, self.train_tasks[0])  # before the model loads
+        await check_tools_reach_model(
+            self.tito, self.train_recipe, self.train_tasks[0]
+        )  # before the model loads
         self.model = build_policy(cfg.model, self.tito.tokenizer)
         self.cursor = TaskCursor(len(self.train_tasks), cfg.seed)
         # Engines copy the policy before the trainer wraps it (FSDP, Megatron conversion).
-        self.engine_set = await build_engine_set(cfg.engine, self.model, self.tito.tokenizer, cfg.model.tokenizer)
+        self.engine_set = await build_engine_set(
+            cfg.engine, self.model, self.tito.tokenizer, cfg.model.tokenizer
+        )
         self.engines = self.engine_set.rollout
         self.scheduler_cfg = bounded_by_context(cfg.rollout.scheduler, self.engine_set.context_length)
         try:
@@ -197,17 +220,32 @@ class TrainLoop:
             from miles.trainers.protocol import Trainer
 
             self.trainer: Trainer = build_trainer(cfg, self.model)
-            make_sync = (build_weight_sync if cfg.cluster.kind == "local"  # on Ray, restarted engines rejoin
-                         else functools.partial(rejoining_weight_sync, wait_s=cfg.cluster.timeout_s))
+            make_sync = (
+                build_weight_sync
+                if cfg.cluster.kind == "local"  # on Ray, restarted engines rejoin
+                else functools.partial(rejoining_weight_sync, wait_s=cfg.cluster.timeout_s)
+            )
             pause = cfg.asynchronous.enabled and cfg.asynchronous.inflight == "pause"  # turns in flight go on
-            self.sync = await make_sync(dataclasses.replace(cfg.sync, policy="pause") if pause else cfg.sync,
-                                        self.engine_set.workers, staging_dir=self.out / "weights",
-                                        drain_engines=self.engine_set.rollout)
-            labels = run_labels(cfg.observability, self.out, cfg.env.id, cfg.model.name,
-                                adapter="all" if cfg.adapters else "base")  # adapters: step metrics span them all
+            self.sync = await make_sync(
+                dataclasses.replace(cfg.sync, policy="pause") if pause else cfg.sync,
+                self.engine_set.workers,
+                staging_dir=self.out / "weights",
+                drain_engines=self.engine_set.rollout,
+            )
+            labels = run_labels(
+                cfg.observability,
+                self.out,
+                cfg.env.id,
+                cfg.model.name,
+                adapter="all" if cfg.adapters else "base",
+            )  # adapters: step metrics span them all
             self.observability = start_observability(
-                cfg.observability, labels,
-                engines=self.engines, num_params=sum(p.numel() for p in self.model.parameters()), echo=self.echo)
+                cfg.observability,
+                labels,
+                engines=self.engines,
+                num_params=sum(p.numel() for p in self.model.parameters()),
+                echo=self.echo,
+            )
         except BaseException:
             await self.engine_set.close()
             self._close_trainer()
@@ -224,26 +262,52 @@ class TrainLoop:
         if cfg.asynchronous.enabled:  # the rollout process runs (and records) the training sessions
             return
         self.recorder = Recorder(self.out / "sessions.jsonl")
-        self.scheduler = SessionScheduler(self.engines, tokenizer=self.tito, config=self.scheduler_cfg,
-                                          recorder=self.recorder, run_id="train", recipe=self.train_recipe,
-                                          observer=self.session_metrics)
+        self.scheduler = SessionScheduler(
+            self.engines,
+            tokenizer=self.tito,
+            config=self.scheduler_cfg,
+            recorder=self.recorder,
+            run_id="train",
+            recipe=self.train_recipe,
+            observer=self.session_metrics,
+        )
         if cfg.rollout.agent.enabled:  # the user's own agent runs the sessions, against the OpenAI endpoint
             from miles.sessions.openai_agent import AgentRollout
 
-            self.agents = await AgentRollout.start(self.engines, tokenizer=self.tito, config=cfg.rollout.agent,
-                                                   context_length=self.scheduler_cfg.session.context_length,
-                                                   log_dir=cfg.rollout.agent.log_dir or self.out / "agent_logs")
-            self.scheduler = self.agents.runner(recipe=self.train_recipe, group_size=self.scheduler_cfg.group_size,
-                                                seed=self.scheduler_cfg.seed, recorder=self.recorder, run_id="train",
-                                                observer=self.session_metrics)
+            self.agents = await AgentRollout.start(
+                self.engines,
+                tokenizer=self.tito,
+                config=cfg.rollout.agent,
+                context_length=self.scheduler_cfg.session.context_length,
+                log_dir=cfg.rollout.agent.log_dir or self.out / "agent_logs",
+            )
+            self.scheduler = self.agents.runner(
+                recipe=self.train_recipe,
+                group_size=self.scheduler_cfg.group_size,
+                seed=self.scheduler_cfg.seed,
+                recorder=self.recorder,
+                run_id="train",
+                observer=self.session_metrics,
+            )
         if cfg.adapters:  # LoRA adapters on one base: each its own env and scheduler, all on this router
             from miles.trainers.lora_run import AdapterRun
 
             self.lora = AdapterRun.build(
-                cfg, trainer=self.trainer, sync=self.sync, engines=self.engines, router=self.scheduler.router,
-                tokenizer=self.tito, scheduler_config=self.scheduler_cfg, recorder=self.recorder,
-                eval_recorder=self.eval_recorder, observer=self.session_metrics, labels=self.observability.labels,
-                run_metrics=self.observability.run, metrics_log=self.metrics, echo=self.echo)
+                cfg,
+                trainer=self.trainer,
+                sync=self.sync,
+                engines=self.engines,
+                router=self.scheduler.router,
+                tokenizer=self.tito,
+                scheduler_config=self.scheduler_cfg,
+                recorder=self.recorder,
+                eval_recorder=self.eval_recorder,
+                observer=self.session_metrics,
+                labels=self.observability.labels,
+                run_metrics=self.observability.run,
+                metrics_log=self.metrics,
+                echo=self.echo,
+            )
 
     def _close_trainer(self) -> None:
         """End the trainer's own process, where it has one (a run with `adapters:`)."""
@@ -258,15 +322,24 @@ class TrainLoop:
         bad = first_nonfinite(state)
         if bad is not None:
             self.weights_ok = False
-            raise NonFiniteWeightsError(f"the weights hold NaN or inf after step {self.trainer.step} (first: {bad}); "
-                                        "they were not synced, and no checkpoint was written after the last good one")
+            raise NonFiniteWeightsError(
+                f"the weights hold NaN or inf after step {self.trainer.step} (first: {bad}); "
+                "they were not synced, and no checkpoint was written after the last good one"
+            )
         return state
 
     async def _sync(self, version: int | None = None) -> None:
         report = await self.sync.push(self._finite_weights(), version=version)
         self.version = report.version
-        self.metrics.write("sync", self.trainer.step, version=report.version, method=report.method,
-                           seconds=report.seconds, drain_seconds=report.drain_seconds, mb=report.num_bytes / 1e6)
+        self.metrics.write(
+            "sync",
+            self.trainer.step,
+            version=report.version,
+            method=report.method,
+            seconds=report.seconds,
+            drain_seconds=report.drain_seconds,
+            mb=report.num_bytes / 1e6,
+        )
         self.observability.run.observe_sync(report)
 
     async def _evaluate(self, stage: str) -> dict[str, EvalResult]:
@@ -283,20 +356,40 @@ class TrainLoop:
                 key = part.key("greedy" if greedy else "sampled")
                 run_id = f"eval-{stage}-{key.replace('/', '-')}"
                 if self.agents is not None:  # held-out success of the user's agent, through the endpoint
-                    res = summarize(key, await self.agents.evaluate(
-                        part.tasks, recipe=part.recipe, recorder=self.eval_recorder, greedy=greedy,
-                        max_tokens=cfg.eval.max_new_tokens, run_id=run_id))
+                    res = summarize(
+                        key,
+                        await self.agents.evaluate(
+                            part.tasks,
+                            recipe=part.recipe,
+                            recorder=self.eval_recorder,
+                            greedy=greedy,
+                            max_tokens=cfg.eval.max_new_tokens,
+                            run_id=run_id,
+                        ),
+                    )
                 else:
-                    res = dataclasses.replace(await evaluate(
-                        self.engines, tokenizer=self.tito, recipe=part.recipe, run_id=run_id, tasks=part.tasks,
-                        scheduler=self.scheduler_cfg, greedy=greedy, recorder=self.eval_recorder,
-                        max_new_tokens=cfg.eval.max_new_tokens), mode=key)
+                    res = dataclasses.replace(
+                        await evaluate(
+                            self.engines,
+                            tokenizer=self.tito,
+                            recipe=part.recipe,
+                            run_id=run_id,
+                            tasks=part.tasks,
+                            scheduler=self.scheduler_cfg,
+                            greedy=greedy,
+                            recorder=self.eval_recorder,
+                            max_new_tokens=cfg.eval.max_new_tokens,
+                        ),
+                        mode=key,
+                    )
                 results[key] = res
                 if res.invalid and not self.summary.broken:
                     self.summary.broken = f"the {stage} evaluation ({key}) is no score: {res.invalid}"
                 self.metrics.write("eval", self.trainer.step, stage=stage, **res.to_dict())
-                self.echo(f"[eval {stage}] {key}: success {res.success_rate:.1%}  mean reward "
-                          f"{res.mean_reward:.3f}  ({res.num_tasks} held-out tasks)")
+                self.echo(
+                    f"[eval {stage}] {key}: success {res.success_rate:.1%}  mean reward "
+                    f"{res.mean_reward:.3f}  ({res.num_tasks} held-out tasks)"
+                )
         self.summary.evals[stage] = results
         return results
 
@@ -324,19 +417,24 @@ class TrainLoop:
         self.echo(f"[sft] building {sft.num_demos} oracle demonstrations ...")
         demos = await oracle_demos(self.train_recipe.make, self.train_tasks[: sft.num_demos], self.tito)
         total = sft.epochs * -(-len(demos) // sft.batch_size)
-        self.echo(f"[sft] {len(demos)} demonstrations in {time.perf_counter() - t0:.1f} s; {total} steps of "
-                  f"{sft.batch_size}" + (f" within {budget:.0f} s" if budget is not None else ""))
+        self.echo(
+            f"[sft] {len(demos)} demonstrations in {time.perf_counter() - t0:.1f} s; {total} steps of "
+            f"{sft.batch_size}" + (f" within {budget:.0f} s" if budget is not None else "")
+        )
         rng = random.Random(cfg.seed)
         steps, reason, t_train, last_echo = 0, "all epochs", time.perf_counter(), 0.0
         sft_trainer = self._sft_trainer()
         # Validation for the early stop: distinct training prompts, never the held-out split.
-        val_tasks = (load_tasks(self.recipe, cfg.env.train_split, sft.check_tasks, distinct=True)
-                     if sft.target_success else [])
+        val_tasks = (
+            load_tasks(self.recipe, cfg.env.train_split, sft.check_tasks, distinct=True)
+            if sft.target_success
+            else []
+        )
         for epoch in range(sft.epochs):
             order = list(range(len(demos)))
             rng.shuffle(order)
             for i in range(0, len(order), sft.batch_size):
-                batch = TrajectoryBatch.from_trajectories([demos[j] for j in order[i:i + sft.batch_size]])
+                batch = TrajectoryBatch.from_trajectories([demos[j] for j in order[i : i + sft.batch_size]])
                 m = sft_trainer.sft_step(batch)
                 steps += 1
                 now = time.perf_counter()
@@ -345,19 +443,28 @@ class TrainLoop:
                 if now - last_echo >= 10 or steps == total:
                     last_echo = now
                     eta = (now - t_train) / steps * (total - steps)
-                    self.echo(f"[sft] step {steps}/{total}  epoch {epoch + 1}/{sft.epochs}  loss {m['loss']:.3f}  "
-                              f"{now - t0:.0f} s  ETA {eta:.0f} s")
+                    self.echo(
+                        f"[sft] step {steps}/{total}  epoch {epoch + 1}/{sft.epochs}  loss {m['loss']:.3f}  "
+                        f"{now - t0:.0f} s  ETA {eta:.0f} s"
+                    )
                 if budget is not None and now - t0 > budget:
                     reason = f"its budget of {budget:.0f} s"
                     break
                 if val_tasks and steps >= sft.min_steps and steps % sft.check_every == 0:
                     await self._sync()
-                    val = await evaluate(self.engines, tokenizer=self.tito, recipe=self.train_recipe,
-                                         run_id=f"sft-val-{steps}",
-                                         tasks=val_tasks, scheduler=self.scheduler_cfg, greedy=True)
+                    val = await evaluate(
+                        self.engines,
+                        tokenizer=self.tito,
+                        recipe=self.train_recipe,
+                        run_id=f"sft-val-{steps}",
+                        tasks=val_tasks,
+                        scheduler=self.scheduler_cfg,
+                        greedy=True,
+                    )
                     self.metrics.write("sft_val", steps, success_rate=val.success_rate)
-                    self.echo(f"[sft] step {steps}: loss {m['loss']:.3f}, validation success "
-                              f"{val.success_rate:.1%}")
+                    self.echo(
+                        f"[sft] step {steps}: loss {m['loss']:.3f}, validation success {val.success_rate:.1%}"
+                    )
                     if val.success_rate >= sft.target_success:
                         reason = f"validation success {val.success_rate:.1%} >= {sft.target_success:.1%}"
                         break
@@ -370,8 +477,10 @@ class TrainLoop:
             self.trainer.save_pretrained(sft.save_to)
             self.tito.tokenizer.save_pretrained(sft.save_to)
         self.summary.seconds["sft"] = time.perf_counter() - t0
-        self.echo(f"[sft] {len(demos)} oracle demos, {steps} steps in {self.summary.seconds['sft']:.1f} s (ended by "
-                  f"{reason})" + (f"; saved to {sft.save_to}" if sft.save_to else ""))
+        self.echo(
+            f"[sft] {len(demos)} oracle demos, {steps} steps in {self.summary.seconds['sft']:.1f} s (ended by "
+            f"{reason})" + (f"; saved to {sft.save_to}" if sft.save_to else "")
+        )
 
     async def _rollout(self) -> tuple[list[SessionRecord], dict[str, float]]:
         """This step's sessions: run now (synchronous loop), or taken from the rollout process."""
@@ -381,8 +490,10 @@ class TrainLoop:
                 self.session_metrics.observe(record)
             return taken.records, taken.metrics
         wanted = self.cfg.rollout.tasks_per_step  # plus the extra groups whose slowest are dropped, if asked
-        tasks = [{"task": self.train_tasks[i]}
-                 for i in self.cursor.next(wanted + self.scheduler_cfg.oversample_groups)]
+        tasks = [
+            {"task": self.train_tasks[i]}
+            for i in self.cursor.next(wanted + self.scheduler_cfg.oversample_groups)
+        ]
         groups = await self.scheduler.run(tasks, num_groups=wanted)
         return [r for g in groups for r in g.records], {}
 
@@ -407,9 +518,12 @@ class TrainLoop:
         or checkpoint comes before it, and the time budget is not spent. A committed step runs even if the
         budget runs out meanwhile."""
         cfg, nxt = self.cfg, step + 1
-        return (nxt < cfg.steps and not (cfg.eval.every and nxt % cfg.eval.every == 0)
-                and not (cfg.checkpoint.every and nxt % cfg.checkpoint.every == 0)
-                and (cfg.max_seconds is None or time.perf_counter() - t_start < cfg.max_seconds))
+        return (
+            nxt < cfg.steps
+            and not (cfg.eval.every and nxt % cfg.eval.every == 0)
+            and not (cfg.checkpoint.every and nxt % cfg.checkpoint.every == 0)
+            and (cfg.max_seconds is None or time.perf_counter() - t_start < cfg.max_seconds)
+        )
 
     async def _rl_step(self, step: int, *, ahead: bool = False) -> tuple[dict[str, Any], StepActivity]:
         cfg = self.cfg
@@ -430,17 +544,26 @@ class TrainLoop:
         activity = step_activity(records)
         row: dict[str, Any] = {
             "rollout_reward_mean": float(np.mean([r.reward for r in records])) if records else 0.0,
-            "rollout_success_rate": (float(np.mean([bool(r.final_info.get("success")) for r in records]))
-                                     if records else 0.0),
-            "sessions": len(records), "trained_sessions": len(trajs), **activity.metrics(),
+            "rollout_success_rate": (
+                float(np.mean([bool(r.final_info.get("success")) for r in records])) if records else 0.0
+            ),
+            "sessions": len(records),
+            "trained_sessions": len(trajs),
+            **activity.metrics(),
             "rollout_zero_std_group_frac": flat / num_groups if num_groups else 0.0,
-            "generated_tokens": sum(r.trajectory.num_generated for r in records), "rollout_s": t_rollout, **extra,
+            "generated_tokens": sum(r.trajectory.num_generated for r in records),
+            "rollout_s": t_rollout,
+            **extra,
         }
         if self.lora is not None:
             if trajs:
-                row.update({k: v for k, v in done.metrics.items() if k != "step"}, train_s=done.train_s,
-                           sync_s=done.sync_s,
-                           num_tokens=float(sum(len(t) for t in trajs)), num_sequences=float(len(trajs)))
+                row.update(
+                    {k: v for k, v in done.metrics.items() if k != "step"},
+                    train_s=done.train_s,
+                    sync_s=done.sync_s,
+                    num_tokens=float(sum(len(t) for t in trajs)),
+                    num_sequences=float(len(trajs)),
+                )
         elif trajs:
             t1 = time.perf_counter()
             metrics = self.trainer.train_step(TrajectoryBatch.from_trajectories(trajs))
@@ -449,10 +572,14 @@ class TrainLoop:
             t2 = time.perf_counter()
             try:
                 await self._update_engines()
-            except EngineError as exc:  # a dead engine: counted by the run's health, which stops a run of them
+            except (
+                EngineError
+            ) as exc:  # a dead engine: counted by the run's health, which stops a run of them
                 row["sync_failed"] = 1.0
-                self.echo(f"[warn] the weight update did not reach the engines ({error_line(exc)}); they keep "
-                          f"version {self.version}")
+                self.echo(
+                    f"[warn] the weight update did not reach the engines ({error_line(exc)}); they keep "
+                    f"version {self.version}"
+                )
             row["sync_s"] = time.perf_counter() - t2
         else:
             self.trainer.step += 1
@@ -473,16 +600,24 @@ class TrainLoop:
         self.observability.run.observe_step(row)
         return row, activity
 
-    async def _start_rollout_process(self, start_step: int, consumed: tuple[int, ...],
-                                     resume_time: float | None) -> None:
+    async def _start_rollout_process(
+        self, start_step: int, consumed: tuple[int, ...], resume_time: float | None
+    ) -> None:
         """The asynchronous loop: start the rollout process at the data cursor with the current weights."""
-        self.async_rollout = AsyncRollout(self.cfg, http=self.engine_set.is_http,
-                                          push=lambda version: self._sync(version=version),
-                                          position=self.cursor.position, consumed=consumed,
-                                          spawn=RayRolloutProcess if self.cfg.cluster.kind == "ray" else RolloutProcess)
-        await self.async_rollout.start(self.version, None if self.engine_set.is_http else self.trainer.hf_state_dict(),
-                                       run_id=f"train-r{start_step}" if start_step else "train",
-                                       resume_time=resume_time)
+        self.async_rollout = AsyncRollout(
+            self.cfg,
+            http=self.engine_set.is_http,
+            push=lambda version: self._sync(version=version),
+            position=self.cursor.position,
+            consumed=consumed,
+            spawn=RayRolloutProcess if self.cfg.cluster.kind == "ray" else RolloutProcess,
+        )
+        await self.async_rollout.start(
+            self.version,
+            None if self.engine_set.is_http else self.trainer.hf_state_dict(),
+            run_id=f"train-r{start_step}" if start_step else "train",
+            resume_time=resume_time,
+        )
 
     def _checkpoint(self) -> None:
         if not self.weights_ok:
@@ -492,10 +627,16 @@ class TrainLoop:
             cursor.update(self.async_rollout.data_cursor())
         if self.lora is not None:
             cursor.update(self.lora.data_cursor())
-        self.trainer.save_checkpoint(self.out / "checkpoints", data_cursor=cursor,
-                                     extra={"weight_version": self.version, "time": time.time(),
-                                            "elapsed_s": time.perf_counter() - self.t_origin},
-                                     keep_last=self.cfg.checkpoint.keep)
+        self.trainer.save_checkpoint(
+            self.out / "checkpoints",
+            data_cursor=cursor,
+            extra={
+                "weight_version": self.version,
+                "time": time.time(),
+                "elapsed_s": time.perf_counter() - self.t_origin,
+            },
+            keep_last=self.cfg.checkpoint.keep,
+        )
 
     # ---- the run -------------------------------------------------------------------------------------
     async def run(self) -> RunSummary:
@@ -524,8 +665,11 @@ class TrainLoop:
     def _recorded_evals(self, stage: str) -> dict[str, dict[str, EvalResult]]:
         """The evaluations of `stage` that `metrics.jsonl` holds (a resumed run's start), by stage and mode."""
         fields = {f.name for f in dataclasses.fields(EvalResult)}
-        rows = [r for r in read_metrics(self.out / "metrics.jsonl") if r.get("kind") == "eval"
-                and r.get("stage") == stage]
+        rows = [
+            r
+            for r in read_metrics(self.out / "metrics.jsonl")
+            if r.get("kind") == "eval" and r.get("stage") == stage
+        ]
         results = {r["mode"]: EvalResult(**{k: v for k, v in r.items() if k in fields}) for r in rows}
         return {stage: results} if results else {}
 
@@ -555,14 +699,18 @@ class TrainLoop:
         try:
             waiter = asyncio.ensure_future(stop.wait())
             wall = None if cfg.max_seconds is None else cfg.max_seconds + cfg.health.grace_s
-            done, _ = await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED,
-                                         timeout=None if wall is None else
-                                         max(wall - (time.perf_counter() - t_start), 0.0))
+            done, _ = await asyncio.wait(
+                {task, waiter},
+                return_when=asyncio.FIRST_COMPLETED,
+                timeout=None if wall is None else max(wall - (time.perf_counter() - t_start), 0.0),
+            )
             waiter.cancel()
             if task in done:
                 task.result()
                 return True
-            for _ in range(ABORT_ROUNDS):  # each cancel unwinds one `finally: await ...` that waits on a stuck peer
+            for _ in range(
+                ABORT_ROUNDS
+            ):  # each cancel unwinds one `finally: await ...` that waits on a stuck peer
                 task.cancel()
                 done, _ = await asyncio.wait({task}, timeout=1.0)
                 if done:
@@ -576,18 +724,26 @@ class TrainLoop:
         if self.summary.stopped:
             self.echo(f"[train] stopped by {self.summary.stopped} after step {self.summary.steps_done}")
             return False
-        self.summary.broken = (f"the run was still working {cfg.health.grace_s:.0f} s after its max_seconds "
-                               f"({cfg.max_seconds:.0f} s), so its work in flight was aborted after step "
-                               f"{self.summary.steps_done} (a stalled engine or env?); continue with --resume")
+        self.summary.broken = (
+            f"the run was still working {cfg.health.grace_s:.0f} s after its max_seconds "
+            f"({cfg.max_seconds:.0f} s), so its work in flight was aborted after step "
+            f"{self.summary.steps_done} (a stalled engine or env?); continue with --resume"
+        )
         self.echo(f"[health] {self.summary.broken}.")
         return False
 
     async def _teardown(self) -> None:
         """Close every part of the run, each within `TEARDOWN_S` (a wedged engine must not hold the exit)."""
-        parts = [self.async_rollout and self.async_rollout.close, self.lora and self.lora.aclose,
-                 self.scheduler and self.scheduler.aclose, self.agents and self.agents.aclose,
-                 self.recorder and self.recorder.aclose, self.eval_recorder.aclose, self.sync.close,
-                 self.engine_set.close]
+        parts = [
+            self.async_rollout and self.async_rollout.close,
+            self.lora and self.lora.aclose,
+            self.scheduler and self.scheduler.aclose,
+            self.agents and self.agents.aclose,
+            self.recorder and self.recorder.aclose,
+            self.eval_recorder.aclose,
+            self.sync.close,
+            self.engine_set.close,
+        ]
         for close in parts:
             if not close:
                 continue
@@ -610,8 +766,10 @@ class TrainLoop:
         if self.resume and not resumed:  # killed before its first checkpoint: every step is redone
             saved_at = 0.0
             self._set_aside_after(saved_at)
-            self.echo(f"[resume] no checkpoint in {ckpt_root}: starting at step 0 (the earlier sessions are "
-                      "moved to sessions.jsonl.dropped)")
+            self.echo(
+                f"[resume] no checkpoint in {ckpt_root}: starting at step 0 (the earlier sessions are "
+                "moved to sessions.jsonl.dropped)"
+            )
         if resumed:
             ckpt = self.trainer.load_checkpoint(ckpt_root)
             for reason in getattr(ckpt, "passed_over", []):
@@ -628,9 +786,14 @@ class TrainLoop:
                 await self.lora.restore(ckpt, start_step)
             self.summary.evals.update(self._recorded_evals("start"))  # the gain is measured from the start
             spent = time.perf_counter() - t_start
-            self.echo(f"[resume] from {ckpt.path.name}: step {start_step}"
-                      + (f"; {spent:.0f} s of max_seconds ({cfg.max_seconds:.0f} s) spent"
-                         if cfg.max_seconds is not None and not self.extend else ""))
+            self.echo(
+                f"[resume] from {ckpt.path.name}: step {start_step}"
+                + (
+                    f"; {spent:.0f} s of max_seconds ({cfg.max_seconds:.0f} s) spent"
+                    if cfg.max_seconds is not None and not self.extend
+                    else ""
+                )
+            )
         elif cfg.sft.enabled:
             await self._sft(t_start)
         elif cfg.model.init_from or cfg.engine.kind != "embedded":
@@ -645,8 +808,11 @@ class TrainLoop:
         step, committed = start_step, False
         self.summary.steps_done = step
         while step < cfg.steps and not self.summary.broken:
-            if (not committed and cfg.max_seconds is not None
-                    and time.perf_counter() - t_start > cfg.max_seconds):
+            if (
+                not committed
+                and cfg.max_seconds is not None
+                and time.perf_counter() - t_start > cfg.max_seconds
+            ):
                 self.echo(f"[train] time budget of {cfg.max_seconds:.0f} s reached after {step} steps")
                 break
             committed = self.lora is not None and self._runs_ahead(step, t_start)
@@ -662,9 +828,11 @@ class TrainLoop:
             self.echo(progress_line(step, cfg.steps, row))
             unrecorded = getattr(getattr(self.scheduler, "stats", None), "record_failures", 0)
             if unrecorded:
-                self.summary.broken = (f"{unrecorded} session record(s) could not be written to "
-                                       f"{self.out / 'sessions.jsonl'} (the log says why); the run stops so that "
-                                       "no session it trains on goes unrecorded")
+                self.summary.broken = (
+                    f"{unrecorded} session record(s) could not be written to "
+                    f"{self.out / 'sessions.jsonl'} (the log says why); the run stops so that "
+                    "no session it trains on goes unrecorded"
+                )
                 self.echo(f"[health] {self.summary.broken}.")
                 break
             verdict = self.health.observe(activity, row)

@@ -34,7 +34,9 @@ from .step import validate_batch
 from .torch_backend import TorchTrainer
 from .trainer_config import AlgorithmConfig, TorchOptions, TorchTrainerConfig, TrainerConfig, merge
 
-ADAPTERS_DIR = "adapters"  # PEFT folders of every adapter, inside each checkpoint and `save_pretrained` folder
+ADAPTERS_DIR = (
+    "adapters"  # PEFT folders of every adapter, inside each checkpoint and `save_pretrained` folder
+)
 
 
 @dataclass(frozen=True)
@@ -62,8 +64,15 @@ class MultiLoraTrainer:
     With ``algorithm.loss.kl_coef > 0`` the KL reference is the base model (one frozen copy for all adapters).
     """
 
-    def __init__(self, model: nn.Module, adapters: Sequence[AdapterSpec], options: TorchOptions | None = None,
-                 algorithm: AlgorithmConfig | None = None, *, base_model: str = "") -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        adapters: Sequence[AdapterSpec],
+        options: TorchOptions | None = None,
+        algorithm: AlgorithmConfig | None = None,
+        *,
+        base_model: str = "",
+    ) -> None:
         from peft import LoraConfig, get_peft_model
 
         if not adapters:
@@ -78,14 +87,21 @@ class MultiLoraTrainer:
         for a in adapters:
             missing = sorted(set(a.lora.target_modules) - set(linear))
             if missing:
-                raise ConfigError(f"adapters[{a.name}].lora.target_modules", f"the model has no linear layer "
-                                  f"named {missing}; its linear layers are {linear}")
+                raise ConfigError(
+                    f"adapters[{a.name}].lora.target_modules",
+                    f"the model has no linear layer named {missing}; its linear layers are {linear}",
+                )
         reference = copy.deepcopy(model) if self.algorithm.needs_reference else None
         peft_model: Any = None
         for a in adapters:
-            lora = LoraConfig(r=a.lora.rank, lora_alpha=a.lora.alpha, lora_dropout=a.lora.dropout,
-                              target_modules=list(a.lora.target_modules),
-                              bias="none", task_type="CAUSAL_LM")
+            lora = LoraConfig(
+                r=a.lora.rank,
+                lora_alpha=a.lora.alpha,
+                lora_dropout=a.lora.dropout,
+                target_modules=list(a.lora.target_modules),
+                bias="none",
+                task_type="CAUSAL_LM",
+            )
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(a.seed)
                 try:
@@ -94,14 +110,21 @@ class MultiLoraTrainer:
                     else:
                         peft_model.add_adapter(a.name, lora)
                 except ValueError as exc:
-                    raise ConfigError(f"adapters[{a.name}].lora.target_modules", str(exc).splitlines()[0]) from exc
+                    raise ConfigError(
+                        f"adapters[{a.name}].lora.target_modules", str(exc).splitlines()[0]
+                    ) from exc
         self.model = peft_model
         self.trainers: dict[str, TorchTrainer] = {}
         for a in adapters:
-            with self._active(a.name):  # the optimizer takes the parameters peft made trainable: this adapter's
-                self.trainers[a.name] = TorchTrainer(peft_model, merge(TorchTrainerConfig, a.trainer,
-                                                                       options or TorchOptions()),
-                                                     self.algorithm, ref_model=reference)
+            with self._active(
+                a.name
+            ):  # the optimizer takes the parameters peft made trainable: this adapter's
+                self.trainers[a.name] = TorchTrainer(
+                    peft_model,
+                    merge(TorchTrainerConfig, a.trainer, options or TorchOptions()),
+                    self.algorithm,
+                    ref_model=reference,
+                )
         self.step = 0
         self.last_trained: tuple[str, ...] = ()
 
@@ -121,8 +144,10 @@ class MultiLoraTrainer:
             groups.setdefault(batch.policy_of(i), []).append(i)
         unknown = sorted(set(groups) - set(self.trainers) - ({BASE_POLICY} if allow_base else set()))
         if unknown:
-            raise ValueError(f"the batch holds sequences of policies {unknown}, which are not adapters of this "
-                             f"trainer ({self.names}); the frozen base cannot be trained")
+            raise ValueError(
+                f"the batch holds sequences of policies {unknown}, which are not adapters of this "
+                f"trainer ({self.names}); the frozen base cannot be trained"
+            )
         order = [BASE_POLICY, *self.trainers]
         return {name: groups[name] for name in order if name in groups}
 
@@ -142,8 +167,11 @@ class MultiLoraTrainer:
         for name, indices in groups.items():
             metrics.update(self.train_adapter(name, self._part(batch, indices)))
         metrics.update(self.end_step(tuple(groups)))
-        metrics.update(num_tokens=float(batch.token_ids.numel()), num_sequences=float(batch.num_sequences),
-                       step_time_s=time.perf_counter() - t0)
+        metrics.update(
+            num_tokens=float(batch.token_ids.numel()),
+            num_sequences=float(batch.num_sequences),
+            step_time_s=time.perf_counter() - t0,
+        )
         return metrics
 
     def train_adapter(self, name: str, batch: TrajectoryBatch) -> dict[str, float]:
@@ -198,7 +226,7 @@ class MultiLoraTrainer:
             for i in indices:
                 span = batch.sequence(i)
                 n = span.stop - span.start
-                out[span] = lp[offset:offset + n]
+                out[span] = lp[offset : offset + n]
                 offset += n
         return out
 
@@ -208,7 +236,9 @@ class MultiLoraTrainer:
         for key, value in self.model.get_base_model().state_dict().items():
             if ".lora_" in key:
                 continue
-            out[key.replace(".base_layer.", ".")] = value.detach().to("cpu" if cpu else value.device, copy=True)
+            out[key.replace(".base_layer.", ".")] = value.detach().to(
+                "cpu" if cpu else value.device, copy=True
+            )
         return out
 
     def adapter_weights(self, name: str) -> AdapterWeights:
@@ -219,22 +249,38 @@ class MultiLoraTrainer:
             raise KeyError(f"no adapter {name!r}; adapters: {self.names}")
         spec = self.specs[name].lora
         state = get_peft_model_state_dict(self.model, adapter_name=name)
-        return AdapterWeights(rank=spec.rank, alpha=spec.alpha, target_modules=tuple(spec.target_modules),
-                              tensors={k: v.detach().to("cpu", copy=True) for k, v in state.items()},
-                              base_model=self.base_model)
+        return AdapterWeights(
+            rank=spec.rank,
+            alpha=spec.alpha,
+            target_modules=tuple(spec.target_modules),
+            tensors={k: v.detach().to("cpu", copy=True) for k, v in state.items()},
+            base_model=self.base_model,
+        )
 
-    def save_checkpoint(self, root: str | Path, *, data_cursor: dict[str, Any] | None = None,
-                        extra: dict[str, Any] | None = None, keep_last: int | None = None) -> Path | None:
+    def save_checkpoint(
+        self,
+        root: str | Path,
+        *,
+        data_cursor: dict[str, Any] | None = None,
+        extra: dict[str, Any] | None = None,
+        keep_last: int | None = None,
+    ) -> Path | None:
         """Every adapter's weights (``NAME/<peft key>`` in ``model.safetensors``), optimizer and schedule, the
         step counts and RNG, under ``root``; plus each adapter as a PEFT folder in ``adapters/NAME/``."""
         weights = {name: self.adapter_weights(name) for name in self.trainers}
         state = {f"{name}/{key}": t for name, w in weights.items() for key, t in w.tensors.items()}
         steps = {name: t.step for name, t in self.trainers.items()}
-        path = save_checkpoint(root, step=self.step, model_state=state,
-                               optimizer_state={n: t.optimizer.state_dict() for n, t in self.trainers.items()},
-                               scheduler_state={n: t.scheduler.state_dict() for n, t in self.trainers.items()},
-                               data_cursor=data_cursor, extra={**(extra or {}), "adapter_steps": steps},
-                               rng_states=[capture_rng_state()], keep_last=keep_last)
+        path = save_checkpoint(
+            root,
+            step=self.step,
+            model_state=state,
+            optimizer_state={n: t.optimizer.state_dict() for n, t in self.trainers.items()},
+            scheduler_state={n: t.scheduler.state_dict() for n, t in self.trainers.items()},
+            data_cursor=data_cursor,
+            extra={**(extra or {}), "adapter_steps": steps},
+            rng_states=[capture_rng_state()],
+            keep_last=keep_last,
+        )
         for name, w in weights.items():
             w.save(path / ADAPTERS_DIR / name)
         return path
@@ -246,10 +292,12 @@ class MultiLoraTrainer:
         ckpt = load_checkpoint(path)
         for name, trainer in self.trainers.items():
             prefix = f"{name}/"
-            state = {k[len(prefix):]: v for k, v in ckpt.model.items() if k.startswith(prefix)}
+            state = {k[len(prefix) :]: v for k, v in ckpt.model.items() if k.startswith(prefix)}
             if not state:
-                raise CheckpointError(f"{ckpt.path} holds no adapter {name!r} (it has "
-                                      f"{sorted({k.split('/')[0] for k in ckpt.model})})")
+                raise CheckpointError(
+                    f"{ckpt.path} holds no adapter {name!r} (it has "
+                    f"{sorted({k.split('/')[0] for k in ckpt.model})})"
+                )
             expected = self.adapter_weights(name).tensors
             if set(state) != set(expected) or any(state[k].shape != expected[k].shape for k in expected):
                 raise CheckpointError(f"adapter {name!r} in {ckpt.path} does not fit its LoRA settings")
@@ -279,7 +327,15 @@ def build_lora_trainer(cfg: Any, model: nn.Module) -> MultiLoraTrainer:
 
     if importlib.util.find_spec("peft") is None:
         raise ConfigError("adapters", "LoRA adapters are trained with peft: pip install -e '.[lora]'")
-    specs = [AdapterSpec(a.name, a.lora, adapter_trainer_config(cfg.trainer, a),
-                         seed=default_seed(cfg.seed, a.name) if a.seed is None else a.seed) for a in cfg.adapters]
-    return MultiLoraTrainer(model, specs, cfg.torch, cfg.algorithm,
-                            base_model=cfg.model.init_from or cfg.model.name)
+    specs = [
+        AdapterSpec(
+            a.name,
+            a.lora,
+            adapter_trainer_config(cfg.trainer, a),
+            seed=default_seed(cfg.seed, a.name) if a.seed is None else a.seed,
+        )
+        for a in cfg.adapters
+    ]
+    return MultiLoraTrainer(
+        model, specs, cfg.torch, cfg.algorithm, base_model=cfg.model.init_from or cfg.model.name
+    )

@@ -59,19 +59,36 @@ def check_adapters(cfg: Any) -> None:
         except AdapterError as exc:
             raise ConfigError(f"adapters[{adapter.name}].name", str(exc)) from None
         if adapter.name in seen:
-            raise ConfigError(f"adapters[{adapter.name}].name", "two adapters have this name; give each its own")
+            raise ConfigError(
+                f"adapters[{adapter.name}].name", "two adapters have this name; give each its own"
+            )
         seen.add(adapter.name)
         adapter_trainer_config(cfg.trainer, adapter)
     if not cfg.adapters:
         return
     unsupported = (
         (cfg.backend != "torch", "backend", "adapters train on the torch backend (peft); set backend: torch"),
-        (cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp > 1, "parallel",
-         "adapters train in one process; set parallel sizes to 1"),
-        (cfg.asynchronous.enabled, "async.enabled", "adapters run in the synchronous loop; set async.enabled: false"),
-        (cfg.rollout.agent.enabled, "rollout.agent", "adapters run the envs' own sessions, not an external agent"),
-        (cfg.sft.enabled, "sft.enabled", "the base is frozen under adapters: warm-start it with model.init_from "
-                                         "(miles sft makes one) and set sft.enabled: false"),
+        (
+            cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp > 1,
+            "parallel",
+            "adapters train in one process; set parallel sizes to 1",
+        ),
+        (
+            cfg.asynchronous.enabled,
+            "async.enabled",
+            "adapters run in the synchronous loop; set async.enabled: false",
+        ),
+        (
+            cfg.rollout.agent.enabled,
+            "rollout.agent",
+            "adapters run the envs' own sessions, not an external agent",
+        ),
+        (
+            cfg.sft.enabled,
+            "sft.enabled",
+            "the base is frozen under adapters: warm-start it with model.init_from "
+            "(miles sft makes one) and set sft.enabled: false",
+        ),
     )
     for bad, key, fix in unsupported:
         if bad:

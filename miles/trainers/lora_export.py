@@ -30,16 +30,26 @@ def adapter_from_checkpoint(cfg: TrainConfig, name: str, checkpoint: str | Path)
         path = found
     prefix = f"{name}/"
     with safe_open(str(path / "model.safetensors"), framework="pt") as f:
-        tensors = {k[len(prefix):]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}  # noqa: SIM118
+        tensors = {k[len(prefix) :]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}  # noqa: SIM118
     if not tensors:
         raise ConfigError("--checkpoint", f"{path} holds no weights of adapter {name!r}")
-    return AdapterWeights(rank=spec.rank, alpha=spec.alpha, target_modules=tuple(spec.target_modules),
-                          tensors=tensors,
-                          base_model=cfg.model.init_from or cfg.model.name)
+    return AdapterWeights(
+        rank=spec.rank,
+        alpha=spec.alpha,
+        target_modules=tuple(spec.target_modules),
+        tensors=tensors,
+        base_model=cfg.model.init_from or cfg.model.name,
+    )
 
 
-def export_adapter(run_dir: str | Path, name: str, out: str | Path, *, checkpoint: str | Path | None = None,
-                   merge: bool = False) -> Path:
+def export_adapter(
+    run_dir: str | Path,
+    name: str,
+    out: str | Path,
+    *,
+    checkpoint: str | Path | None = None,
+    merge: bool = False,
+) -> Path:
     """Write adapter `name` of the run in `run_dir` (its newest checkpoint, or `checkpoint`) to `out`: a PEFT
     folder, or with `merge` the base model with the adapter merged in (an HF folder with the tokenizer)."""
     run_dir = Path(run_dir)

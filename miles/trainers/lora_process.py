@@ -28,7 +28,9 @@ class LoraTrainerProcess:
     adapter methods the multi-adapter loop uses. `close()` ends the process."""
 
     def __init__(self, cfg: Any, model: nn.Module, *, threads: int | None = None) -> None:
-        self.process = TrainerProcess(build_lora_trainer, cfg, model, threads=threads, name="miles-lora-trainer")
+        self.process = TrainerProcess(
+            build_lora_trainer, cfg, model, threads=threads, name="miles-lora-trainer"
+        )
         self.names: list[str] = self.process.get("names")
 
     @property
@@ -43,7 +45,9 @@ class LoraTrainerProcess:
     def last_trained(self) -> tuple[str, ...]:
         return self.process.get("last_trained")
 
-    def train_adapter(self, name: str, batch: TrajectoryBatch, *, threads: int | None = None) -> dict[str, float]:
+    def train_adapter(
+        self, name: str, batch: TrajectoryBatch, *, threads: int | None = None
+    ) -> dict[str, float]:
         """One RL update of adapter `name` on `batch`, with `threads` torch threads (None: as before)."""
         return self.process.call("train_adapter", name, batch, threads=threads)
 
@@ -70,9 +74,17 @@ class LoraTrainerProcess:
         GPU cannot outlive the trainer process's reply."""
         return self.process.call("hf_state_dict", cpu=True)
 
-    def save_checkpoint(self, root: str | Path, *, data_cursor: dict[str, Any] | None = None,
-                        extra: dict[str, Any] | None = None, keep_last: int | None = None) -> Path | None:
-        return self.process.call("save_checkpoint", root, data_cursor=data_cursor, extra=extra, keep_last=keep_last)
+    def save_checkpoint(
+        self,
+        root: str | Path,
+        *,
+        data_cursor: dict[str, Any] | None = None,
+        extra: dict[str, Any] | None = None,
+        keep_last: int | None = None,
+    ) -> Path | None:
+        return self.process.call(
+            "save_checkpoint", root, data_cursor=data_cursor, extra=extra, keep_last=keep_last
+        )
 
     def load_checkpoint(self, path: str | Path) -> Checkpoint:
         return self.process.call("load_checkpoint", path)

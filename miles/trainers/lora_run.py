@@ -55,15 +55,17 @@ def adapter_recipe(cfg: TrainConfig, adapter: AdapterConfig) -> EnvRecipe:
     """The adapter's env (its own, or the run's) with its reward weights in the constructor kwargs."""
     recipe = (adapter.env or cfg.env).recipe
     if adapter.reward_weights:
-        recipe = recipe.with_kwargs(reward_weights={**recipe.kwargs.get("reward_weights", {}),
-                                                    **adapter.reward_weights})
+        recipe = recipe.with_kwargs(
+            reward_weights={**recipe.kwargs.get("reward_weights", {}), **adapter.reward_weights}
+        )
     return recipe
 
 
 def adapter_scheduler_config(base: SchedulerConfig, adapter: AdapterConfig) -> SchedulerConfig:
     """The run's scheduler settings with the adapter's policy id, sampling overrides and group size."""
-    session = dataclasses.replace(base.session, policy_id=adapter.name,
-                                  sampling=base.session.sampling.updated(adapter.sampling))
+    session = dataclasses.replace(
+        base.session, policy_id=adapter.name, sampling=base.session.sampling.updated(adapter.sampling)
+    )
     return dataclasses.replace(base, session=session, group_size=adapter.group_size or base.group_size)
 
 
@@ -112,22 +114,52 @@ class _Pipeline:
 class AdapterRun:
     """Rollouts, evaluation, sync, metrics and data cursors of every adapter of a run (see the module doc)."""
 
-    def __init__(self, parts: Sequence[AdapterPart], *, cfg: TrainConfig, trainer: LoraTrainerProcess,
-                 sync: WeightSync, engines: Sequence[RolloutEngine], tokenizer: Any, eval_recorder: Recorder,
-                 metrics_log: MetricsLog, echo: Callable[[str], None] = print) -> None:
+    def __init__(
+        self,
+        parts: Sequence[AdapterPart],
+        *,
+        cfg: TrainConfig,
+        trainer: LoraTrainerProcess,
+        sync: WeightSync,
+        engines: Sequence[RolloutEngine],
+        tokenizer: Any,
+        eval_recorder: Recorder,
+        metrics_log: MetricsLog,
+        echo: Callable[[str], None] = print,
+    ) -> None:
         self.parts = list(parts)
         self.cfg, self.trainer, self.weight_sync, self.engines = cfg, trainer, sync, list(engines)
-        self.tokenizer, self.eval_recorder, self.metrics_log, self.echo = tokenizer, eval_recorder, metrics_log, echo
+        self.tokenizer, self.eval_recorder, self.metrics_log, self.echo = (
+            tokenizer,
+            eval_recorder,
+            metrics_log,
+            echo,
+        )
         self._ahead: dict[str, _Pipeline] = {}
         self._updating = asyncio.Lock()  # one adapter's update at a time: they share the peft model
-        self._update: asyncio.Future[tuple[dict[str, float], AdapterWeights]] | None = None  # the one in flight
+        self._update: asyncio.Future[tuple[dict[str, float], AdapterWeights]] | None = (
+            None  # the one in flight
+        )
 
     @classmethod
-    def build(cls, cfg: TrainConfig, *, trainer: LoraTrainerProcess, sync: WeightSync,
-              engines: Sequence[RolloutEngine], router: Router, tokenizer: Any, scheduler_config: SchedulerConfig,
-              recorder: Recorder | None, eval_recorder: Recorder, observer: SessionObserver | None,
-              labels: RunLabels, run_metrics: RunMetrics, metrics_log: MetricsLog,
-              echo: Callable[[str], None] = print) -> AdapterRun:
+    def build(
+        cls,
+        cfg: TrainConfig,
+        *,
+        trainer: LoraTrainerProcess,
+        sync: WeightSync,
+        engines: Sequence[RolloutEngine],
+        router: Router,
+        tokenizer: Any,
+        scheduler_config: SchedulerConfig,
+        recorder: Recorder | None,
+        eval_recorder: Recorder,
+        observer: SessionObserver | None,
+        labels: RunLabels,
+        run_metrics: RunMetrics,
+        metrics_log: MetricsLog,
+        echo: Callable[[str], None] = print,
+    ) -> AdapterRun:
         """One part per configured adapter; every env is built once here, so a bad env or reward weight is a
         `ConfigError` naming the adapter before the first step."""
         parts = []
@@ -142,19 +174,44 @@ class AdapterRun:
             train_tasks = load_tasks(recipe, env_cfg.train_split, env_cfg.num_train_tasks)
             sched_cfg = adapter_scheduler_config(scheduler_config, a)
             train_recipe = recipe.with_kwargs(split=env_cfg.train_split)
-            parts.append(AdapterPart(
-                config=a, train_recipe=train_recipe, eval_recipe=recipe.with_kwargs(split=env_cfg.eval_split),
-                train_tasks=train_tasks,
-                eval_tasks=load_tasks(recipe, env_cfg.eval_split, cfg.eval.num_tasks, distinct=True),
-                cursor=TaskCursor(len(train_tasks), cfg.seed), scheduler_config=sched_cfg,
-                tasks_per_step=a.tasks_per_step or cfg.rollout.tasks_per_step,
-                scheduler=SessionScheduler(router, tokenizer=tokenizer, config=sched_cfg, recorder=recorder,
-                                           run_id=f"train-{a.name}", recipe=train_recipe, observer=observer),
-                metrics=RunMetrics(dataclasses.replace(labels, env=recipe.id, adapter=a.name),
-                                   metrics=run_metrics.metrics, flops_per_token=run_metrics.flops_per_token,
-                                   peak_flops=run_metrics.peak_flops)))
-        return cls(parts, cfg=cfg, trainer=trainer, sync=sync, engines=engines, tokenizer=tokenizer,
-                   eval_recorder=eval_recorder, metrics_log=metrics_log, echo=echo)
+            parts.append(
+                AdapterPart(
+                    config=a,
+                    train_recipe=train_recipe,
+                    eval_recipe=recipe.with_kwargs(split=env_cfg.eval_split),
+                    train_tasks=train_tasks,
+                    eval_tasks=load_tasks(recipe, env_cfg.eval_split, cfg.eval.num_tasks, distinct=True),
+                    cursor=TaskCursor(len(train_tasks), cfg.seed),
+                    scheduler_config=sched_cfg,
+                    tasks_per_step=a.tasks_per_step or cfg.rollout.tasks_per_step,
+                    scheduler=SessionScheduler(
+                        router,
+                        tokenizer=tokenizer,
+                        config=sched_cfg,
+                        recorder=recorder,
+                        run_id=f"train-{a.name}",
+                        recipe=train_recipe,
+                        observer=observer,
+                    ),
+                    metrics=RunMetrics(
+                        dataclasses.replace(labels, env=recipe.id, adapter=a.name),
+                        metrics=run_metrics.metrics,
+                        flops_per_token=run_metrics.flops_per_token,
+                        peak_flops=run_metrics.peak_flops,
+                    ),
+                )
+            )
+        return cls(
+            parts,
+            cfg=cfg,
+            trainer=trainer,
+            sync=sync,
+            engines=engines,
+            tokenizer=tokenizer,
+            eval_recorder=eval_recorder,
+            metrics_log=metrics_log,
+            echo=echo,
+        )
 
     @property
     def names(self) -> list[str]:
@@ -167,14 +224,22 @@ class AdapterRun:
         for name in self.names:
             await self._push(name, None if versions is None else versions.get(name))
 
-    async def _push(self, name: str, version: int | None, step: int | None = None,
-                    weights: AdapterWeights | None = None) -> float:
+    async def _push(
+        self, name: str, version: int | None, step: int | None = None, weights: AdapterWeights | None = None
+    ) -> float:
         t0 = time.perf_counter()
         weights = self.trainer.adapter_weights(name) if weights is None else weights
         report = await self.weight_sync.push_adapter(name, weights, version=version)
-        self.metrics_log.write("sync", self.trainer.step if step is None else step, adapter=name,
-                               version=report.version, method=report.method, seconds=report.seconds,
-                               drain_seconds=report.drain_seconds, mb=report.num_bytes / 1e6)
+        self.metrics_log.write(
+            "sync",
+            self.trainer.step if step is None else step,
+            adapter=name,
+            version=report.version,
+            method=report.method,
+            seconds=report.seconds,
+            drain_seconds=report.drain_seconds,
+            mb=report.num_bytes / 1e6,
+        )
         self._part(name).metrics.observe_sync(report)
         return time.perf_counter() - t0
 
@@ -182,8 +247,9 @@ class AdapterRun:
         return next(p for p in self.parts if p.name == name)
 
     # ---- a step ----------------------------------------------------------------------------------------
-    async def step(self, select: Callable[[list[SessionRecord]], list[Trajectory]], *,
-                   ahead: bool) -> AdapterStep:
+    async def step(
+        self, select: Callable[[list[SessionRecord]], list[Trajectory]], *, ahead: bool
+    ) -> AdapterStep:
         """One step of every adapter, each on its own pipeline (see the module doc): its sessions, `select(records)`
         (the trajectories to train on), its update and the push of its new weights; an adapter's pipeline may
         have started, or even finished, during the previous step. With `ahead` the loop commits the next step:
@@ -202,27 +268,42 @@ class AdapterRun:
         try:
             async with asyncio.TaskGroup() as tg:
                 runs = [tg.create_task(one(p)) for p in self.parts]
-        except* TrainerProcessError as failed:  # the run stops with this one line, as for a dead rollout process
+        except* (
+            TrainerProcessError
+        ) as failed:  # the run stops with this one line, as for a dead rollout process
             raise failed.exceptions[0] from None
         done = [r.result() for r in runs]
         metrics: dict[str, float] = {}
         for d in done:
             metrics.update(d.metrics)
-        metrics.update(self.trainer.end_step(tuple(p.name for p, d in zip(self.parts, done, strict=True) if d.trained)))
-        return AdapterStep(records=[r for d in done for r in d.records], trained=[t for d in done for t in d.trained],
-                           metrics=metrics, rollout_s=max(d.rollout_s for d in done),
-                           train_s=sum(d.train_s for d in done), sync_s=sum(d.sync_s for d in done))
+        metrics.update(
+            self.trainer.end_step(tuple(p.name for p, d in zip(self.parts, done, strict=True) if d.trained))
+        )
+        return AdapterStep(
+            records=[r for d in done for r in d.records],
+            trained=[t for d in done for t in d.trained],
+            metrics=metrics,
+            rollout_s=max(d.rollout_s for d in done),
+            train_s=sum(d.train_s for d in done),
+            sync_s=sum(d.sync_s for d in done),
+        )
 
-    def _start(self, part: AdapterPart, select: Callable[[list[SessionRecord]], list[Trajectory]],
-               index: int) -> _Pipeline:
+    def _start(
+        self, part: AdapterPart, select: Callable[[list[SessionRecord]], list[Trajectory]], index: int
+    ) -> _Pipeline:
         """Start `part`'s pipeline of step `index` (the step number of its sync rows)."""
         position = part.cursor.position
         tasks = [{"task": part.train_tasks[i]} for i in part.cursor.next(part.tasks_per_step)]
         run = self._pipeline(part, tasks, select, index)
         return _Pipeline(position, asyncio.get_running_loop().create_task(run))
 
-    async def _pipeline(self, part: AdapterPart, tasks: list[dict[str, Any]],
-                        select: Callable[[list[SessionRecord]], list[Trajectory]], index: int) -> AdapterStep:
+    async def _pipeline(
+        self,
+        part: AdapterPart,
+        tasks: list[dict[str, Any]],
+        select: Callable[[list[SessionRecord]], list[Trajectory]],
+        index: int,
+    ) -> AdapterStep:
         t0 = time.perf_counter()
         groups = await part.scheduler.run(tasks, num_groups=part.tasks_per_step)
         records = [r for g in groups for r in g.records]
@@ -238,14 +319,18 @@ class AdapterRun:
                 threads = threads_all if part.scheduler.router.inflight == 0 else max(1, threads_all - 1)
                 # shielded: a cancelled step waits for the update it started (`settle`), as the trainer's pipe
                 # must not carry another call meanwhile
-                self._update = asyncio.ensure_future(asyncio.to_thread(self._train, part.name, batch, threads))
+                self._update = asyncio.ensure_future(
+                    asyncio.to_thread(self._train, part.name, batch, threads)
+                )
                 metrics, weights = await asyncio.shield(self._update)
                 self._update = None
                 train_s = time.perf_counter() - t1
             sync_s = await self._push(part.name, None, index, weights)
         return AdapterStep(records, trajs, metrics, rollout_s, train_s, sync_s)
 
-    def _train(self, name: str, batch: TrajectoryBatch, threads: int) -> tuple[dict[str, float], AdapterWeights]:
+    def _train(
+        self, name: str, batch: TrajectoryBatch, threads: int
+    ) -> tuple[dict[str, float], AdapterWeights]:
         """Adapter `name`'s update on `batch` with `threads` torch threads, and its new weights."""
         return self.trainer.train_adapter(name, batch, threads=threads), self.trainer.adapter_weights(name)
 
@@ -272,13 +357,16 @@ class AdapterRun:
         for part in self.parts:
             mine = [r for r in records if r.policy_id == part.name]
             prefix = f"{part.name}/"
-            own = {k[len(prefix):]: v for k, v in row.items() if k.startswith(prefix)}
-            own.update({
-                "rollout_reward_mean": float(np.mean([r.reward for r in mine])) if mine else 0.0,
-                "rollout_success_rate": float(np.mean([bool(r.final_info.get("success")) for r in mine]))
-                if mine else 0.0,
-                "sessions": len(mine),
-            })
+            own = {k[len(prefix) :]: v for k, v in row.items() if k.startswith(prefix)}
+            own.update(
+                {
+                    "rollout_reward_mean": float(np.mean([r.reward for r in mine])) if mine else 0.0,
+                    "rollout_success_rate": float(np.mean([bool(r.final_info.get("success")) for r in mine]))
+                    if mine
+                    else 0.0,
+                    "sessions": len(mine),
+                }
+            )
             for key in ("rollout_reward_mean", "rollout_success_rate", "sessions"):
                 row[prefix + key] = own[key]
             part.metrics.observe_step({**{k: row[k] for k in ("rollout_s", "step_s") if k in row}, **own})
@@ -291,10 +379,17 @@ class AdapterRun:
         modes = ([True] if ev.greedy else []) + ([False] if ev.sampled else [])
 
         async def one(part: AdapterPart, greedy: bool) -> EvalResult:
-            return await evaluate(self.engines, tokenizer=self.tokenizer, recipe=part.eval_recipe,
-                                  tasks=part.eval_tasks, scheduler=part.scheduler_config, greedy=greedy,
-                                  recorder=self.eval_recorder, max_new_tokens=ev.max_new_tokens,
-                                  run_id=f"eval-{stage}-{part.name}-{'greedy' if greedy else 'sampled'}")
+            return await evaluate(
+                self.engines,
+                tokenizer=self.tokenizer,
+                recipe=part.eval_recipe,
+                tasks=part.eval_tasks,
+                scheduler=part.scheduler_config,
+                greedy=greedy,
+                recorder=self.eval_recorder,
+                max_new_tokens=ev.max_new_tokens,
+                run_id=f"eval-{stage}-{part.name}-{'greedy' if greedy else 'sampled'}",
+            )
 
         jobs = [(part, greedy) for greedy in modes for part in self.parts]
         async with asyncio.TaskGroup() as tg:
@@ -304,15 +399,21 @@ class AdapterRun:
             res = run.result()
             results[f"{part.name}/{res.mode}"] = res
             self.metrics_log.write("eval", self.trainer.step, stage=stage, adapter=part.name, **res.to_dict())
-            self.echo(f"[eval {stage}] {part.name} {res.mode}: success {res.success_rate:.1%}  "
-                      f"mean reward {res.mean_reward:.3f}  ({res.num_tasks} held-out tasks)")
+            self.echo(
+                f"[eval {stage}] {part.name} {res.mode}: success {res.success_rate:.1%}  "
+                f"mean reward {res.mean_reward:.3f}  ({res.num_tasks} held-out tasks)"
+            )
         return results
 
     # ---- checkpoints -----------------------------------------------------------------------------------
     def data_cursor(self) -> dict[str, Any]:
         """Each adapter's task position and synced version, for a checkpoint's data cursor."""
-        return {"adapters": {p.name: {"position": p.cursor.position, "version": self.weight_sync.adapter_version(p.name)}
-                             for p in self.parts}}
+        return {
+            "adapters": {
+                p.name: {"position": p.cursor.position, "version": self.weight_sync.adapter_version(p.name)}
+                for p in self.parts
+            }
+        }
 
     async def restore(self, ckpt: Checkpoint, step: int) -> None:
         """Resume from `ckpt`: each adapter's task position, its weights (already in the trainer) pushed at the

@@ -23,8 +23,12 @@ PolicyLoss = Literal["ppo", "gspo"]
 RatioTo = Literal["proximal", "rollout"]
 Aggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 POLICY_LOSSES: tuple[str, ...] = ("ppo", "gspo")
-AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
-                                 "seq-mean-token-sum-norm")
+AGGREGATIONS: tuple[str, ...] = (
+    "token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)
 KL_ESTIMATORS: tuple[str, ...] = ("k1", "k3")
 RATIO_TO: tuple[str, ...] = ("proximal", "rollout")
 
@@ -87,8 +91,11 @@ class LossConfig:
         if self.ratio_to is not None and self.ratio_to not in RATIO_TO:
             raise ConfigError("ratio_to", f"must be one of {RATIO_TO}, got {self.ratio_to!r}")
         if self.ratio_to == "rollout" and (self.tis_cap is not None or self.icepop is not None):
-            raise ConfigError("ratio_to", "with ratio_to: rollout the ratio is already the importance weight of "
-                              "the rollout policy; set tis_cap and icepop to null")
+            raise ConfigError(
+                "ratio_to",
+                "with ratio_to: rollout the ratio is already the importance weight of "
+                "the rollout policy; set tis_cap and icepop to null",
+            )
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ConfigError("kl_estimator", f"must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}")
         if self.kl_coef < 0:
@@ -123,9 +130,16 @@ class LossOutput:
     metric_sums: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
-def aggregate(values: torch.Tensor, loss_mask: torch.Tensor, seq_index: torch.Tensor, mode: str, *,
-              num_tokens: float | None = None, num_seqs: float | None = None,
-              norm_length: int | None = None) -> torch.Tensor:
+def aggregate(
+    values: torch.Tensor,
+    loss_mask: torch.Tensor,
+    seq_index: torch.Tensor,
+    mode: str,
+    *,
+    num_tokens: float | None = None,
+    num_seqs: float | None = None,
+    norm_length: int | None = None,
+) -> torch.Tensor:
     """Reduce per-token ``values`` (already zero where they should not count) to a scalar.
 
     Denominators come from ``loss_mask``; ``num_tokens`` / ``num_seqs`` default to this micro-batch's own
@@ -188,13 +202,16 @@ def policy_ratio(inputs: LossInputs, config: LossConfig) -> torch.Tensor:
     if config.policy_loss == "ppo":
         return torch.exp(log_ratio)
     mask = inputs.loss_mask.to(log_ratio.dtype)
-    seq_log_ratio = _seq_sums(log_ratio * mask, inputs.seq_index) / _seq_sums(mask, inputs.seq_index).clamp(min=1)
+    seq_log_ratio = _seq_sums(log_ratio * mask, inputs.seq_index) / _seq_sums(mask, inputs.seq_index).clamp(
+        min=1
+    )
     token_seq_log_ratio = seq_log_ratio.detach()[inputs.seq_index]
     return torch.exp(token_seq_log_ratio + inputs.logprobs - inputs.logprobs.detach())
 
 
-def policy_loss(inputs: LossInputs, config: LossConfig, *, num_tokens: float | None = None,
-                num_seqs: float | None = None) -> LossOutput:
+def policy_loss(
+    inputs: LossInputs, config: LossConfig, *, num_tokens: float | None = None, num_seqs: float | None = None
+) -> LossOutput:
     """PPO-clip / GSPO loss with optional dual clip, TIS, IcePop masking, KL penalty and entropy bonus."""
     mask = inputs.loss_mask.to(inputs.logprobs.dtype)
     adv = inputs.advantages.to(inputs.logprobs.dtype)
@@ -238,8 +255,12 @@ def policy_loss(inputs: LossInputs, config: LossConfig, *, num_tokens: float | N
             _add("tis_weight_mean", weight)
             pg = pg * weight
     if inputs.rollout_logprobs is not None:
-        for name, value in logprob_mismatch_sums(inputs.old_logprobs.detach(), inputs.rollout_logprobs,
-                                                 inputs.loss_mask, turn_index=inputs.turn_index).items():
+        for name, value in logprob_mismatch_sums(
+            inputs.old_logprobs.detach(),
+            inputs.rollout_logprobs,
+            inputs.loss_mask,
+            turn_index=inputs.turn_index,
+        ).items():
             sums[name] = value
 
     agg = {"num_tokens": num_tokens, "num_seqs": num_seqs, "norm_length": config.norm_length}
@@ -249,21 +270,25 @@ def policy_loss(inputs: LossInputs, config: LossConfig, *, num_tokens: float | N
         kl = kl_penalty(inputs.logprobs, inputs.ref_logprobs, config.kl_estimator)
         _add("ref_kl", kl)
         if config.kl_coef > 0:
-            loss = loss + config.kl_coef * aggregate(kl, inputs.loss_mask, inputs.seq_index,
-                                                     config.aggregation, **agg)
+            loss = loss + config.kl_coef * aggregate(
+                kl, inputs.loss_mask, inputs.seq_index, config.aggregation, **agg
+            )
     elif config.kl_coef > 0:
         raise ValueError("kl_coef > 0 needs ref_logprobs")
     if inputs.entropy is not None:
         _add("entropy", inputs.entropy)
         if config.entropy_coef != 0:
-            loss = loss - config.entropy_coef * aggregate(inputs.entropy, inputs.loss_mask, inputs.seq_index,
-                                                          config.aggregation, **agg)
+            loss = loss - config.entropy_coef * aggregate(
+                inputs.entropy, inputs.loss_mask, inputs.seq_index, config.aggregation, **agg
+            )
     elif config.entropy_coef != 0:
         raise ValueError("entropy_coef != 0 needs entropy")
     return LossOutput(loss=loss, pg_loss=pg_loss.detach(), metric_sums=sums)
 
 
-def sft_loss(logprobs: torch.Tensor, loss_mask: torch.Tensor, *, num_tokens: float | None = None) -> LossOutput:
+def sft_loss(
+    logprobs: torch.Tensor, loss_mask: torch.Tensor, *, num_tokens: float | None = None
+) -> LossOutput:
     """Cross-entropy on loss-masked tokens, averaged over ``num_tokens`` (default: this micro-batch's)."""
     mask = loss_mask.to(logprobs.dtype)
     n = float(mask.sum()) if num_tokens is None else num_tokens

@@ -60,9 +60,13 @@ def reduce_metrics(acc: MetricAccumulator) -> dict[str, float]:
 SPLIT_TURNS = 3
 
 
-def logprob_mismatch_sums(train_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
-                          loss_mask: torch.Tensor, *,
-                          turn_index: torch.Tensor | None = None) -> dict[str, tuple[float, float]]:
+def logprob_mismatch_sums(
+    train_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    turn_index: torch.Tensor | None = None,
+) -> dict[str, tuple[float, float]]:
     """Train-vs-rollout logprob mismatch on the same (masked) tokens, as ``(sum, count)`` pairs.
 
     - ``mismatch_abs``: mean ``|logp_train - logp_rollout|``;
@@ -103,23 +107,32 @@ def logprob_mismatch_sums(train_logprobs: torch.Tensor, rollout_logprobs: torch.
     return out
 
 
-def logprob_mismatch(train_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
-                     loss_mask: torch.Tensor) -> dict[str, float]:
+def logprob_mismatch(
+    train_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, loss_mask: torch.Tensor
+) -> dict[str, float]:
     """`logprob_mismatch_sums` reduced to means."""
     acc = MetricAccumulator()
     acc.update(logprob_mismatch_sums(train_logprobs, rollout_logprobs, loss_mask))
     return acc.result()
 
 
-def reward_metrics(rewards: torch.Tensor, group_ids: torch.Tensor, *, zero_std_tol: float = 1e-8) -> dict[str, float]:
+def reward_metrics(
+    rewards: torch.Tensor, group_ids: torch.Tensor, *, zero_std_tol: float = 1e-8
+) -> dict[str, float]:
     """Reward mean/std over the batch and by group, and the fraction of groups whose rewards are all equal.
 
     ``reward_std`` is the batch's sample std; ``group_reward_std`` is the mean of per-group sample stds;
     ``zero_std_group_frac`` counts groups (of any size) with no reward spread, which give GRPO no signal.
     """
     if rewards.numel() == 0:
-        return {"reward_mean": 0.0, "reward_std": 0.0, "group_reward_mean": 0.0, "group_reward_std": 0.0,
-                "zero_std_group_frac": 0.0, "num_groups": 0.0}
+        return {
+            "reward_mean": 0.0,
+            "reward_std": 0.0,
+            "group_reward_mean": 0.0,
+            "group_reward_std": 0.0,
+            "zero_std_group_frac": 0.0,
+            "num_groups": 0.0,
+        }
     stats = group_stats(rewards, group_ids)
     r = rewards.to(torch.float64)
     return {
@@ -132,28 +145,40 @@ def reward_metrics(rewards: torch.Tensor, group_ids: torch.Tensor, *, zero_std_t
     }
 
 
-def train_step_metrics(batch: Any, *, adv_seq: torch.Tensor, losses: list[float], grad_norms: list[float],
-                       lr: float, step: int, temperature: float, t0: float, micro_batches: int,
-                       nonfinite_steps: int = 0) -> dict[str, float]:
+def train_step_metrics(
+    batch: Any,
+    *,
+    adv_seq: torch.Tensor,
+    losses: list[float],
+    grad_norms: list[float],
+    lr: float,
+    step: int,
+    temperature: float,
+    t0: float,
+    micro_batches: int,
+    nonfinite_steps: int = 0,
+) -> dict[str, float]:
     """The per-step scalars both backends report after an RL step (besides the loss metrics).
 
     ``micro_batches``: forward/backward passes this rank ran for the update (old/reference logprob passes
     not counted). ``nonfinite_steps``: optimizer steps of the update that were skipped because the gradient
     was NaN or inf (the weights did not move)."""
     metrics = reward_metrics(batch.rewards, batch.group_ids)
-    metrics.update({
-        "loss": sum(losses) / max(len(losses), 1),
-        "grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
-        "lr": lr,
-        "advantage_abs_mean": float(adv_seq.abs().mean()) if adv_seq.numel() else 0.0,
-        "num_tokens": float(batch.token_ids.numel()),
-        "num_train_tokens": float(batch.loss_mask.sum()),
-        "num_sequences": float(batch.num_sequences),
-        "optimizer_steps": float(len(grad_norms)),
-        "nonfinite_steps": float(nonfinite_steps),
-        "micro_batches": float(micro_batches),
-        "step": float(step),
-        "temperature": temperature,
-        "step_time_s": time.perf_counter() - t0,
-    })
+    metrics.update(
+        {
+            "loss": sum(losses) / max(len(losses), 1),
+            "grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
+            "lr": lr,
+            "advantage_abs_mean": float(adv_seq.abs().mean()) if adv_seq.numel() else 0.0,
+            "num_tokens": float(batch.token_ids.numel()),
+            "num_train_tokens": float(batch.loss_mask.sum()),
+            "num_sequences": float(batch.num_sequences),
+            "optimizer_steps": float(len(grad_norms)),
+            "nonfinite_steps": float(nonfinite_steps),
+            "micro_batches": float(micro_batches),
+            "step": float(step),
+            "temperature": temperature,
+            "step_time_s": time.perf_counter() - t0,
+        }
+    )
     return metrics

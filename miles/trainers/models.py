@@ -58,7 +58,9 @@ def build_policy(cfg: ModelConfig, tokenizer: Any) -> torch.nn.Module:
         try:
             return AutoModelForCausalLM.from_pretrained(cfg.init_from, dtype=torch.float32)
         except Exception as exc:  # a truncated or garbled weights file, a missing config.json, ...
-            raise ModelSpecError("model.init_from", f"cannot load {cfg.init_from!r}: {error_line(exc)}") from None
+            raise ModelSpecError(
+                "model.init_from", f"cannot load {cfg.init_from!r}: {error_line(exc)}"
+            ) from None
     if cfg.name == "tiny":
         from miles.tiny import make_tiny_model
 
@@ -76,11 +78,16 @@ def check_device(key: str, device: str) -> None:
         return
     if not torch.cuda.is_available():
         why = "this torch is a CPU build" if torch.version.cuda is None else "no GPU is visible"
-        raise ConfigError(key, f"{device!r}, but {why}: set {key}: cpu (or install a CUDA torch on a GPU machine)")
+        raise ConfigError(
+            key, f"{device!r}, but {why}: set {key}: cpu (or install a CUDA torch on a GPU machine)"
+        )
     index = device.partition(":")[2]
     if index and (not index.isdigit() or int(index) >= torch.cuda.device_count()):
-        raise ConfigError(key, f"{device!r}: this machine has {torch.cuda.device_count()} GPU(s), cuda:0 .. "
-                          f"cuda:{torch.cuda.device_count() - 1}")
+        raise ConfigError(
+            key,
+            f"{device!r}: this machine has {torch.cuda.device_count()} GPU(s), cuda:0 .. "
+            f"cuda:{torch.cuda.device_count() - 1}",
+        )
 
 
 def check_devices(cfg: TrainConfig) -> None:
@@ -96,8 +103,14 @@ def check_model_source(cfg: ModelConfig) -> None:
     """`ModelSpecError` unless the weights `cfg` names exist: checked before any rank or engine starts."""
     if cfg.init_from:
         if not Path(cfg.init_from).is_dir():
-            raise ModelSpecError("model.init_from", f"{cfg.init_from!r} is not a folder (relative paths start at "
-                                 f"the working directory, {Path.cwd()}); give the warm start's folder")
+            raise ModelSpecError(
+                "model.init_from",
+                f"{cfg.init_from!r} is not a folder (relative paths start at "
+                f"the working directory, {Path.cwd()}); give the warm start's folder",
+            )
     elif cfg.name not in ("tiny", "smollm2-135m") and not Path(cfg.name).is_dir():
-        raise ModelSpecError("model.name", f"{cfg.name!r} is not a model: use 'tiny' (with model.size), "
-                             "'smollm2-135m' or an HF checkpoint folder")
+        raise ModelSpecError(
+            "model.name",
+            f"{cfg.name!r} is not a model: use 'tiny' (with model.size), "
+            "'smollm2-135m' or an HF checkpoint folder",
+        )

@@ -27,8 +27,11 @@ def check_fresh_output_dir(out: Path) -> None:
     held = [name for name in RUN_RECORDS if (out / name).is_file() and (out / name).stat().st_size]
     held += ["checkpoints/"] if any((out / "checkpoints").glob("step_*")) else []
     if held:
-        raise ConfigError("output_dir", f"{str(out)!r} already holds a run ({', '.join(held)}); continue it with "
-                                        "--resume, or give another --output-dir (or remove the folder)")
+        raise ConfigError(
+            "output_dir",
+            f"{str(out)!r} already holds a run ({', '.join(held)}); continue it with "
+            "--resume, or give another --output-dir (or remove the folder)",
+        )
 
 
 def leftovers(out: Path) -> list[str]:
@@ -36,8 +39,11 @@ def leftovers(out: Path) -> list[str]:
     stopped at setup): the names a new run replaces, lock files aside."""
     if not out.is_dir():
         return []
-    return sorted(p.name + ("/" if p.is_dir() else "") for p in out.iterdir()
-                  if p.name not in (LOCK_NAME, DRIVER_LOCK_NAME))
+    return sorted(
+        p.name + ("/" if p.is_dir() else "")
+        for p in out.iterdir()
+        if p.name not in (LOCK_NAME, DRIVER_LOCK_NAME)
+    )
 
 
 class OutputDirLock:
@@ -53,10 +59,15 @@ class OutputDirLock:
         except BlockingIOError:
             holder = os.pread(self._fd, 32, 0).decode(errors="replace").strip() or "?"
             self.release()
-            raise ConfigError("output_dir", f"{str(out)!r} is being written by another run (pid {holder}); wait "
-                                            "for it to end, or give another --output-dir") from None
+            raise ConfigError(
+                "output_dir",
+                f"{str(out)!r} is being written by another run (pid {holder}); wait "
+                "for it to end, or give another --output-dir",
+            ) from None
         except OSError as exc:  # a file system without flock (some NFS or Lustre mounts): run unguarded
-            logger.warning("cannot lock %s (%s): a second run into this folder would not be detected", self.path, exc)
+            logger.warning(
+                "cannot lock %s (%s): a second run into this folder would not be detected", self.path, exc
+            )
             return
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, str(os.getpid()).encode(), 0)

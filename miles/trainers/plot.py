@@ -55,8 +55,9 @@ def latency_edges(latencies: list[float]) -> np.ndarray:
     return np.geomspace(low, high, 25)
 
 
-def _heatmap(ax: Any, grid: np.ndarray, edges: np.ndarray, steps: list[int], *, log: bool, title: str,
-             ylabel: str) -> None:
+def _heatmap(
+    ax: Any, grid: np.ndarray, edges: np.ndarray, steps: list[int], *, log: bool, title: str, ylabel: str
+) -> None:
     x = np.arange(len(steps) + 1) + 0.5
     mesh = ax.pcolormesh(x, edges, np.ma.masked_equal(grid, 0.0), cmap="viridis", shading="flat")
     if log:
@@ -79,8 +80,11 @@ def plot_run(metrics_path: str | Path, png_path: str | Path, sessions_path: str 
     train = [r for r in rows if r["kind"] == "train"]
     evals = [r for r in rows if r["kind"] == "eval"]
     sessions_path = Path(sessions_path) if sessions_path else Path(metrics_path).with_name("sessions.jsonl")
-    per_step = (sessions_by_step(read_sessions(sessions_path).records, [r["time"] for r in train])
-                if train and sessions_path.exists() else [])
+    per_step = (
+        sessions_by_step(read_sessions(sessions_path).records, [r["time"] for r in train])
+        if train and sessions_path.exists()
+        else []
+    )
     rewards = [[r.reward for r in step] for step in per_step]
     latencies = [[t.generate_s for r in step for t in r.turns if t.finish_reason] for step in per_step]
     has_dist = any(rewards)
@@ -102,15 +106,29 @@ def plot_run(metrics_path: str | Path, png_path: str | Path, sessions_path: str 
     ax2.set_title("evaluation")
     if has_dist:
         edges = reward_edges([x for step in rewards for x in step])
-        _heatmap(axes[1][0], step_histograms(rewards, edges), edges, steps, log=False,
-                 title="reward distribution per step", ylabel="session reward")
+        _heatmap(
+            axes[1][0],
+            step_histograms(rewards, edges),
+            edges,
+            steps,
+            log=False,
+            title="reward distribution per step",
+            ylabel="session reward",
+        )
         if len(edges) <= 13:  # one bin per distinct reward: label the values themselves
             axes[1][0].set_yticks((edges[:-1] + edges[1:]) / 2)
         flat = [x for step in latencies for x in step]
         if flat:
             edges = latency_edges(flat)
-            _heatmap(axes[1][1], step_histograms(latencies, edges), edges, steps, log=True,
-                     title="turn latency per step", ylabel="generate call (s)")
+            _heatmap(
+                axes[1][1],
+                step_histograms(latencies, edges),
+                edges,
+                steps,
+                log=True,
+                title="turn latency per step",
+                ylabel="generate call (s)",
+            )
         else:
             axes[1][1].set_axis_off()
     fig.tight_layout()

@@ -53,8 +53,14 @@ class Trainer(Protocol):
         the result is sent to the engines."""
         ...
 
-    def save_checkpoint(self, root: str | Path, *, data_cursor: dict[str, Any] | None = None,
-                        extra: dict[str, Any] | None = None, keep_last: int | None = None) -> Path | None:
+    def save_checkpoint(
+        self,
+        root: str | Path,
+        *,
+        data_cursor: dict[str, Any] | None = None,
+        extra: dict[str, Any] | None = None,
+        keep_last: int | None = None,
+    ) -> Path | None:
         """Save weights, optimizer, step, RNG and `data_cursor` under `root`; returns the checkpoint's path
         (None on ranks that do not write)."""
         ...

@@ -144,24 +144,34 @@ async def _serve(cfg: TrainConfig, start: RolloutStart, inbox: Any, outbox: Any)
     recipe = cfg.env.recipe
     recipe.import_modules()
     tito = build_tito(cfg.model)
-    engines = await build_engine_set(cfg.engine, build_policy(cfg.model, tito.tokenizer), tito.tokenizer,
-                                     cfg.model.tokenizer)
+    engines = await build_engine_set(
+        cfg.engine, build_policy(cfg.model, tito.tokenizer), tito.tokenizer, cfg.model.tokenizer
+    )
     tasks = load_tasks(recipe, cfg.env.train_split, cfg.env.num_train_tasks)
     cursor = TaskCursor(len(tasks), cfg.seed)
     recorder = Recorder(Path(cfg.output_dir) / "sessions.jsonl")
     if start.resume_time is not None:
         recorder.drop_after(start.resume_time)
-    scheduler = SessionScheduler(engines.rollout, tokenizer=tito, recorder=recorder, run_id=start.run_id,
-                                 config=bounded_by_context(cfg.rollout.scheduler, engines.context_length),
-                                 recipe=recipe.with_kwargs(split=cfg.env.train_split))
-    manager = RolloutManager(scheduler, TaskFeed(lambda p: tasks[cursor.index_at(p)], start=start.position,
-                                                 skip=start.skip),
-                             groups_per_version=cfg.rollout.tasks_per_step,
-                             max_staleness=cfg.asynchronous.max_staleness, first_version=start.first_version)
+    scheduler = SessionScheduler(
+        engines.rollout,
+        tokenizer=tito,
+        recorder=recorder,
+        run_id=start.run_id,
+        config=bounded_by_context(cfg.rollout.scheduler, engines.context_length),
+        recipe=recipe.with_kwargs(split=cfg.env.train_split),
+    )
+    manager = RolloutManager(
+        scheduler,
+        TaskFeed(lambda p: tasks[cursor.index_at(p)], start=start.position, skip=start.skip),
+        groups_per_version=cfg.rollout.tasks_per_step,
+        max_staleness=cfg.asynchronous.max_staleness,
+        first_version=start.first_version,
+    )
     messages: asyncio.Queue[Any] = asyncio.Queue()
     loop = asyncio.get_running_loop()
-    threading.Thread(target=_forward, args=(inbox, outbox, loop, messages), name="rollout-inbox",
-                     daemon=True).start()
+    threading.Thread(
+        target=_forward, args=(inbox, outbox, loop, messages), name="rollout-inbox", daemon=True
+    ).start()
     first_weights = asyncio.Event()
     idle = _IdleClock(scheduler)
     outbox.put(Ready())
@@ -183,8 +193,9 @@ async def _serve(cfg: TrainConfig, start: RolloutStart, inbox: Any, outbox: Any)
                     sd = msg.state_dict
 
                     async def load(sd: dict[str, torch.Tensor] = sd, version: int = msg.version) -> None:
-                        await asyncio.gather(*(e.update_weights(state_dict=sd, version=version)
-                                               for e in engines.workers))
+                        await asyncio.gather(
+                            *(e.update_weights(state_dict=sd, version=version) for e in engines.workers)
+                        )
 
                     if first_weights.is_set():
                         await manager.update_weights(load, cfg.asynchronous.inflight)
@@ -200,14 +211,21 @@ async def _serve(cfg: TrainConfig, start: RolloutStart, inbox: Any, outbox: Any)
     async def stream() -> None:
         await first_weights.wait()
         async for group, position in manager.stream():
-            outbox.put(Finished(records=group.records, position=position, engine_idle_s=idle.total,
-                                oldest_running=manager.oldest_running))
+            outbox.put(
+                Finished(
+                    records=group.records,
+                    position=position,
+                    engine_idle_s=idle.total,
+                    oldest_running=manager.oldest_running,
+                )
+            )
 
     streaming = asyncio.create_task(stream())
     idle.start()
     try:
-        done, _ = await asyncio.wait({streaming, asyncio.create_task(control())},
-                                     return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait(
+            {streaming, asyncio.create_task(control())}, return_when=asyncio.FIRST_COMPLETED
+        )
         for task in done:
             task.result()  # a failure in either raises here
     finally:
@@ -271,7 +289,8 @@ def _dead_peer_handshake(exc_type: type[BaseException], tb: types.TracebackType 
     whose serving thread reports it through `sys.excepthook` and goes on) to a process that died meanwhile."""
     frames = traceback.extract_tb(tb) if tb is not None else []
     return issubclass(exc_type, (ConnectionError, EOFError)) and any(
-        f.filename.endswith(os.path.join("multiprocessing", "resource_sharer.py")) for f in frames)
+        f.filename.endswith(os.path.join("multiprocessing", "resource_sharer.py")) for f in frames
+    )
 
 
 def _quiet_dead_peer_handshakes() -> None:
@@ -304,8 +323,9 @@ class RolloutProcess:
         _quiet_dead_peer_handshakes()
         self.timeout_s = cfg.asynchronous.manager_timeout_s
         self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
-        self.process = ctx.Process(target=rollout_main, args=(cfg, start, self.inbox, self.outbox),
-                                   name="miles-rollout", daemon=True)
+        self.process = ctx.Process(
+            target=rollout_main, args=(cfg, start, self.inbox, self.outbox), name="miles-rollout", daemon=True
+        )
         env_threads = os.environ.get("OMP_NUM_THREADS")
         os.environ["OMP_NUM_THREADS"] = str(cfg.asynchronous.rollout_threads or 1)
         try:
@@ -340,11 +360,14 @@ class RolloutProcess:
                 break
             except queue.Empty:
                 if not self.process.is_alive():
-                    raise RolloutManagerError(f"the rollout process exited with code {self.process.exitcode}; "
-                                              "continue the run with --resume") from None
+                    raise RolloutManagerError(
+                        f"the rollout process exited with code {self.process.exitcode}; "
+                        "continue the run with --resume"
+                    ) from None
                 if time.monotonic() > end:
-                    raise RolloutManagerError(f"the rollout process sent nothing for {deadline_s:.0f} s "
-                                              "(async.manager_timeout_s)") from None
+                    raise RolloutManagerError(
+                        f"the rollout process sent nothing for {deadline_s:.0f} s (async.manager_timeout_s)"
+                    ) from None
         if isinstance(msg, Failed):
             raise RolloutManagerError(f"the rollout process failed: {msg.message}")
         if isinstance(msg, Finished):

@@ -31,14 +31,25 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         args.overrides = [*args.overrides, f"env.import={json.dumps([*base, *args.imports])}"]
         args.imports = []
     overrides = list(args.overrides)
-    if getattr(args, "seed", None) is not None:  # --seed varies the sampling seeds too, not only the task order
+    if (
+        getattr(args, "seed", None) is not None
+    ):  # --seed varies the sampling seeds too, not only the task order
         clash = [o for o in overrides if o.split("=", 1)[0].strip() in ("rollout.scheduler.seed", "seed")]
         if clash:
-            raise ConfigError("--seed", f"sets seed and rollout.scheduler.seed, and --set {clash[0]} sets one of "
-                              "them too: give --seed alone, or both seeds with --set")
+            raise ConfigError(
+                "--seed",
+                f"sets seed and rollout.scheduler.seed, and --set {clash[0]} sets one of "
+                "them too: give --seed alone, or both seeds with --set",
+            )
         overrides.append(f"rollout.scheduler.seed={args.seed * 100_003}")
-    for flag, key in (("output_dir", "output_dir"), ("seed", "seed"), ("backend", "backend"),
-                      ("tp", "parallel.tp"), ("pp", "parallel.pp"), ("dp", "parallel.dp")):
+    for flag, key in (
+        ("output_dir", "output_dir"),
+        ("seed", "seed"),
+        ("backend", "backend"),
+        ("tp", "parallel.tp"),
+        ("pp", "parallel.pp"),
+        ("dp", "parallel.dp"),
+    ):
         value = getattr(args, flag, None)
         if value is not None:
             overrides.append(f"{key}={value}")
@@ -53,8 +64,10 @@ def format_summary(summary: RunSummary, cfg: TrainConfig | None = None) -> str:
     lines = ["", f"{'stage':<14}{'mode':<{width}}{'held-out success':>18}{'mean reward':>14}{'tasks':>8}"]
     for stage, results in summary.evals.items():
         for mode, r in results.items():
-            lines.append(f"{names.get(stage, stage):<14}{mode:<{width}}{r.success_rate:>18.1%}"
-                         f"{r.mean_reward:>14.3f}{r.num_tasks:>8}")
+            lines.append(
+                f"{names.get(stage, stage):<14}{mode:<{width}}{r.success_rate:>18.1%}"
+                f"{r.mean_reward:>14.3f}{r.num_tasks:>8}"
+            )
     before, after = summary.evals.get("start", {}), summary.evals.get("final", {})
     for mode in sorted(set(before) & set(after)):
         gain = 100 * (after[mode].success_rate - before[mode].success_rate)
@@ -86,8 +99,10 @@ def _run_loop(cfg: TrainConfig, args: argparse.Namespace, *, resume: bool) -> in
     if not resume and not in_torchrun_worker():  # before any rank, engine or Ray actor starts
         check_fresh_output_dir(Path(cfg.output_dir))
         if left := leftovers(Path(cfg.output_dir)):
-            print(f"[train] {cfg.output_dir} holds no recorded run, only {', '.join(left)}; the new run starts "
-                  "there and replaces them")
+            print(
+                f"[train] {cfg.output_dir} holds no recorded run, only {', '.join(left)}; the new run starts "
+                "there and replaces them"
+            )
     if cfg.cluster.kind == "ray":  # the roles run as Ray actors; this process places and watches them
         return run_on_ray_cli(cfg, args, resume=resume)
     status = dispatch_ranks(cfg, cli_argv(args))
@@ -111,21 +126,28 @@ def _run_loop(cfg: TrainConfig, args: argparse.Namespace, *, resume: bool) -> in
 def out_of_memory_line(exc: BaseException, cfg: TrainConfig) -> str:
     """One line for a run that ran out of memory: what ran out, and the keys that make a step smaller."""
     first = str(exc).strip().split(". ")[0] or type(exc).__name__
-    return (f"out of memory ({first}); lower trainer.micro_batch_tokens ({cfg.trainer.micro_batch_tokens}) or "
-            f"engine.max_batch_size ({cfg.engine.max_batch_size}), or size the KV cache once with "
-            f"engine.kv_cache_fraction (run dir: {cfg.output_dir})")
+    return (
+        f"out of memory ({first}); lower trainer.micro_batch_tokens ({cfg.trainer.micro_batch_tokens}) or "
+        f"engine.max_batch_size ({cfg.engine.max_batch_size}), or size the KV cache once with "
+        f"engine.kv_cache_fraction (run dir: {cfg.output_dir})"
+    )
 
 
 def report(summary: RunSummary, cfg: TrainConfig, args: argparse.Namespace) -> int:
     """Print the final table and return 0; a run that stopped broken prints its one line instead, exit 3; one
     stopped by a signal says so, exit 128 + the signal's number."""
     if summary.stopped:
-        print(f"miles {args.command}: stopped by {summary.stopped} after step {summary.steps_done}; its checkpoint "
-              f"is in {summary.output_dir}/checkpoints: continue with --resume", file=sys.stderr)
+        print(
+            f"miles {args.command}: stopped by {summary.stopped} after step {summary.steps_done}; its checkpoint "
+            f"is in {summary.output_dir}/checkpoints: continue with --resume",
+            file=sys.stderr,
+        )
         return 128 + int(getattr(signal, summary.stopped))
     if summary.broken:
-        print(f"miles {args.command}: the run is broken: {summary.broken} (run dir: {summary.output_dir})",
-              file=sys.stderr)
+        print(
+            f"miles {args.command}: the run is broken: {summary.broken} (run dir: {summary.output_dir})",
+            file=sys.stderr,
+        )
         return 3
     print(format_summary(summary, cfg))
     return 0
@@ -156,12 +178,19 @@ def eval_from_cli(args: argparse.Namespace) -> int:
 
     run_dir = Path(args.run) if args.run else None
     if args.output_dir is None:  # a new folder per evaluation, beside the run (or the config's output_dir)
-        base = run_dir if run_dir is not None else Path(load_train_config(args.config, list(args.overrides)).output_dir)
+        base = (
+            run_dir
+            if run_dir is not None
+            else Path(load_train_config(args.config, list(args.overrides)).output_dir)
+        )
         args.output_dir = str(base / time.strftime("eval-%Y%m%d-%H%M%S"))
     cfg = config_from_args(args)
     report = asyncio.run(run_eval(cfg, run_dir=run_dir))
     if report.invalid:
-        print(f"miles eval: no score: {'; '.join(report.invalid)} (sessions in {cfg.output_dir})", file=sys.stderr)
+        print(
+            f"miles eval: no score: {'; '.join(report.invalid)} (sessions in {cfg.output_dir})",
+            file=sys.stderr,
+        )
         return 3
     print(format_eval(report))
     return 0

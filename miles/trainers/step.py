@@ -19,8 +19,10 @@ def validate_batch(batch: TrajectoryBatch) -> TrajectoryBatch:
     """`batch` itself when its tensors agree with each other; a `ValueError` naming the disagreement otherwise."""
     t = batch.token_ids.numel()
     if batch.loss_mask.numel() != t or batch.rollout_logprobs.numel() != t:
-        raise ValueError(f"batch tensors disagree: token_ids={t} loss_mask={batch.loss_mask.numel()} "
-                         f"rollout_logprobs={batch.rollout_logprobs.numel()}")
+        raise ValueError(
+            f"batch tensors disagree: token_ids={t} loss_mask={batch.loss_mask.numel()} "
+            f"rollout_logprobs={batch.rollout_logprobs.numel()}"
+        )
     if batch.cu_seqlens.numel() < 1 or int(batch.cu_seqlens[-1]) != t or int(batch.cu_seqlens[0]) != 0:
         raise ValueError(f"cu_seqlens must run from 0 to {t}, got {batch.cu_seqlens.tolist()}")
     if bool((batch.cu_seqlens[1:] <= batch.cu_seqlens[:-1]).any()):
@@ -67,8 +69,9 @@ class RLStep:
         """Whether the old (proximal) logprobs need a forward-only pass: with more than one optimizer step per
         batch they differ from the current ones, unless the ratio is taken against the rollout policy
         (`LossConfig.ratio_to`)."""
-        return ((self.algorithm.num_mini_batches > 1 or self.algorithm.ppo_epochs > 1)
-                and self.algorithm.loss.ratio_to != "rollout")
+        return (
+            self.algorithm.num_mini_batches > 1 or self.algorithm.ppo_epochs > 1
+        ) and self.algorithm.loss.ratio_to != "rollout"
 
     def mini_batches(self) -> Iterator[MiniBatch]:
         """``ppo_epochs`` passes over ``num_mini_batches`` even splits, skipping those with no trained token."""
@@ -85,5 +88,11 @@ def prepare_rl_step(batch: TrajectoryBatch, algorithm: AlgorithmConfig, temperat
     """Validate `batch`, resolve its temperature and compute its advantages."""
     batch = validate_batch(batch)
     token_counts, adv_seq, adv_tok = batch_advantages(batch, algorithm.advantage)
-    return RLStep(batch=batch, temperature=resolve_temperature(batch, temperature), token_counts=token_counts,
-                  adv_seq=adv_seq, adv_tok=adv_tok, algorithm=algorithm)
+    return RLStep(
+        batch=batch,
+        temperature=resolve_temperature(batch, temperature),
+        token_counts=token_counts,
+        adv_seq=adv_seq,
+        adv_tok=adv_tok,
+        algorithm=algorithm,
+    )

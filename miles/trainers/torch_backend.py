@@ -49,6 +49,7 @@ from .trainer_config import AlgorithmConfig, TorchTrainerConfig, TrainerConfig, 
 
 __all__ = ["AlgorithmConfig", "TorchTrainer", "TorchTrainerConfig", "fused_lm_head", "hf_token_logprobs"]
 
+
 class TorchTrainer:
     """Trains an HF causal LM on `TrajectoryBatch` es (implements `miles.trainers.protocol.Trainer`).
 
@@ -60,15 +61,22 @@ class TorchTrainer:
     root), and every method is a collective that all ranks call with the same arguments.
     """
 
-    def __init__(self, model: nn.Module, config: TorchTrainerConfig | None = None,
-                 algorithm: AlgorithmConfig | None = None, *, ref_model: nn.Module | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        config: TorchTrainerConfig | None = None,
+        algorithm: AlgorithmConfig | None = None,
+        *,
+        ref_model: nn.Module | None = None,
+    ) -> None:
         self.config = config or TorchTrainerConfig()
         self.algorithm = algorithm or AlgorithmConfig()
         self.device = _resolve_device(self.config.device)
         self.world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self.rank = dist.get_rank() if self.world_size > 1 else 0
         self.use_bf16 = self.config.precision == "bf16" or (
-            self.config.precision == "auto" and self.device.type == "cuda")
+            self.config.precision == "auto" and self.device.type == "cuda"
+        )
         self.step = 0
         self.nonfinite_steps = 0  # optimizer steps skipped because their gradient was not finite
         model.to(self.device)
@@ -106,8 +114,14 @@ class TorchTrainer:
     def _build_optimizer(self, schedule: TrainerConfig) -> None:
         """A fresh AdamW and LR schedule at ``schedule.lr`` (the optimizer settings always come from the config)."""
         cfg = self.config
-        self.optimizer = torch.optim.AdamW(self._optimized_params(), lr=schedule.lr, betas=cfg.betas, eps=cfg.adam_eps,
-                                           weight_decay=cfg.weight_decay, fused=self.device.type == "cuda" or None)
+        self.optimizer = torch.optim.AdamW(
+            self._optimized_params(),
+            lr=schedule.lr,
+            betas=cfg.betas,
+            eps=cfg.adam_eps,
+            weight_decay=cfg.weight_decay,
+            fused=self.device.type == "cuda" or None,
+        )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_lambda(s, schedule))
 
     # ---------------------------------------------------------------- public steps
@@ -148,17 +162,29 @@ class TorchTrainer:
                     self._dummy_forward(backward=True)
                     continue
                 inputs = self._loss_inputs(rl, mb[0], mb[1], old_lp, ref_lp)
-                out = policy_loss(inputs, self.algorithm.loss, num_tokens=mini.num_tokens, num_seqs=mini.num_seqs)
+                out = policy_loss(
+                    inputs, self.algorithm.loss, num_tokens=mini.num_tokens, num_seqs=mini.num_seqs
+                )
                 self._backward(out.loss)
                 total += out.loss.detach().double().cpu()
                 metrics.update(out.metric_sums)
             losses.append(float(self._all_reduce(total)))
             grad_norms.append(self._optimizer_step())
         result = reduce_metrics(metrics)
-        result.update(train_step_metrics(
-            batch, adv_seq=rl.adv_seq, losses=losses, grad_norms=grad_norms, step=self.step,
-            temperature=temperature, lr=lrs[-1] if lrs else self.optimizer.param_groups[0]["lr"], t0=t0,
-            micro_batches=passes, nonfinite_steps=self.nonfinite_steps - skipped_before))
+        result.update(
+            train_step_metrics(
+                batch,
+                adv_seq=rl.adv_seq,
+                losses=losses,
+                grad_norms=grad_norms,
+                step=self.step,
+                temperature=temperature,
+                lr=lrs[-1] if lrs else self.optimizer.param_groups[0]["lr"],
+                t0=t0,
+                micro_batches=passes,
+                nonfinite_steps=self.nonfinite_steps - skipped_before,
+            )
+        )
         return result
 
     def sft_step(self, batch: TrajectoryBatch) -> dict[str, float]:
@@ -187,9 +213,16 @@ class TorchTrainer:
         else:
             grad_norm = 0.0
         result = reduce_metrics(metrics)
-        result.update({"loss": float(self._all_reduce(total)), "grad_norm": grad_norm, "lr": lr,
-                       "num_train_tokens": num_tokens, "step": float(self.step),
-                       "step_time_s": time.perf_counter() - t0})
+        result.update(
+            {
+                "loss": float(self._all_reduce(total)),
+                "grad_norm": grad_norm,
+                "lr": lr,
+                "num_train_tokens": num_tokens,
+                "step": float(self.step),
+                "step_time_s": time.perf_counter() - t0,
+            }
+        )
         return result
 
     def compute_logprobs(self, batch: TrajectoryBatch, *, temperature: float | None = None) -> torch.Tensor:
@@ -212,12 +245,22 @@ class TorchTrainer:
         if self.fsdp:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-            return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True,
-                                                                             cpu_offload=True))
-        return {k: v.detach().to("cpu" if cpu else v.device, copy=True) for k, v in self.model.state_dict().items()}
+            return get_model_state_dict(
+                self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            )
+        return {
+            k: v.detach().to("cpu" if cpu else v.device, copy=True)
+            for k, v in self.model.state_dict().items()
+        }
 
-    def save_checkpoint(self, root: str | Path, *, data_cursor: dict[str, Any] | None = None,
-                        extra: dict[str, Any] | None = None, keep_last: int | None = None) -> Path | None:
+    def save_checkpoint(
+        self,
+        root: str | Path,
+        *,
+        data_cursor: dict[str, Any] | None = None,
+        extra: dict[str, Any] | None = None,
+        keep_last: int | None = None,
+    ) -> Path | None:
         """Save model, optimizer, scheduler, step, RNG (all ranks) and ``data_cursor`` under ``root``.
 
         A collective under FSDP; rank 0 writes and returns the path, other ranks return None.
@@ -231,9 +274,17 @@ class TorchTrainer:
             rng = gathered
         path = None
         if self.rank == 0:
-            path = save_checkpoint(root, step=self.step, model_state=model_state, optimizer_state=optim_state,
-                                   scheduler_state=self.scheduler.state_dict(), data_cursor=data_cursor,
-                                   extra=extra, rng_states=rng, keep_last=keep_last)
+            path = save_checkpoint(
+                root,
+                step=self.step,
+                model_state=model_state,
+                optimizer_state=optim_state,
+                scheduler_state=self.scheduler.state_dict(),
+                data_cursor=data_cursor,
+                extra=extra,
+                rng_states=rng,
+                keep_last=keep_last,
+            )
         if self.world_size > 1:
             dist.barrier()
         return path
@@ -269,8 +320,11 @@ class TorchTrainer:
         """Every state-dict name of a parameter with a master (tied parameters have several), to its master."""
         assert self.masters is not None
         by_param = {id(p): m for p, m in zip(self.masters.params, self.masters.masters, strict=True)}
-        return {n: by_param[id(p)] for n, p in self.model.named_parameters(remove_duplicate=False)
-                if id(p) in by_param}
+        return {
+            n: by_param[id(p)]
+            for n, p in self.model.named_parameters(remove_duplicate=False)
+            if id(p) in by_param
+        }
 
     # ---------------------------------------------------------------- internals
 
@@ -280,15 +334,16 @@ class TorchTrainer:
         Under FSDP every rank must run the same number of forward/backward passes, so ranks with fewer
         micro-batches get ``None`` entries, for which a one-token dummy pass is run.
         """
-        lengths = (batch.cu_seqlens[lo + 1:hi + 1] - batch.cu_seqlens[lo:hi]).tolist()
+        lengths = (batch.cu_seqlens[lo + 1 : hi + 1] - batch.cu_seqlens[lo:hi]).tolist()
         budget, padded = self.config.micro_batch_tokens, self.packing == "padded"
         if self.world_size == 1:
             return [(lo + s, lo + e) for s, e in plan_micro_batches(lengths, budget, padded=padded)]
         plans = []
         for r in range(self.world_size):
             a, b = token_balanced_share(lengths, r, self.world_size)
-            plans.append([(lo + a + s, lo + a + e)
-                          for s, e in plan_micro_batches(lengths[a:b], budget, padded=padded)])
+            plans.append(
+                [(lo + a + s, lo + a + e) for s, e in plan_micro_batches(lengths[a:b], budget, padded=padded)]
+            )
         longest = max(len(p) for p in plans)
         mine: list[tuple[int, int] | None] = list(plans[self.rank])
         return mine + [None] * (longest - len(mine))
@@ -298,8 +353,9 @@ class TorchTrainer:
         ids = torch.full((2,), self.pad_token_id, dtype=torch.long, device=self.device)
         cu = torch.tensor([0, 2])
         with torch.set_grad_enabled(backward):
-            lp, _ = hf_token_logprobs(model or self.model, ids, cu, 1.0, packing=self.packing,
-                                      pad_token_id=self.pad_token_id)
+            lp, _ = hf_token_logprobs(
+                model or self.model, ids, cu, 1.0, packing=self.packing, pad_token_id=self.pad_token_id
+            )
         if backward:
             self._backward(lp.sum() * 0.0)
 
@@ -321,19 +377,27 @@ class TorchTrainer:
                 continue
             start, end = mb
             lp = self._forward_logprobs(model, batch, start, end, temperature)[0]
-            out[int(batch.cu_seqlens[start]):int(batch.cu_seqlens[end])] = lp.float().cpu()
+            out[int(batch.cu_seqlens[start]) : int(batch.cu_seqlens[end])] = lp.float().cpu()
         model.train(was_training)
         if self.world_size > 1:
             dist.all_reduce(out)  # ranks own disjoint token ranges, zeros elsewhere
         return out
 
-    def _loss_inputs(self, rl: RLStep, start: int, end: int, old_lp: torch.Tensor | None,
-                     ref_lp: torch.Tensor | None) -> LossInputs:
+    def _loss_inputs(
+        self, rl: RLStep, start: int, end: int, old_lp: torch.Tensor | None, ref_lp: torch.Tensor | None
+    ) -> LossInputs:
         lc = self.algorithm.loss
         batch = rl.batch
         want_entropy = self.config.compute_entropy or lc.entropy_coef != 0
-        lp, ent, seq_index = self._forward_logprobs(self.model, batch, start, end, rl.temperature,
-                                                    entropy=want_entropy, entropy_grad=lc.entropy_coef != 0)
+        lp, ent, seq_index = self._forward_logprobs(
+            self.model,
+            batch,
+            start,
+            end,
+            rl.temperature,
+            entropy=want_entropy,
+            entropy_grad=lc.entropy_coef != 0,
+        )
         tl, th = int(batch.cu_seqlens[start]), int(batch.cu_seqlens[end])
         dev = self.device
 
@@ -341,20 +405,35 @@ class TorchTrainer:
             return None if x is None else x[tl:th].to(dev)
 
         return LossInputs(
-            logprobs=lp, old_logprobs=sl(old_lp) if old_lp is not None else lp.detach(),
-            advantages=sl(rl.adv_tok), loss_mask=sl(batch.loss_mask), seq_index=seq_index,
-            rollout_logprobs=sl(batch.rollout_logprobs), ref_logprobs=sl(ref_lp), entropy=ent,
-            turn_index=sl(batch.turn_index))
+            logprobs=lp,
+            old_logprobs=sl(old_lp) if old_lp is not None else lp.detach(),
+            advantages=sl(rl.adv_tok),
+            loss_mask=sl(batch.loss_mask),
+            seq_index=seq_index,
+            rollout_logprobs=sl(batch.rollout_logprobs),
+            ref_logprobs=sl(ref_lp),
+            entropy=ent,
+            turn_index=sl(batch.turn_index),
+        )
 
-    def _forward_logprobs(self, model: nn.Module, batch: TrajectoryBatch, start: int, end: int,
-                          temperature: float, *, entropy: bool = False, entropy_grad: bool = False
-                          ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    def _forward_logprobs(
+        self,
+        model: nn.Module,
+        batch: TrajectoryBatch,
+        start: int,
+        end: int,
+        temperature: float,
+        *,
+        entropy: bool = False,
+        entropy_grad: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Forward sequences ``[start, end)``; per-token logprobs (and entropy), packed order, on device."""
-        cu = batch.cu_seqlens[start:end + 1] - batch.cu_seqlens[start]
+        cu = batch.cu_seqlens[start : end + 1] - batch.cu_seqlens[start]
         tl, th = int(batch.cu_seqlens[start]), int(batch.cu_seqlens[end])
         ids = batch.token_ids[tl:th].to(self.device)
-        lp, ent = hf_token_logprobs(model, ids, cu, temperature, packing=self.packing, pad_token_id=self.pad_token_id,
-                                    entropy=entropy)
+        lp, ent = hf_token_logprobs(
+            model, ids, cu, temperature, packing=self.packing, pad_token_id=self.pad_token_id, entropy=entropy
+        )
         if ent is not None and not entropy_grad:
             ent = ent.detach()
         lengths = (cu[1:] - cu[:-1]).to(self.device)
@@ -396,8 +475,9 @@ class TorchTrainer:
         if self.fsdp:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-            return get_optimizer_state_dict(self.model, self.optimizer,
-                                            options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            return get_optimizer_state_dict(
+                self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            )
         return self.optimizer.state_dict()
 
     def _load_model_state(self, state: dict[str, torch.Tensor]) -> None:
@@ -418,8 +498,9 @@ class TorchTrainer:
         if self.fsdp:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-            set_optimizer_state_dict(self.model, self.optimizer, state,
-                                     options=StateDictOptions(full_state_dict=True))
+            set_optimizer_state_dict(
+                self.model, self.optimizer, state, options=StateDictOptions(full_state_dict=True)
+            )
         else:
             self.optimizer.load_state_dict(state)
 
@@ -429,8 +510,9 @@ class TorchTrainer:
 
 #: Model families whose causal-LM logits are exactly ``lm_head(final hidden states)`` (no soft-capping or
 #: scaling after the head): for these the head is applied chunk by chunk by `token_logprobs_from_hidden`.
-FUSED_HEAD_FAMILIES: frozenset[str] = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3",
-                                                 "qwen3_moe"})
+FUSED_HEAD_FAMILIES: frozenset[str] = frozenset(
+    {"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"}
+)
 
 
 def fused_lm_head(model: nn.Module) -> nn.Linear | None:
@@ -444,9 +526,16 @@ def fused_lm_head(model: nn.Module) -> nn.Linear | None:
     return None
 
 
-def hf_token_logprobs(model: nn.Module, token_ids: torch.Tensor, cu_seqlens: torch.Tensor, temperature: float, *,
-                      packing: str = "padded", pad_token_id: int = 0, entropy: bool = False
-                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def hf_token_logprobs(
+    model: nn.Module,
+    token_ids: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    temperature: float,
+    *,
+    packing: str = "padded",
+    pad_token_id: int = 0,
+    entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Forward packed sequences through an HF causal LM; each token's logprob (and entropy) in packed order.
 
     ``token_ids``: ``[T]`` (on the model's device), the sequences back to back; ``cu_seqlens``: ``[n + 1]``
@@ -493,8 +582,9 @@ def hf_token_logprobs(model: nn.Module, token_ids: torch.Tensor, cu_seqlens: tor
         return lp, (shifted_entropy(logits, starts, temperature) if entropy else None)
     with lm_head_bypassed(head) as captured:
         model(**kwargs)
-    return token_logprobs_from_hidden(unpad(captured[0]), head.weight, token_ids, starts, temperature,
-                                      entropy=entropy)
+    return token_logprobs_from_hidden(
+        unpad(captured[0]), head.weight, token_ids, starts, temperature, entropy=entropy
+    )
 
 
 def _params_to_bf16(model: nn.Module) -> None:
@@ -510,8 +600,11 @@ def _apply_fsdp2(model: nn.Module, device: torch.device, *, bf16: bool) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if bf16
         else MixedPrecisionPolicy()
+    )
     no_split = set(getattr(model, "_no_split_modules", None) or [])
     for module in model.modules():
         if type(module).__name__ in no_split:

@@ -103,15 +103,21 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.kv_cache_fraction is not None:
             if self.kind != "embedded":
-                raise ConfigError("kv_cache_fraction", "sizes the embedded engine's KV cache; SGLang servers take "
-                                  "theirs from `miles rollout --mem-fraction`")
+                raise ConfigError(
+                    "kv_cache_fraction",
+                    "sizes the embedded engine's KV cache; SGLang servers take "
+                    "theirs from `miles rollout --mem-fraction`",
+                )
             if not 0 < self.kv_cache_fraction <= 1:
                 raise ConfigError("kv_cache_fraction", f"must be in (0, 1], got {self.kv_cache_fraction}")
         if self.kind != "embedded" and not self.urls:
-            raise ConfigError("urls", f"engine kind {self.kind!r} needs the servers' URLs (`miles rollout` "
-                              "prints them)")
+            raise ConfigError(
+                "urls", f"engine kind {self.kind!r} needs the servers' URLs (`miles rollout` prints them)"
+            )
         if self.kind == "embedded" and self.urls:
-            raise ConfigError("urls", "URLs are for engine kinds sglang and router; remove them or set engine.kind")
+            raise ConfigError(
+                "urls", "URLs are for engine kinds sglang and router; remove them or set engine.kind"
+            )
         if self.router_url is not None and self.kind != "router":
             raise ConfigError("router_url", "only engine kind 'router' uses a router URL")
         if self.num_engines < 1:
@@ -217,7 +223,9 @@ def check_output_dir(path: str) -> None:
         raise ConfigError("output_dir", "is empty; name the run's folder, e.g. runs/my-run")
     resolved = Path(path).expanduser().resolve()
     if resolved in (Path.cwd(), Path("/")):
-        raise ConfigError("output_dir", f"{path!r} is {resolved}; a run needs a folder of its own, e.g. runs/my-run")
+        raise ConfigError(
+            "output_dir", f"{path!r} is {resolved}; a run needs a folder of its own, e.g. runs/my-run"
+        )
     if any(resolved == Path(p) or Path(p) in resolved.parents for p in ("/proc", "/sys", "/dev")):
         raise ConfigError("output_dir", f"{path!r} is under a system folder; give a folder on disk")
     if resolved.exists() and not resolved.is_dir():
@@ -229,13 +237,18 @@ def _check_backend_sections(cfg: TrainConfig) -> None:
     if cfg.backend == "torch":
         for key in ("tp", "pp"):
             if getattr(cfg.parallel, key) > 1:
-                raise ConfigError(f"parallel.{key}", "the torch backend parallelizes data only (FSDP2, "
-                                                     "parallel.dp); set it to 1, or set backend: megatron")
+                raise ConfigError(
+                    f"parallel.{key}",
+                    "the torch backend parallelizes data only (FSDP2, "
+                    "parallel.dp); set it to 1, or set backend: megatron",
+                )
     other, section = ("megatron", cfg.megatron) if cfg.backend == "torch" else ("torch", cfg.torch)
     changed = changed_knobs(section)
     if changed:
-        raise ConfigError(f"{other}.{changed[0]}", f"a {other}-backend setting, but backend is {cfg.backend}: "
-                                                   f"remove it, or set backend: {other}")
+        raise ConfigError(
+            f"{other}.{changed[0]}",
+            f"a {other}-backend setting, but backend is {cfg.backend}: remove it, or set backend: {other}",
+        )
 
 
 #: `algorithm.loss.tis_cap` of an asynchronous run with `max_staleness > 0` whose loss takes the ratio against
@@ -363,24 +376,39 @@ class TrainConfig:
         check_output_dir(self.output_dir)
         check_adapters(self)
         if self.asynchronous.enabled and self.rollout.agent.enabled:
-            raise ConfigError("async.enabled", "the asynchronous loop runs the env's sessions itself; it does not "
-                              "drive an external agent (rollout.agent) yet")
+            raise ConfigError(
+                "async.enabled",
+                "the asynchronous loop runs the env's sessions itself; it does not "
+                "drive an external agent (rollout.agent) yet",
+            )
         if self.rollout.scheduler.oversample_groups and (self.rollout.agent.enabled or self.adapters):
-            raise ConfigError("rollout.scheduler.oversample_groups", "over-sampling drops the slowest groups of "
-                              "the scheduler's steps; external agents and adapters run every group they start: "
-                              "set it to 0")
+            raise ConfigError(
+                "rollout.scheduler.oversample_groups",
+                "over-sampling drops the slowest groups of "
+                "the scheduler's steps; external agents and adapters run every group they start: "
+                "set it to 0",
+            )
         if self.asynchronous.enabled and self.rollout.scheduler.oversample_groups:
-            raise ConfigError("async.enabled", "the asynchronous loop keeps every group it starts; set "
-                              "rollout.scheduler.oversample_groups: 0")
+            raise ConfigError(
+                "async.enabled",
+                "the asynchronous loop keeps every group it starts; set "
+                "rollout.scheduler.oversample_groups: 0",
+            )
         try:
             self.rollout.scheduler.validate()
         except ValueError as exc:
             raise ConfigError("rollout.scheduler", str(exc)) from exc
         _check_backend_sections(self)
         loss = self.algorithm.loss
-        if self.asynchronous.enabled and self.asynchronous.max_staleness > 0 and not loss.needs_rollout_logprobs:
+        if (
+            self.asynchronous.enabled
+            and self.asynchronous.max_staleness > 0
+            and not loss.needs_rollout_logprobs
+        ):
             if loss.ratio_to is None:
-                loss = dataclasses.replace(loss, ratio_to="rollout", dual_clip_c=loss.dual_clip_c or ASYNC_DUAL_CLIP_C)
+                loss = dataclasses.replace(
+                    loss, ratio_to="rollout", dual_clip_c=loss.dual_clip_c or ASYNC_DUAL_CLIP_C
+                )
             else:
                 loss = dataclasses.replace(loss, tis_cap=ASYNC_TIS_CAP)
             self.algorithm = dataclasses.replace(self.algorithm, loss=loss)

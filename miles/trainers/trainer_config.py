@@ -97,7 +97,9 @@ class TrainerConfig:
 
     def for_sft(self, lr: float, *, warmup_steps: int = 0) -> TrainerConfig:
         """The same settings with a constant schedule at `lr` after `warmup_steps` (SFT's own optimizer)."""
-        return dataclasses.replace(self, lr=lr, lr_schedule="constant", total_steps=None, warmup_steps=warmup_steps)
+        return dataclasses.replace(
+            self, lr=lr, lr_schedule="constant", total_steps=None, warmup_steps=warmup_steps
+        )
 
 
 @dataclass(frozen=True)
@@ -195,4 +197,6 @@ def lr_lambda(step: int, config: TrainerConfig) -> float:
 def changed_knobs(options: TorchOptions | MegatronOptions) -> list[str]:
     """The fields of a backend's options that differ from their defaults (knobs the user set)."""
     default = type(options)()
-    return [f.name for f in dataclasses.fields(options) if getattr(options, f.name) != getattr(default, f.name)]
+    return [
+        f.name for f in dataclasses.fields(options) if getattr(options, f.name) != getattr(default, f.name)
+    ]

@@ -62,7 +62,9 @@ def _failure(exc: BaseException) -> _Reply:
 
 
 def _serve(build: Callable[..., Any], args: tuple[Any, ...], conn: Any, threads: int) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the parent ends this one
+    signal.signal(
+        signal.SIGINT, signal.SIG_IGN
+    )  # Ctrl-C reaches the whole process group; the parent ends this one
     torch.set_num_threads(threads)
     try:
         trainer = build(*args)
@@ -102,12 +104,17 @@ class TrainerProcess:
     calls from several threads take turns.
     """
 
-    def __init__(self, build: Callable[..., Any], *args: Any, threads: int | None = None,
-                 name: str = "miles-trainer") -> None:
+    def __init__(
+        self, build: Callable[..., Any], *args: Any, threads: int | None = None, name: str = "miles-trainer"
+    ) -> None:
         ctx = torch_mp.get_context("spawn")  # the model argument: CPU tensors in shared memory
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, name=name, daemon=True,
-                                 args=(build, args, child, threads or torch.get_num_threads()))
+        self._proc = ctx.Process(
+            target=_serve,
+            name=name,
+            daemon=True,
+            args=(build, args, child, threads or torch.get_num_threads()),
+        )
         self._proc.start()
         child.close()
         self._lock = threading.Lock()
@@ -127,9 +134,12 @@ class TrainerProcess:
                 raise TrainerProcessError(
                     f"the trainer process exited (exit code {self._proc.exitcode}) while starting (its output is "
                     "above); a script that starts a run when imported must do so under `if __name__ == "
-                    "\"__main__\":`, since the new process imports the script again") from None
-            raise TrainerProcessError(f"the trainer process exited (exit code {self._proc.exitcode}) during "
-                                      f"{what}; continue the run with --resume") from None
+                    '"__main__":`, since the new process imports the script again'
+                ) from None
+            raise TrainerProcessError(
+                f"the trainer process exited (exit code {self._proc.exitcode}) during "
+                f"{what}; continue the run with --resume"
+            ) from None
 
     @staticmethod
     def _answer(reply: _Reply) -> Any:
@@ -142,8 +152,10 @@ class TrainerProcess:
         """`trainer.method(*args, **kwargs)` in the trainer process (with `threads` torch threads from then on)."""
         with self._lock:
             if not self._proc.is_alive():
-                raise TrainerProcessError(f"the trainer process exited (exit code {self._proc.exitcode}); "
-                                          "continue the run with --resume")
+                raise TrainerProcessError(
+                    f"the trainer process exited (exit code {self._proc.exitcode}); "
+                    "continue the run with --resume"
+                )
             try:
                 _send(self._conn, _Call(method, args, kwargs, threads))
             except OSError:

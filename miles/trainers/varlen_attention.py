@@ -22,22 +22,31 @@ BUCKET_RATIO = 0.5
 _registered = False
 
 
-def varlen_sdpa_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                        attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                        **kwargs: Any) -> tuple[torch.Tensor, None]:
+def varlen_sdpa_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """HF attention-interface function; ``query`` is ``[1, H, L, D]``, ``key``/``value`` ``[1, Hkv, L, D]``."""
     cu = kwargs.get("cu_seq_lens_q")
     if cu is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     p = dropout if module.training else 0.0
     gqa = query.shape[1] != key.shape[1]
     layout = _row_layout(cu)
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, heads, D]
     outs = []
     for bucket in layout.buckets:
+
         def rows(tokens: torch.Tensor, b: _Bucket = bucket) -> torch.Tensor:  # -> [n, heads, longest, D]
             picked = tokens.index_select(0, b.tokens)
             padded = picked.new_zeros(b.count * b.longest, *picked.shape[1:]).index_copy(0, b.slots, picked)
@@ -45,8 +54,9 @@ def varlen_sdpa_forward(module: nn.Module, query: torch.Tensor, key: torch.Tenso
 
         # Causal attention never looks right, so a right-padded row needs no mask: its real queries see only
         # real keys, and the padded queries' outputs are dropped.
-        out = F.scaled_dot_product_attention(rows(q), rows(k), rows(v), dropout_p=p, is_causal=True,
-                                             scale=scaling, enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(
+            rows(q), rows(k), rows(v), dropout_p=p, is_causal=True, scale=scaling, enable_gqa=gqa
+        )
         outs.append(out.transpose(1, 2).reshape(-1, out.size(1), out.size(-1)).index_select(0, bucket.slots))
     out = torch.cat(outs) if len(outs) > 1 else outs[0]
     if layout.inverse is not None:

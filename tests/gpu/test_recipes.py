@@ -19,14 +19,28 @@ import torch
 
 from miles.cli import main
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU recipes need a CUDA device")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU recipes need a CUDA device"),
+]
 REPO = Path(__file__).resolve().parents[2]
 
 
 def _run(config: str, seed: int, out: Path) -> dict:
-    assert main(["train", "--config", str(REPO / "configs" / config), "--seed", str(seed),
-                 "--output-dir", str(out)]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--config",
+                str(REPO / "configs" / config),
+                "--seed",
+                str(seed),
+                "--output-dir",
+                str(out),
+            ]
+        )
+        == 0
+    )
     summary = json.loads((out / "summary.json").read_text())
     keep = os.environ.get("MILES_GPU_OUT")
     if keep:

@@ -21,7 +21,20 @@ from miles.trainers.megatron.trainer import MegatronTrainer
 from miles.trainers.trainer_config import MegatronOptions, MegatronTrainerConfig
 
 __all__ = [
-    "ConversionError", "MegatronOptions", "MegatronTrainer", "MegatronTrainerConfig", "ModelLayout",
-    "UnsupportedModelError", "build_gpt_model", "cpu_compat", "disable_cpu_compat", "enable_cpu_compat",
-    "hf_to_megatron", "layer_spec", "layout_from_hf", "megatron_to_hf", "pad_vocab_size", "transformer_config",
+    "ConversionError",
+    "MegatronOptions",
+    "MegatronTrainer",
+    "MegatronTrainerConfig",
+    "ModelLayout",
+    "UnsupportedModelError",
+    "build_gpt_model",
+    "cpu_compat",
+    "disable_cpu_compat",
+    "enable_cpu_compat",
+    "hf_to_megatron",
+    "layer_spec",
+    "layout_from_hf",
+    "megatron_to_hf",
+    "pad_vocab_size",
+    "transformer_config",
 ]

@@ -137,8 +137,21 @@ class _CpuCuda:
     Stream = _CpuStream
 
 
-_FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn", "as_tensor",
-              "zeros_like", "ones_like", "empty_like", "full_like")
+_FACTORIES = (
+    "tensor",
+    "zeros",
+    "ones",
+    "empty",
+    "full",
+    "arange",
+    "rand",
+    "randn",
+    "as_tensor",
+    "zeros_like",
+    "ones_like",
+    "empty_like",
+    "full_like",
+)
 
 
 class _CpuTorch(types.ModuleType):
@@ -160,8 +173,9 @@ class CpuGlobalMemoryBuffer:
     def __init__(self) -> None:
         self.buffer: dict[tuple[str, torch.dtype], torch.Tensor] = {}
 
-    def get_tensor(self, tensor_shape: Any, dtype: torch.dtype, name: str, mem_alloc_context: Any = None
-                   ) -> torch.Tensor:
+    def get_tensor(
+        self, tensor_shape: Any, dtype: torch.dtype, name: str, mem_alloc_context: Any = None
+    ) -> torch.Tensor:
         """A view of shape `tensor_shape` into the buffer `name`, growing it when too small."""
         required = reduce(operator.mul, tensor_shape, 1)
         buf = self.buffer.get((name, dtype))
@@ -238,8 +252,11 @@ def cpu_model_parallel_seed(seed: int) -> None:
     tracker.add(mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024 + 100 * ep_rank + etp_rank)
 
 
-_CUDA_TYPE_NAMES = {torch.float32: "torch.cuda.FloatTensor", torch.float16: "torch.cuda.HalfTensor",
-                    torch.bfloat16: "torch.cuda.BFloat16Tensor"}
+_CUDA_TYPE_NAMES = {
+    torch.float32: "torch.cuda.FloatTensor",
+    torch.float16: "torch.cuda.HalfTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+}
 
 
 def label_params_as_cuda(module: torch.nn.Module) -> None:
@@ -261,8 +278,9 @@ def label_params_as_cuda(module: torch.nn.Module) -> None:
         p.type = typed  # type: ignore[method-assign]
 
 
-def _clip_grad_by_total_norm_fp32(parameters: Any, max_norm: float, total_norm: float,
-                                  use_decoupled_grad: bool = False) -> None:
+def _clip_grad_by_total_norm_fp32(
+    parameters: Any, max_norm: float, total_norm: float, use_decoupled_grad: bool = False
+) -> None:
     """``clip_grad_by_total_norm_fp32`` without the CUDA tensor-type assertion."""
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]

@@ -65,8 +65,9 @@ def _pad_vocab(t: torch.Tensor, layout: ModelLayout) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
 
 
-def qkv_to_megatron(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: ModelLayout, tp: int,
-                    rank: int) -> torch.Tensor:
+def qkv_to_megatron(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: ModelLayout, tp: int, rank: int
+) -> torch.Tensor:
     """HF q/k/v projections (weights ``[out, h]`` or biases ``[out]``) -> rank's grouped ``linear_qkv`` tensor."""
     g, hpg, d = layout.num_query_groups, layout.heads_per_group, layout.head_dim
     tail = q.shape[1:]
@@ -78,19 +79,32 @@ def qkv_to_megatron(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: M
     return local.reshape(-1, *tail)
 
 
-def qkv_to_hf(shards: Sequence[torch.Tensor], layout: ModelLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def qkv_to_hf(
+    shards: Sequence[torch.Tensor], layout: ModelLayout
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Inverse of `qkv_to_megatron` over all TP shards: (q, k, v)."""
     g, hpg, d = layout.num_query_groups, layout.heads_per_group, layout.head_dim
     tail = shards[0].shape[1:]
     fused = torch.cat(list(shards), dim=0).reshape(g, (hpg + 2) * d, *tail)
     q, k, v = fused.split([hpg * d, d, d], dim=1)
-    return (q.reshape(g * hpg * d, *tail).clone(), k.reshape(g * d, *tail).clone(),
-            v.reshape(g * d, *tail).clone())
+    return (
+        q.reshape(g * hpg * d, *tail).clone(),
+        k.reshape(g * d, *tail).clone(),
+        v.reshape(g * d, *tail).clone(),
+    )
 
 
-def hf_to_megatron(hf: dict[str, torch.Tensor], layout: ModelLayout, *, tp_size: int = 1, tp_rank: int = 0,
-                   layers: Iterable[int] | None = None, first_stage: bool = True, last_stage: bool = True,
-                   te_norms: bool = False) -> dict[str, torch.Tensor]:
+def hf_to_megatron(
+    hf: dict[str, torch.Tensor],
+    layout: ModelLayout,
+    *,
+    tp_size: int = 1,
+    tp_rank: int = 0,
+    layers: Iterable[int] | None = None,
+    first_stage: bool = True,
+    last_stage: bool = True,
+    te_norms: bool = False,
+) -> dict[str, torch.Tensor]:
     """One rank's Megatron state dict. `layers` are the *global* layer indices this stage owns, in order;
     they become local indices 0..n-1 as in megatron's per-stage ``GPTModel``."""
     tp, r = tp_size, tp_rank
@@ -109,16 +123,30 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], layout: ModelLayout, *, tp_size:
                 out[dst + mg_name] = _get(hf, src + hf_name).clone()
         attn = src + "self_attn."
         out[dst + "self_attention.linear_qkv.weight"] = qkv_to_megatron(
-            _get(hf, attn + "q_proj.weight"), _get(hf, attn + "k_proj.weight"), _get(hf, attn + "v_proj.weight"),
-            layout, tp, r)
+            _get(hf, attn + "q_proj.weight"),
+            _get(hf, attn + "k_proj.weight"),
+            _get(hf, attn + "v_proj.weight"),
+            layout,
+            tp,
+            r,
+        )
         if layout.qkv_bias:
             out[dst + "self_attention.linear_qkv.bias"] = qkv_to_megatron(
-                _get(hf, attn + "q_proj.bias"), _get(hf, attn + "k_proj.bias"), _get(hf, attn + "v_proj.bias"),
-                layout, tp, r)
+                _get(hf, attn + "q_proj.bias"),
+                _get(hf, attn + "k_proj.bias"),
+                _get(hf, attn + "v_proj.bias"),
+                layout,
+                tp,
+                r,
+            )
         out[dst + "self_attention.linear_proj.weight"] = _chunk(_get(hf, attn + "o_proj.weight"), tp, r, 1)
         mlp = src + "mlp."
-        out[dst + "mlp.linear_fc1.weight"] = torch.cat([
-            _chunk(_get(hf, mlp + "gate_proj.weight"), tp, r, 0), _chunk(_get(hf, mlp + "up_proj.weight"), tp, r, 0)])
+        out[dst + "mlp.linear_fc1.weight"] = torch.cat(
+            [
+                _chunk(_get(hf, mlp + "gate_proj.weight"), tp, r, 0),
+                _chunk(_get(hf, mlp + "up_proj.weight"), tp, r, 0),
+            ]
+        )
         out[dst + "mlp.linear_fc2.weight"] = _chunk(_get(hf, mlp + "down_proj.weight"), tp, r, 1)
     if last_stage:
         out["decoder.final_layernorm.weight"] = _get(hf, "model.norm.weight").clone()
@@ -129,8 +157,13 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], layout: ModelLayout, *, tp_size:
     return out
 
 
-def megatron_to_hf(shards: Sequence[dict[str, torch.Tensor]], layout: ModelLayout, *,
-                   layers: Iterable[int] | None = None, te_norms: bool = False) -> dict[str, torch.Tensor]:
+def megatron_to_hf(
+    shards: Sequence[dict[str, torch.Tensor]],
+    layout: ModelLayout,
+    *,
+    layers: Iterable[int] | None = None,
+    te_norms: bool = False,
+) -> dict[str, torch.Tensor]:
     """Merge one pipeline stage's TP shards (``shards[r]`` from TP rank r) into HF tensors.
 
     `layers` maps local layer indices to global ones. Tensors the stage does not hold are simply absent; with
@@ -144,7 +177,9 @@ def megatron_to_hf(shards: Sequence[dict[str, torch.Tensor]], layout: ModelLayou
         return torch.cat([_get(s, name) for s in shards], dim=dim)
 
     if "embedding.word_embeddings.weight" in first:
-        hf["model.embed_tokens.weight"] = cat("embedding.word_embeddings.weight", 0)[: layout.vocab_size].clone()
+        hf["model.embed_tokens.weight"] = cat("embedding.word_embeddings.weight", 0)[
+            : layout.vocab_size
+        ].clone()
     for local, i in enumerate(layers):
         src, dst = _MG_LAYER.format(i=local), _HF_LAYER.format(i=i)
         if src + "self_attention.linear_qkv.weight" not in first:
@@ -161,7 +196,9 @@ def megatron_to_hf(shards: Sequence[dict[str, torch.Tensor]], layout: ModelLayou
             q, k, v = qkv_to_hf([_get(s, src + "self_attention.linear_qkv.bias") for s in shards], layout)
             hf[attn + "q_proj.bias"], hf[attn + "k_proj.bias"], hf[attn + "v_proj.bias"] = q, k, v
         hf[attn + "o_proj.weight"] = cat(src + "self_attention.linear_proj.weight", 1)
-        gates, ups = zip(*[_get(s, src + "mlp.linear_fc1.weight").chunk(2, dim=0) for s in shards], strict=True)
+        gates, ups = zip(
+            *[_get(s, src + "mlp.linear_fc1.weight").chunk(2, dim=0) for s in shards], strict=True
+        )
         hf[dst + "mlp.gate_proj.weight"] = torch.cat(gates, dim=0)
         hf[dst + "mlp.up_proj.weight"] = torch.cat(ups, dim=0)
         hf[dst + "mlp.down_proj.weight"] = cat(src + "mlp.linear_fc2.weight", 1)
@@ -174,8 +211,15 @@ def megatron_to_hf(shards: Sequence[dict[str, torch.Tensor]], layout: ModelLayou
 
 def tp_partition_dim(name: str) -> int | None:
     """The dimension along which Megatron shards tensor `name` across TP ranks (None: replicated)."""
-    if name.endswith(("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight", "word_embeddings.weight",
-                      "output_layer.weight")):
+    if name.endswith(
+        (
+            "linear_qkv.weight",
+            "linear_qkv.bias",
+            "linear_fc1.weight",
+            "word_embeddings.weight",
+            "output_layer.weight",
+        )
+    ):
         return 0
     if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
         return 1

@@ -46,9 +46,16 @@ def output_weight(model: nn.Module) -> torch.Tensor:
     return gpt.output_layer.weight
 
 
-def head_logprobs(model: nn.Module, hidden: torch.Tensor, token_ids: torch.Tensor, seq_starts: torch.Tensor,
-                  vocab_size: int, temperature: float = 1.0, *, entropy: bool = False
-                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def head_logprobs(
+    model: nn.Module,
+    hidden: torch.Tensor,
+    token_ids: torch.Tensor,
+    seq_starts: torch.Tensor,
+    vocab_size: int,
+    temperature: float = 1.0,
+    *,
+    entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs ``[T]`` (and entropies) of the packed tokens from `model`'s final hidden states ``[T, 1, h]``
     (or ``[T, h]``), through its output weight; every TP rank gets the full-vocabulary values."""
     from megatron.core import parallel_state
@@ -62,5 +69,14 @@ def head_logprobs(model: nn.Module, hidden: torch.Tensor, token_ids: torch.Tenso
         hidden = copy_to_tensor_model_parallel_region(hidden)
         group = parallel_state.get_tensor_model_parallel_group()
     start = parallel_state.get_tensor_model_parallel_rank() * weight.size(0)
-    return token_logprobs_from_hidden(hidden, weight, token_ids, seq_starts, temperature, entropy=entropy,
-                                      vocab_start=start, vocab_size=vocab_size, group=group)
+    return token_logprobs_from_hidden(
+        hidden,
+        weight,
+        token_ids,
+        seq_starts,
+        temperature,
+        entropy=entropy,
+        vocab_start=start,
+        vocab_size=vocab_size,
+        group=group,
+    )

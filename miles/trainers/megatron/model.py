@@ -83,45 +83,85 @@ def layout_from_hf(hf_config: Any, *, tp_size: int = 1, vocab_divisible_by: int 
     groups = getattr(hf_config, "num_key_value_heads", None) or heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     if heads % groups:
-        raise UnsupportedModelError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={groups}")
+        raise UnsupportedModelError(
+            f"num_attention_heads={heads} is not a multiple of num_key_value_heads={groups}"
+        )
     if groups % tp_size:
-        raise UnsupportedModelError(f"num_key_value_heads={groups} is not divisible by tensor parallel size {tp_size}")
+        raise UnsupportedModelError(
+            f"num_key_value_heads={groups} is not divisible by tensor parallel size {tp_size}"
+        )
     qkv_bias = family == "qwen2"  # Qwen2 has q/k/v biases and no o_proj bias
     if family != "qwen2" and getattr(hf_config, "attention_bias", False):
         raise UnsupportedModelError("attention_bias=True (biases on q/k/v *and* o_proj) is not supported")
     if getattr(hf_config, "use_sliding_window", False):
         raise UnsupportedModelError("sliding-window attention is not supported")
     return ModelLayout(
-        family=family, num_layers=hf_config.num_hidden_layers, hidden_size=hf_config.hidden_size,
-        ffn_hidden_size=hf_config.intermediate_size, num_attention_heads=heads, num_query_groups=groups,
-        head_dim=head_dim, vocab_size=hf_config.vocab_size,
+        family=family,
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        ffn_hidden_size=hf_config.intermediate_size,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        head_dim=head_dim,
+        vocab_size=hf_config.vocab_size,
         padded_vocab_size=pad_vocab_size(hf_config.vocab_size, tp_size, vocab_divisible_by),
-        tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)), qkv_bias=qkv_bias,
-        qk_norm=family == "qwen3", rope_theta=_rope_theta(hf_config), rms_norm_eps=float(hf_config.rms_norm_eps),
+        tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        qkv_bias=qkv_bias,
+        qk_norm=family == "qwen3",
+        rope_theta=_rope_theta(hf_config),
+        rms_norm_eps=float(hf_config.rms_norm_eps),
         max_position_embeddings=int(getattr(hf_config, "max_position_embeddings", 4096)),
-        initializer_range=float(getattr(hf_config, "initializer_range", 0.02)))
+        initializer_range=float(getattr(hf_config, "initializer_range", 0.02)),
+    )
 
 
-def transformer_config(layout: ModelLayout, *, tp_size: int = 1, pp_size: int = 1,
-                       params_dtype: torch.dtype = torch.float32, **overrides: Any):
+def transformer_config(
+    layout: ModelLayout,
+    *,
+    tp_size: int = 1,
+    pp_size: int = 1,
+    params_dtype: torch.dtype = torch.float32,
+    **overrides: Any,
+):
     """The megatron-core ``TransformerConfig`` for `layout` (no dropout, no fusions that need CUDA kernels)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     on_gpu = torch.cuda.is_available()
     kwargs: dict[str, Any] = dict(
-        num_layers=layout.num_layers, hidden_size=layout.hidden_size, ffn_hidden_size=layout.ffn_hidden_size,
-        num_attention_heads=layout.num_attention_heads, num_query_groups=layout.num_query_groups,
-        kv_channels=layout.head_dim, normalization="RMSNorm", layernorm_epsilon=layout.rms_norm_eps,
-        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=layout.qkv_bias,
-        qk_layernorm=layout.qk_norm, hidden_dropout=0.0, attention_dropout=0.0,
+        num_layers=layout.num_layers,
+        hidden_size=layout.hidden_size,
+        ffn_hidden_size=layout.ffn_hidden_size,
+        num_attention_heads=layout.num_attention_heads,
+        num_query_groups=layout.num_query_groups,
+        kv_channels=layout.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=layout.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=layout.qkv_bias,
+        qk_layernorm=layout.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
         init_method_std=layout.initializer_range,
-        tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=pp_size,
-        sequence_parallel=False, params_dtype=params_dtype, pipeline_dtype=params_dtype,
-        bf16=params_dtype == torch.bfloat16, fp16=params_dtype == torch.float16,
-        use_cpu_initialization=not on_gpu, perform_initialization=True,
-        bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
-        bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
-        attention_softmax_in_fp32=True, variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",
+        tensor_model_parallel_size=tp_size,
+        pipeline_model_parallel_size=pp_size,
+        sequence_parallel=False,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        use_cpu_initialization=not on_gpu,
+        perform_initialization=True,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        attention_softmax_in_fp32=True,
+        variable_seq_lengths=True,
+        moe_token_dispatcher_type="alltoall",
         deallocate_pipeline_outputs=False,
     )
     kwargs.update(overrides)
@@ -158,8 +198,14 @@ def supports_packing(attention: AttentionBackend) -> bool:
     return resolve_attention_backend(attention) in ("sdpa", "te")
 
 
-def build_gpt_model(layout: ModelLayout, config: Any, *, attention: AttentionBackend = "auto",
-                    pre_process: bool | None = None, post_process: bool | None = None):
+def build_gpt_model(
+    layout: ModelLayout,
+    config: Any,
+    *,
+    attention: AttentionBackend = "auto",
+    pre_process: bool | None = None,
+    post_process: bool | None = None,
+):
     """A ``GPTModel`` for this pipeline stage (stage flags default to ``parallel_state``'s view)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -169,10 +215,14 @@ def build_gpt_model(layout: ModelLayout, config: Any, *, attention: AttentionBac
     if post_process is None:
         post_process = parallel_state.is_pipeline_last_stage()
     return GPTModel(
-        config=config, transformer_layer_spec=layer_spec(layout, attention),
-        vocab_size=layout.padded_vocab_size, max_sequence_length=layout.max_position_embeddings,
-        pre_process=pre_process, post_process=post_process,
+        config=config,
+        transformer_layer_spec=layer_spec(layout, attention),
+        vocab_size=layout.padded_vocab_size,
+        max_sequence_length=layout.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
         share_embeddings_and_output_weights=layout.tied_embeddings,
-        position_embedding_type="rope", rotary_base=int(layout.rope_theta)
-        if float(layout.rope_theta).is_integer() else layout.rope_theta,
-        rotary_percent=1.0)
+        position_embedding_type="rope",
+        rotary_base=int(layout.rope_theta) if float(layout.rope_theta).is_integer() else layout.rope_theta,
+        rotary_percent=1.0,
+    )

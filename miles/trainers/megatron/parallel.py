@@ -50,7 +50,9 @@ def initialize_parallel(tp_size: int = 1, pp_size: int = 1, *, seed: int = 0) ->
     cpu = enable_cpu_compat()
     if ps.model_parallel_is_initialized():
         if (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()) != (
-                tp_size, pp_size):
+            tp_size,
+            pp_size,
+        ):
             raise ConfigError("parallel", "model parallelism is already initialized with other sizes")
     else:
         ps.initialize_model_parallel(tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=pp_size)
@@ -67,12 +69,22 @@ def initialize_parallel(tp_size: int = 1, pp_size: int = 1, *, seed: int = 0) ->
 def parallel_info() -> ParallelInfo:
     from megatron.core import parallel_state as ps
 
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
     return ParallelInfo(
-        world_size=dist.get_world_size(), rank=dist.get_rank(),
-        tp_size=ps.get_tensor_model_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
-        pp_size=ps.get_pipeline_model_parallel_world_size(), pp_rank=ps.get_pipeline_model_parallel_rank(),
-        dp_size=ps.get_data_parallel_world_size(), dp_rank=ps.get_data_parallel_rank(), device=device)
+        world_size=dist.get_world_size(),
+        rank=dist.get_rank(),
+        tp_size=ps.get_tensor_model_parallel_world_size(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_size=ps.get_pipeline_model_parallel_world_size(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        dp_size=ps.get_data_parallel_world_size(),
+        dp_rank=ps.get_data_parallel_rank(),
+        device=device,
+    )
 
 
 def destroy_parallel() -> None:

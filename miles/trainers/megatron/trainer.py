@@ -76,9 +76,15 @@ class MegatronTrainer:
     Call it on every rank of the job (all ranks construct it and call every method collectively).
     """
 
-    def __init__(self, model: nn.Module | str | os.PathLike | None = None,
-                 config: MegatronTrainerConfig | None = None, algorithm: AlgorithmConfig | None = None, *,
-                 hf_config: Any = None, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module | str | os.PathLike | None = None,
+        config: MegatronTrainerConfig | None = None,
+        algorithm: AlgorithmConfig | None = None,
+        *,
+        hf_config: Any = None,
+        state_dict: dict[str, torch.Tensor] | None = None,
+    ) -> None:
         self.config = cfg = config or MegatronTrainerConfig()
         self.algorithm = algorithm or AlgorithmConfig()
         if isinstance(model, str | os.PathLike):
@@ -94,12 +100,21 @@ class MegatronTrainer:
         self.info: ParallelInfo = initialize_parallel(cfg.tp, cfg.pp, seed=cfg.seed)
         self.layout = layout_from_hf(hf_config, tp_size=cfg.tp, vocab_divisible_by=cfg.vocab_divisible_by)
         on_gpu = self.info.device.type == "cuda"
-        self.dtype = torch.bfloat16 if cfg.precision == "bf16" or (cfg.precision == "auto" and on_gpu) \
+        self.dtype = (
+            torch.bfloat16
+            if cfg.precision == "bf16" or (cfg.precision == "auto" and on_gpu)
             else torch.float32
+        )
         self.attention = resolve_attention_backend(cfg.attention)
         self.packing = supports_packing(self.attention)
-        self.tconfig = transformer_config(self.layout, tp_size=cfg.tp, pp_size=cfg.pp, params_dtype=self.dtype,
-                                          calculate_per_token_loss=True, **_recompute_settings(cfg.recompute))
+        self.tconfig = transformer_config(
+            self.layout,
+            tp_size=cfg.tp,
+            pp_size=cfg.pp,
+            params_dtype=self.dtype,
+            calculate_per_token_loss=True,
+            **_recompute_settings(cfg.recompute),
+        )
         module = self._new_module()
         self.layer_ids = [layer.layer_number - 1 for layer in module.decoder.layers]
         if state_dict is not None:
@@ -125,14 +140,23 @@ class MegatronTrainer:
         return module
 
     def _load_hf(self, module: nn.Module, hf: dict[str, torch.Tensor]) -> None:
-        shard = hf_to_megatron(hf, self.layout, tp_size=self.info.tp_size, tp_rank=self.info.tp_rank,
-                               layers=self.layer_ids, first_stage=self.info.first_stage,
-                               last_stage=self.info.last_stage, te_norms=self.attention == "te")
+        shard = hf_to_megatron(
+            hf,
+            self.layout,
+            tp_size=self.info.tp_size,
+            tp_rank=self.info.tp_rank,
+            layers=self.layer_ids,
+            first_stage=self.info.first_stage,
+            last_stage=self.info.last_stage,
+            te_norms=self.attention == "te",
+        )
         own = {k for k in module.state_dict() if not k.endswith("_extra_state")}
         missing, unexpected = sorted(own - set(shard)), sorted(set(shard) - own)
         if missing or unexpected:
-            raise ConfigError("model", f"HF -> Megatron conversion mismatch: missing {missing[:5]}, "
-                                       f"unexpected {unexpected[:5]}")
+            raise ConfigError(
+                "model",
+                f"HF -> Megatron conversion mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}",
+            )
         module.load_state_dict({k: v.to(self.dtype) for k, v in shard.items()}, strict=False)
 
     def _wrap(self, module: nn.Module) -> None:
@@ -141,9 +165,13 @@ class MegatronTrainer:
         cfg = self.config
         label_params_as_cuda(module)
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=cfg.grad_reduce_in_fp32, overlap_grad_reduce=False, overlap_param_gather=False,
-            use_distributed_optimizer=cfg.distributed_optimizer, check_for_nan_in_grad=False,
-            average_in_collective=False)
+            grad_reduce_in_fp32=cfg.grad_reduce_in_fp32,
+            overlap_grad_reduce=False,
+            overlap_param_gather=False,
+            use_distributed_optimizer=cfg.distributed_optimizer,
+            check_for_nan_in_grad=False,
+            average_in_collective=False,
+        )
         self.ddp = DistributedDataParallel(config=self.tconfig, ddp_config=ddp_config, module=module)
         self.tconfig.no_sync_func = self.ddp.no_sync
         self.tconfig.finalize_model_grads_func = _finalize_grads
@@ -154,10 +182,18 @@ class MegatronTrainer:
 
         cfg = self.config
         opt_config = OptimizerConfig(
-            optimizer="adam", lr=schedule.lr, min_lr=0.0, weight_decay=cfg.weight_decay, adam_beta1=cfg.betas[0],
-            adam_beta2=cfg.betas[1], adam_eps=cfg.adam_eps, clip_grad=cfg.max_grad_norm or 0.0,
-            bf16=self.dtype == torch.bfloat16, params_dtype=self.dtype,
-            use_distributed_optimizer=cfg.distributed_optimizer)
+            optimizer="adam",
+            lr=schedule.lr,
+            min_lr=0.0,
+            weight_decay=cfg.weight_decay,
+            adam_beta1=cfg.betas[0],
+            adam_beta2=cfg.betas[1],
+            adam_eps=cfg.adam_eps,
+            clip_grad=cfg.max_grad_norm or 0.0,
+            bf16=self.dtype == torch.bfloat16,
+            params_dtype=self.dtype,
+            use_distributed_optimizer=cfg.distributed_optimizer,
+        )
         # config_overrides={}: weight decay on every parameter, as torch's AdamW in the torch backend.
         self.optimizer = get_megatron_optimizer(opt_config, [self.ddp], config_overrides={})
         self._schedule = schedule
@@ -184,23 +220,43 @@ class MegatronTrainer:
             self._begin_rl()
         rl = prepare_rl_step(batch, self.algorithm, self.config.temperature)
         old_lp = self._logprobs_of(self.ddp, rl.batch, rl.temperature) if rl.needs_old_logprobs else None
-        ref_lp = self._logprobs_of(self.ref_model, rl.batch, rl.temperature) if self.ref_model is not None else None
+        ref_lp = (
+            self._logprobs_of(self.ref_model, rl.batch, rl.temperature)
+            if self.ref_model is not None
+            else None
+        )
         metrics = MetricAccumulator()
         grad_norms, losses, lrs, passes = [], [], [], 0
         skipped_before = self.nonfinite_steps
         for mini in rl.mini_batches():
-            loss_fn = partial(self._policy_loss, rl=rl, old_lp=old_lp, ref_lp=ref_lp, num_tokens=mini.num_tokens,
-                              num_seqs=mini.num_seqs)
+            loss_fn = partial(
+                self._policy_loss,
+                rl=rl,
+                old_lp=old_lp,
+                ref_lp=ref_lp,
+                num_tokens=mini.num_tokens,
+                num_seqs=mini.num_seqs,
+            )
             lrs.append(self._set_lr())
             loss, norm, n = self._optimizer_step(rl.batch, list(range(mini.lo, mini.hi)), loss_fn, metrics)
             losses.append(loss)
             grad_norms.append(norm)
             passes += n
         result = reduce_metrics(metrics)
-        result.update(train_step_metrics(
-            rl.batch, adv_seq=rl.adv_seq, losses=losses, grad_norms=grad_norms, step=self.step,
-            temperature=rl.temperature, lr=lrs[-1] if lrs else self._lr(), t0=t0, micro_batches=passes,
-            nonfinite_steps=self.nonfinite_steps - skipped_before))
+        result.update(
+            train_step_metrics(
+                rl.batch,
+                adv_seq=rl.adv_seq,
+                losses=losses,
+                grad_norms=grad_norms,
+                step=self.step,
+                temperature=rl.temperature,
+                lr=lrs[-1] if lrs else self._lr(),
+                t0=t0,
+                micro_batches=passes,
+                nonfinite_steps=self.nonfinite_steps - skipped_before,
+            )
+        )
         return result
 
     def sft_step(self, batch: TrajectoryBatch) -> dict[str, float]:
@@ -215,8 +271,16 @@ class MegatronTrainer:
             loss_fn = partial(self._sft_loss, batch=batch, num_tokens=num_tokens)
             loss, norm, _ = self._optimizer_step(batch, list(range(batch.num_sequences)), loss_fn, metrics)
         result = reduce_metrics(metrics)
-        result.update({"loss": loss, "grad_norm": norm, "lr": lr, "num_train_tokens": num_tokens,
-                       "step": float(self.step), "step_time_s": time.perf_counter() - t0})
+        result.update(
+            {
+                "loss": loss,
+                "grad_norm": norm,
+                "lr": lr,
+                "num_train_tokens": num_tokens,
+                "step": float(self.step),
+                "step_time_s": time.perf_counter() - t0,
+            }
+        )
         return result
 
     def compute_logprobs(self, batch: TrajectoryBatch, *, temperature: float | None = None) -> torch.Tensor:
@@ -233,11 +297,17 @@ class MegatronTrainer:
         def collect(mb: _MicroBatch, module: nn.Module, hidden: torch.Tensor) -> LossOutput:
             lp, _ = self._logprobs(mb, module, hidden, temperature)
             if not mb.dummy and self._reports():
-                out[mb.token_range[0]:mb.token_range[1]] = lp.float()
+                out[mb.token_range[0] : mb.token_range[1]] = lp.float()
             return LossOutput(loss=lp.sum() * 0.0)
 
-        self._run(batch, list(range(batch.num_sequences)), collect, MetricAccumulator(), forward_only=True,
-                  model=model)
+        self._run(
+            batch,
+            list(range(batch.num_sequences)),
+            collect,
+            MetricAccumulator(),
+            forward_only=True,
+            model=model,
+        )
         dist.all_reduce(out)  # each token is written by exactly one (last-stage, tp-rank-0) rank
         return out.cpu()
 
@@ -279,8 +349,14 @@ class MegatronTrainer:
             model.save_pretrained(str(directory))
         dist.barrier()
 
-    def save_checkpoint(self, root: str | Path, *, data_cursor: dict[str, Any] | None = None,
-                        extra: dict[str, Any] | None = None, keep_last: int | None = None) -> Path | None:
+    def save_checkpoint(
+        self,
+        root: str | Path,
+        *,
+        data_cursor: dict[str, Any] | None = None,
+        extra: dict[str, Any] | None = None,
+        keep_last: int | None = None,
+    ) -> Path | None:
         """Save model (HF layout), optimizer, step, RNG (all ranks) and ``data_cursor`` under ``root``.
 
         The on-disk format of `miles.trainers.checkpoint`; ``optimizer.pt`` holds every rank's optimizer
@@ -296,11 +372,21 @@ class MegatronTrainer:
             dist.all_gather_object(gathered, local)
         path = None
         if self.info.rank == 0:
-            optimizer_state = {"backend": "megatron", **self._optimizer_layout(), "ranks": [g[0] for g in gathered]}
-            path = ckpt_io.save_checkpoint(root, step=self.step, model_state=model_state,
-                                           optimizer_state=optimizer_state, data_cursor=data_cursor,
-                                           extra=extra, rng_states=[g[1] for g in gathered],
-                                           keep_last=keep_last)
+            optimizer_state = {
+                "backend": "megatron",
+                **self._optimizer_layout(),
+                "ranks": [g[0] for g in gathered],
+            }
+            path = ckpt_io.save_checkpoint(
+                root,
+                step=self.step,
+                model_state=model_state,
+                optimizer_state=optimizer_state,
+                data_cursor=data_cursor,
+                extra=extra,
+                rng_states=[g[1] for g in gathered],
+                keep_last=keep_last,
+            )
         if self.info.world_size > 1:
             dist.barrier()
         return path
@@ -315,8 +401,10 @@ class MegatronTrainer:
                 raise CheckpointError(f"{ckpt.path}: the optimizer state is not the Megatron backend's")
             saved = {k: opt.get(k) for k in self._optimizer_layout()}
             if saved != self._optimizer_layout():
-                raise CheckpointError(f"{ckpt.path}: the optimizer state was saved with {saved}, this run has "
-                                      f"{self._optimizer_layout()}")
+                raise CheckpointError(
+                    f"{ckpt.path}: the optimizer state was saved with {saved}, this run has "
+                    f"{self._optimizer_layout()}"
+                )
         try:
             self._load_hf(self.model, ckpt.model)
         except (ConfigError, KeyError, RuntimeError) as e:
@@ -325,7 +413,9 @@ class MegatronTrainer:
             self._load_optimizer_state(opt["ranks"][self.info.rank])
         self.step = ckpt.step
         if ckpt.rng:
-            ckpt_io.restore_rng_state(ckpt.rng[self.info.rank] if self.info.rank < len(ckpt.rng) else ckpt.rng[0])
+            ckpt_io.restore_rng_state(
+                ckpt.rng[self.info.rank] if self.info.rank < len(ckpt.rng) else ckpt.rng[0]
+            )
         if self.info.world_size > 1:
             dist.barrier()
         return ckpt
@@ -334,8 +424,12 @@ class MegatronTrainer:
 
     def _optimizer_layout(self) -> dict[str, Any]:
         """What the per-rank optimizer shards depend on: a checkpoint resumes only into the same layout."""
-        return {"tp": self.info.tp_size, "pp": self.info.pp_size, "world_size": self.info.world_size,
-                "distributed_optimizer": self.config.distributed_optimizer}
+        return {
+            "tp": self.info.tp_size,
+            "pp": self.info.pp_size,
+            "world_size": self.info.world_size,
+            "distributed_optimizer": self.config.distributed_optimizer,
+        }
 
     def _sub_optimizers(self) -> list[Any]:
         return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
@@ -377,8 +471,11 @@ class MegatronTrainer:
         merged: dict[str, torch.Tensor] = {}
         for stage, meta in enumerate(metas):
             for name, (shape, dtype) in sorted(meta.items()):
-                t = hf[name].contiguous() if stage == self.info.pp_rank else \
-                    torch.empty(shape, dtype=dtype, device=self.info.device)
+                t = (
+                    hf[name].contiguous()
+                    if stage == self.info.pp_rank
+                    else torch.empty(shape, dtype=dtype, device=self.info.device)
+                )
                 dist.broadcast(t, src=ranks[stage], group=group)
                 merged[name] = t
         return merged
@@ -398,7 +495,7 @@ class MegatronTrainer:
 
     def _micro_batches(self, batch: TrajectoryBatch, seqs: list[int]) -> list[_MicroBatch]:
         lo, hi = seqs[0], seqs[-1] + 1
-        lengths = (batch.cu_seqlens[lo + 1:hi + 1] - batch.cu_seqlens[lo:hi]).tolist()
+        lengths = (batch.cu_seqlens[lo + 1 : hi + 1] - batch.cu_seqlens[lo:hi]).tolist()
         dummy = False
         if self.info.dp_size > 1:
             a, b = token_balanced_share(lengths, self.info.dp_rank, self.info.dp_size)
@@ -409,26 +506,43 @@ class MegatronTrainer:
         out = []
         for s, e in plan_micro_batches(lengths, budget):
             start, end = lo + s, lo + e
-            cu = batch.cu_seqlens[start:end + 1] - batch.cu_seqlens[start]
+            cu = batch.cu_seqlens[start : end + 1] - batch.cu_seqlens[start]
             tl, th = int(batch.cu_seqlens[start]), int(batch.cu_seqlens[end])
             seq_len = cu[1:] - cu[:-1]
             dev = self.info.device
-            out.append(_MicroBatch(
-                ids=batch.token_ids[tl:th].unsqueeze(0).to(dev), cu_seqlens=cu.to(torch.int32).to(dev),
-                max_seqlen=int(seq_len.max()), token_range=(tl, th),
-                seq_index=torch.repeat_interleave(torch.arange(seq_len.numel()), seq_len).to(dev),
-                starts=cu[:-1].to(dev), host_cu_seqlens=cu.tolist(), dummy=dummy))
+            out.append(
+                _MicroBatch(
+                    ids=batch.token_ids[tl:th].unsqueeze(0).to(dev),
+                    cu_seqlens=cu.to(torch.int32).to(dev),
+                    max_seqlen=int(seq_len.max()),
+                    token_range=(tl, th),
+                    seq_index=torch.repeat_interleave(torch.arange(seq_len.numel()), seq_len).to(dev),
+                    starts=cu[:-1].to(dev),
+                    host_cu_seqlens=cu.tolist(),
+                    dummy=dummy,
+                )
+            )
         return out
 
-    def _forward_step(self, data_iterator: Iterator[_MicroBatch], model: nn.Module,
-                      loss_fn: Callable[[_MicroBatch, nn.Module, torch.Tensor], LossOutput], sink: list) -> Any:
+    def _forward_step(
+        self,
+        data_iterator: Iterator[_MicroBatch],
+        model: nn.Module,
+        loss_fn: Callable[[_MicroBatch, nn.Module, torch.Tensor], LossOutput],
+        sink: list,
+    ) -> Any:
         from megatron.core.packed_seq_params import PackedSeqParams
 
         mb = next(data_iterator)
         with final_hidden_states(model) as hidden:  # the output layer is applied by the loss, chunk by chunk
             if self.packing:
-                packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=mb.cu_seqlens, cu_seqlens_kv=mb.cu_seqlens,
-                                         max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen)
+                packed = PackedSeqParams(
+                    qkv_format="thd",
+                    cu_seqlens_q=mb.cu_seqlens,
+                    cu_seqlens_kv=mb.cu_seqlens,
+                    max_seqlen_q=mb.max_seqlen,
+                    max_seqlen_kv=mb.max_seqlen,
+                )
                 packed.host_cu_seqlens = mb.host_cu_seqlens  # read by SDPAttention
                 output = model(mb.ids, None, None, packed_seq_params=packed)
             else:
@@ -444,9 +558,16 @@ class MegatronTrainer:
 
         return output, loss_func
 
-    def _run(self, batch: TrajectoryBatch, seqs: list[int],
-             loss_fn: Callable[[_MicroBatch, nn.Module, torch.Tensor], LossOutput], metrics: MetricAccumulator, *,
-             forward_only: bool = False, model: nn.Module | None = None) -> tuple[float, int]:
+    def _run(
+        self,
+        batch: TrajectoryBatch,
+        seqs: list[int],
+        loss_fn: Callable[[_MicroBatch, nn.Module, torch.Tensor], LossOutput],
+        metrics: MetricAccumulator,
+        *,
+        forward_only: bool = False,
+        model: nn.Module | None = None,
+    ) -> tuple[float, int]:
         """Forward (and backward) every micro-batch of this rank's share of ``seqs`` through ``model`` (default:
         the policy); returns the summed loss and the number of micro-batches."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -456,8 +577,13 @@ class MegatronTrainer:
         forward_backward = get_forward_backward_func()
         forward_backward(
             forward_step_func=partial(self._forward_step, loss_fn=loss_fn, sink=sink),
-            data_iterator=iter(mbs), model=[model or self.ddp], num_microbatches=len(mbs),
-            seq_length=max(mb.ids.size(1) for mb in mbs), micro_batch_size=1, forward_only=forward_only)
+            data_iterator=iter(mbs),
+            model=[model or self.ddp],
+            num_microbatches=len(mbs),
+            seq_length=max(mb.ids.size(1) for mb in mbs),
+            micro_batch_size=1,
+            forward_only=forward_only,
+        )
         total = 0.0
         if self._reports():
             for out in sink:
@@ -465,9 +591,13 @@ class MegatronTrainer:
                 metrics.update(out.metric_sums)
         return total, len(mbs)
 
-    def _optimizer_step(self, batch: TrajectoryBatch, seqs: list[int],
-                        loss_fn: Callable[[_MicroBatch, nn.Module, torch.Tensor], LossOutput],
-                        metrics: MetricAccumulator) -> tuple[float, float, int]:
+    def _optimizer_step(
+        self,
+        batch: TrajectoryBatch,
+        seqs: list[int],
+        loss_fn: Callable[[_MicroBatch, nn.Module, torch.Tensor], LossOutput],
+        metrics: MetricAccumulator,
+    ) -> tuple[float, float, int]:
         """Returns the summed loss over all ranks, the gradient norm and this rank's micro-batch count."""
         self.ddp.train()
         self.ddp.zero_grad_buffer()
@@ -496,17 +626,35 @@ class MegatronTrainer:
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         return not bool(bad.item())
 
-    def _logprobs(self, mb: _MicroBatch, model: nn.Module, hidden: torch.Tensor, temperature: float, *,
-                  entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return head_logprobs(model, hidden, mb.ids[0], mb.starts, self.layout.vocab_size, temperature,
-                             entropy=entropy)
+    def _logprobs(
+        self,
+        mb: _MicroBatch,
+        model: nn.Module,
+        hidden: torch.Tensor,
+        temperature: float,
+        *,
+        entropy: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return head_logprobs(
+            model, hidden, mb.ids[0], mb.starts, self.layout.vocab_size, temperature, entropy=entropy
+        )
 
-    def _policy_loss(self, mb: _MicroBatch, model: nn.Module, hidden: torch.Tensor, *, rl: RLStep,
-                     old_lp: torch.Tensor | None, ref_lp: torch.Tensor | None, num_tokens: float,
-                     num_seqs: float) -> LossOutput:
+    def _policy_loss(
+        self,
+        mb: _MicroBatch,
+        model: nn.Module,
+        hidden: torch.Tensor,
+        *,
+        rl: RLStep,
+        old_lp: torch.Tensor | None,
+        ref_lp: torch.Tensor | None,
+        num_tokens: float,
+        num_seqs: float,
+    ) -> LossOutput:
         lc = self.algorithm.loss
-        lp, ent = self._logprobs(mb, model, hidden, rl.temperature,
-                                 entropy=self.config.compute_entropy or lc.entropy_coef != 0)
+        lp, ent = self._logprobs(
+            mb, model, hidden, rl.temperature, entropy=self.config.compute_entropy or lc.entropy_coef != 0
+        )
         if ent is not None and lc.entropy_coef == 0:
             ent = ent.detach()
         tl, th = mb.token_range
@@ -516,14 +664,27 @@ class MegatronTrainer:
             return None if x is None else x[tl:th].to(dev)
 
         inputs = LossInputs(
-            logprobs=lp, old_logprobs=sl(old_lp) if old_lp is not None else lp.detach(),
-            advantages=sl(rl.adv_tok), loss_mask=sl(rl.batch.loss_mask), seq_index=mb.seq_index,
-            rollout_logprobs=sl(rl.batch.rollout_logprobs), ref_logprobs=sl(ref_lp), entropy=ent,
-            turn_index=sl(rl.batch.turn_index))
+            logprobs=lp,
+            old_logprobs=sl(old_lp) if old_lp is not None else lp.detach(),
+            advantages=sl(rl.adv_tok),
+            loss_mask=sl(rl.batch.loss_mask),
+            seq_index=mb.seq_index,
+            rollout_logprobs=sl(rl.batch.rollout_logprobs),
+            ref_logprobs=sl(ref_lp),
+            entropy=ent,
+            turn_index=sl(rl.batch.turn_index),
+        )
         return policy_loss(inputs, lc, num_tokens=num_tokens, num_seqs=num_seqs)
 
-    def _sft_loss(self, mb: _MicroBatch, model: nn.Module, hidden: torch.Tensor, *, batch: TrajectoryBatch,
-                  num_tokens: float) -> LossOutput:
+    def _sft_loss(
+        self,
+        mb: _MicroBatch,
+        model: nn.Module,
+        hidden: torch.Tensor,
+        *,
+        batch: TrajectoryBatch,
+        num_tokens: float,
+    ) -> LossOutput:
         lp, _ = self._logprobs(mb, model, hidden, 1.0)
         tl, th = mb.token_range
         return sft_loss(lp, batch.loss_mask[tl:th].to(lp.device), num_tokens=num_tokens)
