@@ -208,12 +208,12 @@ def main() -> int:  # noqa: C901 - one flat list of probes reads best
             return f"400; weights still version {engine.weight_version}"
 
     # ---- sessions of agents
-    from miles.sessions.openai_endpoint import OpenAIEndpoint
-    from miles.sessions.openai_routes import create_openai_app
+    from miles.sessions.openai.endpoint import OpenAIEndpoint
+    from miles.sessions.openai.routes import create_openai_app
     from miles.tito import TokenizerSpec
 
     async def agents() -> list[int]:
-        from miles.sessions.openai_routes import EndpointServer
+        from miles.sessions.openai.routes import EndpointServer
 
         endpoint = OpenAIEndpoint(engine, tokenizer=TokenizerSpec("tiny").build(), open_sessions=False)
         mine, theirs = endpoint.open("run-s0"), endpoint.open("run-s1")

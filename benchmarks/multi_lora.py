@@ -54,8 +54,8 @@ def equivalence(steps: int, groups: int) -> float:
     from miles.sessions.scheduler import SessionScheduler
     from miles.tito import TokenizerSpec
     from miles.trainers.data import load_tasks
-    from miles.trainers.lora import AdapterSpec, MultiLoraTrainer
-    from miles.trainers.lora_config import LoraSpec
+    from miles.trainers.lora.config import LoraSpec
+    from miles.trainers.lora.trainer import AdapterSpec, MultiLoraTrainer
     from miles.trainers.trainer_config import TorchOptions, TrainerConfig
     from miles.trajectory import TrajectoryBatch
 

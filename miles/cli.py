@@ -20,7 +20,7 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
     from miles.engines.launcher import rollout_from_cli
 
     if args.openai is not None:  # check the endpoint's settings here, in one line, before any server starts
-        from miles.sessions.openai_routes import endpoint_tokenizer, openai_config
+        from miles.sessions.openai.routes import endpoint_tokenizer, openai_config
 
         endpoint_tokenizer(args.model, openai_config(args.openai))
 
@@ -71,7 +71,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from miles.trainers.lora_export import export_adapter
+    from miles.trainers.lora.export import export_adapter
 
     out = export_adapter(args.run, args.adapter, args.out, checkpoint=args.checkpoint, merge=args.merge)
     print(f"wrote {'the base merged with ' if args.merge else ''}adapter {args.adapter} to {out}")

@@ -16,15 +16,15 @@ REPO = Path(__file__).resolve().parents[1]
 DIARY_PHRASES = [
     re.compile(p, re.IGNORECASE)
     for p in (
-        r"\bstop \d+\b",
-        r"\bthis (wave|session)\b",
-        r"\bprevious (wave|sessions?)\b",
-        r"\btried,? (and )?not kept\b",
-        r"\(issue \d+\)",
-        r"\bissue \d+\b",
-        r"\bissue's targets?\b",
-        r"development machine",
-        r"\bmain job\b",
+        r"\bstop\s+\d+\b",
+        r"\bthis\s+(wave|session)\b",
+        r"\bprevious\s+(wave|sessions?)\b",
+        r"\btried,?\s+(and\s+)?not\s+kept\b",
+        r"\(issue\s+\d+\)",
+        r"\bissue\s+\d+\b",
+        r"\bissue's\s+targets?\b",
+        r"development\s+machine",
+        r"\bmain\s+job\b",
     )
 ]
 
@@ -38,16 +38,18 @@ def documentation_files(repo: Path = REPO) -> list[Path]:
 
 
 def diary_hits(paths: Iterable[Path], root: Path = REPO) -> list[str]:
-    """`file:line: phrase | text` for every line of `paths` that matches a development-diary phrase."""
+    """`file:line: phrase | text` for every development-diary phrase in `paths`, also one that a line break
+    splits (reported at the line it starts on)."""
     hits = []
     for path in paths:
         name = path.relative_to(root) if path.is_relative_to(root) else path
-        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-            for phrase in DIARY_PHRASES:
-                match = phrase.search(line)
-                if match:
-                    hits.append(f"{name}:{number}: {match.group(0)!r} | {line.strip()}")
-    return hits
+        text = path.read_text(encoding="utf-8")
+        lines = text.splitlines()
+        for phrase in DIARY_PHRASES:
+            for match in phrase.finditer(text):
+                number = text.count("\n", 0, match.start()) + 1
+                hits.append(f"{name}:{number}: {match.group(0)!r} | {lines[number - 1].strip()}")
+    return sorted(hits)
 
 
 def test_the_docs_hold_no_development_diary_wording():

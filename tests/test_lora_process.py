@@ -19,8 +19,8 @@ from miles.cli import main as cli_main
 from miles.config import ConfigError, from_dict
 from miles.engines.testing import exits_within, spawned_child
 from miles.sessions.recorder import read_sessions
-from miles.trainers.lora import build_lora_trainer
-from miles.trainers.lora_process import LoraTrainerProcess
+from miles.trainers.lora.process import LoraTrainerProcess
+from miles.trainers.lora.trainer import build_lora_trainer
 from miles.trainers.metrics_log import read_metrics
 from miles.trainers.train_config import TrainConfig
 from miles.trainers.trainer_process import TrainerProcessError

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from miles.engine import BASE_POLICY
 from miles.engines.lora import AdapterWeights
 from miles.tiny import make_tiny_model
-from miles.trainers.lora import AdapterSpec, MultiLoraTrainer
-from miles.trainers.lora_config import LoraSpec
+from miles.trainers.lora.config import LoraSpec
+from miles.trainers.lora.trainer import AdapterSpec, MultiLoraTrainer
 from miles.trainers.trainer_config import AlgorithmConfig, TorchOptions, TrainerConfig
 from miles.trajectory import Trajectory, TrajectoryBatch, TrajectoryMeta
 

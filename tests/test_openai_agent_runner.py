@@ -19,8 +19,8 @@ from test_openai_support import call, tito
 from miles.config import ConfigError, from_dict
 from miles.envs import EnvRecipe
 from miles.sessions.instant import InstantEngine
-from miles.sessions.openai_agent import AgentRollout
-from miles.sessions.openai_config import AgentConfig
+from miles.sessions.openai.agent import AgentRollout
+from miles.sessions.openai.config import AgentConfig
 from miles.sessions.recorder import Recorder, read_sessions
 from miles.sessions.replay import check_tito
 from miles.types import Message, TerminationReason

@@ -16,8 +16,8 @@ from openai import AsyncOpenAI
 from test_openai_support import call, tito
 
 from miles.sessions.instant import InstantEngine
-from miles.sessions.openai_endpoint import OpenAIEndpoint
-from miles.sessions.openai_routes import EndpointServer, create_openai_app
+from miles.sessions.openai.endpoint import OpenAIEndpoint
+from miles.sessions.openai.routes import EndpointServer, create_openai_app
 from miles.sessions.replay import check_tito
 from miles.types import Message
 

@@ -32,9 +32,9 @@ from test_openai_support import (
 
 from miles.engine import EngineError
 from miles.sessions.instant import InstantEngine
-from miles.sessions.openai_config import OpenAISessionConfig
-from miles.sessions.openai_endpoint import OpenAIEndpoint
-from miles.sessions.openai_routes import EndpointServer, create_openai_app
+from miles.sessions.openai.config import OpenAISessionConfig
+from miles.sessions.openai.endpoint import OpenAIEndpoint
+from miles.sessions.openai.routes import EndpointServer, create_openai_app
 from miles.sessions.recorder import read_sessions
 from miles.sessions.replay import check_tito
 from miles.sessions.replay_cli import main as replay_main
@@ -474,7 +474,7 @@ def test_sessions_of_a_closed_endpoint_are_aborted_and_unknown_ones_refused():
 
 
 def test_a_standalone_server_caps_its_open_sessions():
-    from miles.sessions.openai_schema import EndpointError
+    from miles.sessions.openai.schema import EndpointError
 
     t = tito("tiny")
     endpoint = OpenAIEndpoint(

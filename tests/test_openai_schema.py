@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from test_openai_support import tito
 
-from miles.sessions.openai_schema import (
+from miles.sessions.openai.schema import (
     Completion,
     EndpointError,
     Usage,
@@ -20,7 +20,7 @@ from miles.sessions.openai_schema import (
     parse_chat_request,
     parse_reward,
 )
-from miles.sessions.openai_session import cut_at_stop
+from miles.sessions.openai.session import cut_at_stop
 from miles.types import Message, ToolCall
 
 texts = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=20)

@@ -16,7 +16,7 @@ from test_openai_support import served
 from miles.engines import EmbeddedEngine, SGLangClient
 from miles.engines.server import serve_in_thread
 from miles.ports import free_port
-from miles.sessions.openai_endpoint import OpenAIEndpoint
+from miles.sessions.openai.endpoint import OpenAIEndpoint
 from miles.sessions.replay import check_tito
 from miles.tito import TokenizerSpec
 from miles.trajectory import message_from_record

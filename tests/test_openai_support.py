@@ -17,9 +17,9 @@ import uvicorn
 
 from miles.engine import FinishReason
 from miles.sessions.instant import InstantEngine
-from miles.sessions.openai_config import OpenAISessionConfig
-from miles.sessions.openai_endpoint import OpenAIEndpoint
-from miles.sessions.openai_routes import EndpointServer, create_openai_app
+from miles.sessions.openai.config import OpenAISessionConfig
+from miles.sessions.openai.endpoint import OpenAIEndpoint
+from miles.sessions.openai.routes import EndpointServer, create_openai_app
 from miles.tito import TITOTokenizer, TokenizerSpec
 from miles.trajectory import Trajectory
 from miles.types import Message, ToolCall

@@ -46,7 +46,9 @@ def cluster():
     from ray.cluster_utils import Cluster
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # Ray's loopback-only switch (see cluster_ray)
+        mp.setenv(
+            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0"
+        )  # Ray's loopback-only switch (see miles.trainers.cluster.ray_run)
         mp.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
         head = {
             "num_cpus": 4,

@@ -18,10 +18,10 @@ from miles.config import ConfigError
 from miles.engines.client import SGLangClient
 from miles.engines.server import serve_in_thread
 from miles.engines.testing import small_qwen2
-from miles.trainers.cluster_actors import WeightGatedEngine
-from miles.trainers.cluster_config import ClusterConfig, EngineRoleConfig, TrainerRoleConfig
-from miles.trainers.cluster_ray import plan_placement, runtime_env_for, trainer_ranks
-from miles.trainers.cluster_sync import rejoining_weight_sync
+from miles.trainers.cluster.actors import WeightGatedEngine
+from miles.trainers.cluster.config import ClusterConfig, EngineRoleConfig, TrainerRoleConfig
+from miles.trainers.cluster.ray_run import plan_placement, runtime_env_for, trainer_ranks
+from miles.trainers.cluster.sync import rejoining_weight_sync
 from miles.trainers.train_config import load_train_config
 from miles.weight_sync import SyncConfig, WeightSyncError
 

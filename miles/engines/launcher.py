@@ -309,7 +309,7 @@ def _embedded_command(spec: LaunchSpec, index: int, port: int) -> tuple[str, ...
     if device == "cuda":
         device = f"cuda:{spec.base_gpu_id + index}"
     # The endpoint lives on a higher floor: its server is another module's entry point (named, not imported).
-    module = "miles.sessions.openai_routes" if spec.openai is not None else "miles.engines"
+    module = "miles.sessions.openai.routes" if spec.openai is not None else "miles.engines"
     cmd = [
         sys.executable,
         "-m",

@@ -118,7 +118,7 @@ def _local_trainer(cfg: TrainConfig, model: torch.nn.Module) -> Trainer:
                 "model", f"the Megatron backend cannot build it: {e} (backend: torch trains any HF causal LM)"
             ) from e
     if cfg.adapters:  # LoRA adapters on the frozen base (peft), one optimizer each, in a process of their own
-        from miles.trainers.lora_process import LoraTrainerProcess
+        from miles.trainers.lora.process import LoraTrainerProcess
 
         return LoraTrainerProcess(cfg, model)
     from miles.trainers.torch_backend import TorchTrainer

@@ -29,14 +29,14 @@ from miles.sessions.recorder import Recorder
 from miles.sessions.records import SessionRecord
 from miles.sessions.scheduler import SessionScheduler
 from miles.trainers.async_rollout import AsyncRollout
-from miles.trainers.cluster_rollout import RayRolloutProcess
-from miles.trainers.cluster_sync import rejoining_weight_sync
+from miles.trainers.cluster.rollout import RayRolloutProcess
+from miles.trainers.cluster.sync import rejoining_weight_sync
 from miles.trainers.data import TaskCursor, load_tasks
 from miles.trainers.demos import oracle_demos
 from miles.trainers.engine_setup import bounded_by_context, build_engine_set
 from miles.trainers.evaluate import EvalResult, eval_sets, evaluate, summarize
 from miles.trainers.health import UNTRAINABLE, RunHealth, StepActivity, first_nonfinite, step_activity
-from miles.trainers.lora_process import LoraTrainerProcess
+from miles.trainers.lora.process import LoraTrainerProcess
 from miles.trainers.metrics_log import MetricsLog, read_metrics
 from miles.trainers.models import build_policy, build_tito, check_devices, check_tools_reach_model
 from miles.trainers.output_dir import OutputDirLock, check_fresh_output_dir
@@ -258,7 +258,7 @@ class TrainLoop:
         self.recorder: Recorder | None = None
         self.scheduler: Any = None
         self.agents = None
-        self.lora: Any = None  # with `adapters:`, a `miles.trainers.lora_run.AdapterRun`
+        self.lora: Any = None  # with `adapters:`, a `miles.trainers.lora.run.AdapterRun`
         if cfg.asynchronous.enabled:  # the rollout process runs (and records) the training sessions
             return
         self.recorder = Recorder(self.out / "sessions.jsonl")
@@ -272,7 +272,7 @@ class TrainLoop:
             observer=self.session_metrics,
         )
         if cfg.rollout.agent.enabled:  # the user's own agent runs the sessions, against the OpenAI endpoint
-            from miles.sessions.openai_agent import AgentRollout
+            from miles.sessions.openai.agent import AgentRollout
 
             self.agents = await AgentRollout.start(
                 self.engines,
@@ -290,7 +290,7 @@ class TrainLoop:
                 observer=self.session_metrics,
             )
         if cfg.adapters:  # LoRA adapters on one base: each its own env and scheduler, all on this router
-            from miles.trainers.lora_run import AdapterRun
+            from miles.trainers.lora.run import AdapterRun
 
             self.lora = AdapterRun.build(
                 cfg,

@@ -154,8 +154,8 @@ def report(summary: RunSummary, cfg: TrainConfig, args: argparse.Namespace) -> i
 
 
 def run_on_ray_cli(cfg: TrainConfig, args: argparse.Namespace, *, resume: bool) -> int:
-    """`run_loop` with `cluster.kind: ray`: the same loop on trainer rank 0's actor (`miles.trainers.cluster_ray`)."""
-    from miles.trainers.cluster_ray import TrainerRankError, run_on_ray
+    """`run_loop` with `cluster.kind: ray`: the same loop on trainer rank 0's actor (`miles.trainers.cluster.ray_run`)."""
+    from miles.trainers.cluster.ray_run import TrainerRankError, run_on_ray
 
     try:
         summary = run_on_ray(cfg, resume=resume, extend=bool(getattr(args, "extend", False)))

@@ -12,10 +12,10 @@ from miles.engine import SamplingParams
 from miles.envs import EnvRecipe
 from miles.observability import ObservabilityConfig
 from miles.sessions.config import SchedulerConfig, SessionConfig
-from miles.sessions.openai_config import AgentConfig
-from miles.trainers.cluster_config import ClusterConfig
+from miles.sessions.openai.config import AgentConfig
+from miles.trainers.cluster.config import ClusterConfig
 from miles.trainers.health import HealthConfig
-from miles.trainers.lora_config import LoraSpec, check_adapters
+from miles.trainers.lora.config import LoraSpec, check_adapters
 from miles.trainers.trainer_config import (
     AlgorithmConfig,
     MegatronOptions,
@@ -134,7 +134,7 @@ class RolloutConfig:
     ("drop", the default) or trained on with reward 0 ("zero"); either way they are recorded and counted in the
     step's `timeout_sessions` metric.
     `agent`: with `agent.command` set, the user's own agent runs every session (train and eval) against the
-    OpenAI-compatible endpoint instead of the env loop (`miles.sessions.openai_agent`).
+    OpenAI-compatible endpoint instead of the env loop (`miles.sessions.openai.agent`).
     """
 
     tasks_per_step: int = 4

@@ -3,7 +3,7 @@
 A multi-adapter step overlaps one adapter's update with the other adapters' sessions. In one process the
 update, the engines' decode thread and the sessions' event loop take turns on one interpreter lock, and the
 tiny ops of a small model hold it most of the time; in a trainer process of its own the update runs on its own
-core. Each method is the trainer's own (`miles.trainers.lora.MultiLoraTrainer`), called through
+core. Each method is the trainer's own (`miles.trainers.lora.trainer.MultiLoraTrainer`), called through
 `TrainerProcess`: same arguments, same results, same errors.
 """
 
@@ -16,11 +16,10 @@ import torch
 from torch import nn
 
 from miles.engines.lora import AdapterWeights
+from miles.trainers.checkpoint import Checkpoint
+from miles.trainers.lora.trainer import build_lora_trainer
+from miles.trainers.trainer_process import TrainerProcess
 from miles.trajectory import TrajectoryBatch
-
-from .checkpoint import Checkpoint
-from .lora import build_lora_trainer
-from .trainer_process import TrainerProcess
 
 
 class LoraTrainerProcess:

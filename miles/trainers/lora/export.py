@@ -9,10 +9,9 @@ from pathlib import Path
 from safetensors import safe_open
 
 from miles.engines.lora import AdapterWeights
-
-from .checkpoint import latest_checkpoint
-from .errors import ConfigError
-from .train_config import TrainConfig, load_train_config
+from miles.trainers.checkpoint import latest_checkpoint
+from miles.trainers.errors import ConfigError
+from miles.trainers.train_config import TrainConfig, load_train_config
 
 
 def adapter_from_checkpoint(cfg: TrainConfig, name: str, checkpoint: str | Path) -> AdapterWeights:
@@ -62,7 +61,7 @@ def export_adapter(
         return weights.save(out)
     from peft import PeftModel
 
-    from .models import build_policy, build_tito
+    from miles.trainers.models import build_policy, build_tito
 
     tito = build_tito(cfg.model)
     base = build_policy(cfg.model, tito.tokenizer)

@@ -36,17 +36,16 @@ from miles.sessions.recorder import Recorder
 from miles.sessions.records import SessionRecord
 from miles.sessions.router import Router
 from miles.sessions.scheduler import SessionScheduler
+from miles.trainers.checkpoint import Checkpoint
+from miles.trainers.data import TaskCursor, load_tasks
+from miles.trainers.errors import ConfigError
+from miles.trainers.evaluate import EvalResult, evaluate
+from miles.trainers.lora.process import LoraTrainerProcess
+from miles.trainers.metrics_log import MetricsLog
+from miles.trainers.train_config import AdapterConfig, TrainConfig
+from miles.trainers.trainer_process import TrainerProcessError
 from miles.trajectory import Trajectory, TrajectoryBatch
 from miles.weight_sync import WeightSync
-
-from .checkpoint import Checkpoint
-from .data import TaskCursor, load_tasks
-from .errors import ConfigError
-from .evaluate import EvalResult, evaluate
-from .lora_process import LoraTrainerProcess
-from .metrics_log import MetricsLog
-from .train_config import AdapterConfig, TrainConfig
-from .trainer_process import TrainerProcessError
 
 ALL_ADAPTERS = "all"  # the `adapter` label of a multi-adapter run's step-level (all adapters) metrics
 

@@ -1,4 +1,4 @@
-"""The Ray actors of a `cluster.kind: ray` run, as plain classes (`miles.trainers.cluster_ray` makes them
+"""The Ray actors of a `cluster.kind: ray` run, as plain classes (`miles.trainers.cluster.ray_run` makes them
 remote). Each wraps an existing role without changing it:
 
 - `EngineActor`: one rollout engine on its node, reached by URL like any SGLang server. With

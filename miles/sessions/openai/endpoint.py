@@ -3,7 +3,7 @@
 It owns the open `OpenAISession`s, routes their generate calls through a `Router` (a session's turns stay on
 the engine that holds its KV cache; failed calls are retried elsewhere), closes sessions into `SessionRecord`s
 (scored by the client's `/reward` or by the session's scorer), records them, and counts what happened.
-The HTTP side is `miles.sessions.openai_routes`; this module has no FastAPI in it.
+The HTTP side is `miles.sessions.openai.routes`; this module has no FastAPI in it.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from typing import Any
 
 from miles.engine import EngineError, FinishReason, GenerateResult, RolloutEngine
 from miles.envs.recipe import EnvRecipe
-from miles.sessions.openai_config import OpenAISessionConfig, SamplingOverride
-from miles.sessions.openai_schema import ChatRequest, ClientReward, Completion, EndpointError, Usage
-from miles.sessions.openai_session import OpenAISession, Plan, Score
+from miles.sessions.openai.config import OpenAISessionConfig, SamplingOverride
+from miles.sessions.openai.schema import ChatRequest, ClientReward, Completion, EndpointError, Usage
+from miles.sessions.openai.session import OpenAISession, Plan, Score
 from miles.sessions.recorder import Recorder
 from miles.sessions.records import ErrorInfo, SessionRecord
 from miles.sessions.retry import backoff_delay_s, is_retryable

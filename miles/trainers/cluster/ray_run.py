@@ -11,7 +11,7 @@ result; it trains nothing itself:
    CPU, NCCL on GPUs) from the master address and port of rank 0's actor, with torchrun's variables. Rank 0
    runs the train loop, the others serve its collective calls, as under torchrun. A rank that dies ends the
    run with `TrainerRankError`; `--resume` continues from the last checkpoint.
-3. **The rollout manager** (`async.enabled`) runs in its own actor (`miles.trainers.cluster_rollout`).
+3. **The rollout manager** (`async.enabled`) runs in its own actor (`miles.trainers.cluster.rollout`).
 4. **User code.** The modules of `env.import` travel to every worker in the job's `runtime_env`
    (`py_modules`); an import error on a worker comes back as the one-line `ConfigError` it raised.
 
@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from miles.envs.recipe import IMPORT_KEY, _is_path
-from miles.trainers.cluster_actors import (
+from miles.trainers.cluster.actors import (
     EngineActor,
     EngineInfo,
     EngineLaunch,
@@ -40,7 +40,7 @@ from miles.trainers.cluster_actors import (
     is_loopback,
     probe_port,
 )
-from miles.trainers.cluster_config import ClusterConfig
+from miles.trainers.cluster.config import ClusterConfig
 from miles.trainers.errors import ConfigError
 from miles.trainers.factory import check_trainer_setup, world_size_of
 from miles.trainers.launch import WORKER_ENV

@@ -25,14 +25,25 @@ from torch import nn
 
 from miles.engine import BASE_POLICY
 from miles.engines.lora import AdapterWeights, check_adapter_name
+from miles.trainers.checkpoint import (
+    Checkpoint,
+    capture_rng_state,
+    load_checkpoint,
+    restore_rng_state,
+    save_checkpoint,
+)
+from miles.trainers.errors import CheckpointError, ConfigError
+from miles.trainers.lora.config import LoraSpec, adapter_trainer_config
+from miles.trainers.step import validate_batch
+from miles.trainers.torch_backend import TorchTrainer
+from miles.trainers.trainer_config import (
+    AlgorithmConfig,
+    TorchOptions,
+    TorchTrainerConfig,
+    TrainerConfig,
+    merge,
+)
 from miles.trajectory import TrajectoryBatch
-
-from .checkpoint import Checkpoint, capture_rng_state, load_checkpoint, restore_rng_state, save_checkpoint
-from .errors import CheckpointError, ConfigError
-from .lora_config import LoraSpec, adapter_trainer_config
-from .step import validate_batch
-from .torch_backend import TorchTrainer
-from .trainer_config import AlgorithmConfig, TorchOptions, TorchTrainerConfig, TrainerConfig, merge
 
 ADAPTERS_DIR = (
     "adapters"  # PEFT folders of every adapter, inside each checkpoint and `save_pretrained` folder

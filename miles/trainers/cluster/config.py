@@ -1,6 +1,6 @@
 """The `cluster:` section of a train config: where the run's roles (engines, trainer ranks, the rollout
 manager) live. `kind: local` (the default) runs them in this process and its torchrun ranks; `kind: ray`
-places them as Ray actors on a Ray cluster (`miles.trainers.cluster_ray`). This module imports no Ray.
+places them as Ray actors on a Ray cluster (`miles.trainers.cluster.ray_run`). This module imports no Ray.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from .errors import ConfigError
+from miles.trainers.errors import ConfigError
 
 
 def _check_resources(resources: dict[str, float]) -> None:

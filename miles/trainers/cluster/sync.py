@@ -2,7 +2,7 @@
 
 A weight-update group is formed once, with every engine. An engine that died and came back (Ray restarts
 engine actors on the same node and port) is no longer in it, and holds no trainer weights (weight version 0:
-the gated engine stays out of rotation meanwhile, see `miles.trainers.cluster_actors.WeightGatedEngine`).
+the gated engine stays out of rotation meanwhile, see `miles.trainers.cluster.actors.WeightGatedEngine`).
 `RejoiningSync` notices that before a push, by asking each engine which version it holds, builds the group
 again with every engine, then pushes: the restarted engine gets the current weights and serves again.
 """

@@ -8,9 +8,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from miles.engines.lora import DEFAULT_TARGET_MODULES, AdapterError, check_adapter_name
-
-from .errors import ConfigError
-from .trainer_config import TrainerConfig
+from miles.trainers.errors import ConfigError
+from miles.trainers.trainer_config import TrainerConfig
 
 #: The `trainer:` settings an adapter may set for itself: its optimizer's learning rate and schedule.
 SCHEDULE_KEYS = ("lr", "lr_schedule", "warmup_steps", "total_steps", "min_lr_ratio")

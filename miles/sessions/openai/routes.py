@@ -33,9 +33,9 @@ import uvicorn
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from miles.config import ConfigError
-from miles.sessions.openai_config import MAX_REQUEST_BYTES, OpenAIEndpointConfig
-from miles.sessions.openai_endpoint import OpenAIEndpoint
-from miles.sessions.openai_schema import EndpointError, parse_chat_request, parse_reward
+from miles.sessions.openai.config import MAX_REQUEST_BYTES, OpenAIEndpointConfig
+from miles.sessions.openai.endpoint import OpenAIEndpoint
+from miles.sessions.openai.schema import EndpointError, parse_chat_request, parse_reward
 
 
 def _error(exc: EndpointError) -> JSONResponse:
@@ -250,7 +250,7 @@ class EndpointServer:
             self._server = self._task = None
 
 
-# ---- `python -m miles.sessions.openai_routes`: the embedded engine's server with the endpoint mounted -------
+# ---- `python -m miles.sessions.openai.routes`: the embedded engine's server with the endpoint mounted -------
 def openai_config(overrides: list[str]) -> OpenAIEndpointConfig:
     """The endpoint config from `KEY=VALUE` overrides (dotted keys, YAML values); `ConfigError` names a bad key."""
     from miles.config import load_config
@@ -309,7 +309,7 @@ def run_engine_server_with_openai(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m miles.sessions.openai_routes --model M [engine server flags] --openai [KEY=VALUE ...]`: one
+    """`python -m miles.sessions.openai.routes --model M [engine server flags] --openai [KEY=VALUE ...]`: one
     embedded engine server (the flags of `python -m miles.engines`) with the endpoint mounted; `miles rollout
     --openai` starts these."""
     import sys

@@ -21,8 +21,8 @@ from typing import Any, Literal
 
 from miles.engine import FinishReason, GenerateResult, SamplingParams
 from miles.envs.recipe import EnvRecipe
-from miles.sessions.openai_config import OpenAISessionConfig, SamplingOverride
-from miles.sessions.openai_schema import (
+from miles.sessions.openai.config import OpenAISessionConfig, SamplingOverride
+from miles.sessions.openai.schema import (
     ChatRequest,
     ClientReward,
     EndpointError,

@@ -13,7 +13,7 @@ import queue
 from collections import deque
 from typing import Any
 
-from miles.trainers.cluster_actors import enter_driver_folder
+from miles.trainers.cluster.actors import enter_driver_folder
 from miles.trainers.rollout_process import RolloutProcess, RolloutStart, rollout_main
 from miles.trainers.train_config import TrainConfig
 

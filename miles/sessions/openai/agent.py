@@ -35,10 +35,10 @@ from miles.engine import RolloutEngine
 from miles.engines.subprocesses import die_with_parent
 from miles.envs.recipe import EnvRecipe
 from miles.sessions.metrics import SessionObserver
-from miles.sessions.openai_config import AgentConfig, SamplingOverride
-from miles.sessions.openai_endpoint import OpenAIEndpoint
-from miles.sessions.openai_routes import EndpointServer, create_openai_app
-from miles.sessions.openai_session import OpenAISession, Score
+from miles.sessions.openai.config import AgentConfig, SamplingOverride
+from miles.sessions.openai.endpoint import OpenAIEndpoint
+from miles.sessions.openai.routes import EndpointServer, create_openai_app
+from miles.sessions.openai.session import OpenAISession, Score
 from miles.sessions.recorder import Recorder
 from miles.sessions.records import ErrorInfo, SessionRecord, jsonable
 from miles.sessions.router import Router

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible side: the chat-completions endpoint, its schema and routes, sessions, agents."""
