@@ -368,13 +368,10 @@ def test_max_staleness_0_reproduces_the_synchronous_loop_on_the_main_job(tmp_pat
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("inflight", ["pause", "continue"])
-def test_an_async_run_on_an_http_engine_pauses_it_around_each_update_only_under_inflight_pause(
-    inflight, tmp_path
-):
+def test_an_async_run_on_an_http_engine_pauses_it_around_each_update(tmp_path):
     """On SGLang a weight update waits for the requests in flight unless generation is paused: with
-    `async.inflight: pause` the trainer's sync calls `/pause_generation` and `/continue_generation` around every
-    load (the server's own pause counter sees each one); with `continue` it never pauses."""
+    `async.inflight: pause` (the default) the trainer's sync calls `/pause_generation` and `/continue_generation`
+    around every load, and the server's own pause counter sees each one."""
     import httpx
 
     from miles.engines.testing import ServerProcess
@@ -386,7 +383,6 @@ def test_an_async_run_on_an_http_engine_pauses_it_around_each_update_only_under_
             *SMALL,
             "async.enabled=true",
             "async.max_staleness=1",
-            f"async.inflight={inflight}",
             "engine.kind=sglang",
             f"engine.urls=[{server.url}]",
         )
@@ -400,7 +396,7 @@ def test_an_async_run_on_an_http_engine_pauses_it_around_each_update_only_under_
         if line.startswith("miles_engine_pauses_total")
     )
     syncs = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "sync"]
-    assert len(syncs) >= 2 and pauses == (len(syncs) if inflight == "pause" else 0), (pauses, len(syncs))
+    assert len(syncs) >= 2 and pauses == len(syncs), (pauses, len(syncs))
 
 
 @pytest.mark.slow

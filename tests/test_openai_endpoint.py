@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import tempfile
+from pathlib import Path
 
 import httpx
 import openai
@@ -510,12 +512,16 @@ _CALL_BODIES = [
 def test_the_endpoint_takes_back_every_reply_it_gives_as_history(content, bodies):
     """Whatever the model writes (empty, malformed or unknown tool calls among them), a client that echoes the
     reply (`message.model_dump(exclude_none=True)`, as the README's agent loop does) and answers its calls is
-    never refused as rewriting history."""
+    never refused as rewriting history; and the session's recorded `final_info["tito"]` verdict is the one
+    `miles replay --tito` reaches (`check_tito`): ok, however malformed the calls."""
     t = tito("tiny")
     text = content + "".join(f"<tool_call>{body}</tool_call>" for body in bodies)
     replies = {"first": t.encode(text) + [t.close_token_id], "next": t.encode("done") + [t.close_token_id]}
+    path = Path(tempfile.mkdtemp()) / "sessions.jsonl"
     endpoint = OpenAIEndpoint(
-        InstantEngine(respond=lambda ids, sid, k: replies["first" if k == 0 else "next"]), tokenizer=t
+        InstantEngine(respond=lambda ids, sid, k: replies["first" if k == 0 else "next"]),
+        tokenizer=t,
+        recorder=str(path),
     )
     with served(endpoint) as url:
         client = OpenAI(base_url=f"{url}/v1", api_key="echo", max_retries=0)
@@ -526,3 +532,6 @@ def test_the_endpoint_takes_back_every_reply_it_gives_as_history(content, bodies
         if not message.tool_calls:
             messages.append({"role": "user", "content": "and then?"})
         client.chat.completions.create(model="m", messages=messages, tools=TOOLS)  # a 409 raises here
+        assert httpx.post(f"{url}/sessions/echo/close").status_code == 200
+    [record] = read_sessions(path).records
+    assert record.final_info["tito"]["ok"] is check_tito(record, t).ok is True, record.final_info["tito"]

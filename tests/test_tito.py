@@ -22,6 +22,7 @@ from miles.tito import (
 )
 from miles.tito.check import format_report, run_check
 from miles.tito.loading import packaged_tokenizer_dir
+from miles.tito.report import GENERATED
 from miles.types import Message, ToolCall
 
 TOOLS = [
@@ -207,8 +208,7 @@ def test_mismatch_kinds_and_strict_mode(tiny, toks):
     report = conv.check()
     assert [m.kind for m in report.mismatches] == [MismatchKind.SPECIAL_TOKENS]
     assert report.metrics()["tito/mismatch_tokens_special_tokens"] == 1.0
-    with pytest.raises(TITOMismatchError, match="special_tokens"):
-        conv.check(strict=True)
+    assert [m.explanation for m in report.mismatches] == [GENERATED] and report.ok  # trained as generated
 
     # the model spelled its answer with non-canonical tokens
     conv = tiny.start(START)
@@ -223,14 +223,18 @@ def test_mismatch_kinds_and_strict_mode(tiny, toks):
     )
     conv.finish(Message("assistant", text))
     report = conv.check()
-    assert {m.kind for m in report.mismatches} == {MismatchKind.ASSISTANT_TEXT} and not report.ok
+    assert {m.kind for m in report.mismatches} == {MismatchKind.ASSISTANT_TEXT} and report.ok
+    assert {m.explanation for m in report.mismatches} == {GENERATED}
 
-    # a recorded observation differs from what was tokenized
+    # a recorded observation differs from what was tokenized: not the model's, so not ok
     conv = tiny.start(START, TOOLS)
     _gen(tiny, conv, CALL)
     conv.append_observation(CALL, RESULT)
     conv.messages[-1].content = "117"
-    assert {m.kind for m in conv.check().mismatches} == {MismatchKind.NON_ASSISTANT_TEXT}
+    report = conv.check()
+    assert {m.kind for m in report.mismatches} == {MismatchKind.NON_ASSISTANT_TEXT} and not report.ok
+    with pytest.raises(TITOMismatchError, match="non_assistant_text"):
+        conv.check(strict=True)
 
 
 def test_qwen3_thinking_is_kept_and_explained(toks):

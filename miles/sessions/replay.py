@@ -488,8 +488,9 @@ def tokenizer_spec_for(
 
 def check_tito(record: SessionRecord, tito: Any) -> TitoCheck:
     """Rebuild the conversation with `tito` (a `miles.tito.TITOTokenizer`) from the recorded reset messages,
-    generated ids and observations, and compare ids and loss mask with the recording; `report` holds
-    TITO's own canonical re-render check of the rebuilt conversation."""
+    generated ids and observations, and compare ids and loss mask with the recording, then run TITO's own
+    canonical re-render check of the rebuilt conversation (`report`: what the session recorded as
+    `final_info["tito"]`). It passes when the ids align and the re-render finds no unexplained difference."""
     traj = record.trajectory
     if not traj.token_ids:
         return TitoCheck(record.session_id, True, "no tokens recorded")
@@ -542,7 +543,15 @@ def check_tito(record: SessionRecord, tito: Any) -> TitoCheck:
     mpos = _first_diff(rebuilt.loss_mask, traj.loss_mask)
     if mpos is not None:
         return TitoCheck(record.session_id, False, f"loss mask differs at token {mpos}", mpos)
-    report = conv.check()
+    report = conv.check()  # what the session recorded as final_info["tito"], so the two verdicts agree
+    if not report.ok:
+        return TitoCheck(
+            record.session_id,
+            False,
+            f"{len(traj.token_ids)} tokens aligned, but the re-render differs outside what the model generated: "
+            f"{report.summary()}",
+            report=report,
+        )
     return TitoCheck(
         record.session_id, True, f"{len(traj.token_ids)} tokens aligned; re-render: {report}", report=report
     )

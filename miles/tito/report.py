@@ -96,6 +96,28 @@ class TITOReport:
         return "\n".join(lines)
 
 
+#: The explanation of a difference that lies wholly in tokens the model generated: they are trained as generated,
+#: so a re-render that spells them otherwise (a malformed tool call, a non-canonical tokenization) changes nothing.
+GENERATED = "the model's own tokens, trained as generated"
+
+
+#: An addition right where TITO closed a turn the model did not end (cut by the token limit): the re-render
+#: completes what the model had no room to write.
+CUT = "the model's turn was cut before it ended; the re-render completes it"
+
+
+def _generated(spans: Sequence[TurnSpan], start: int, end: int) -> bool:
+    """Whether every token of `[start, end)` lies in a generated (role "assistant") span; for an empty range
+    (the re-render has tokens the model did not write there), whether the tokens on both sides of it do."""
+    if end == start:
+        start, end = start - 1, start + 1
+    covered = start
+    for s in sorted((s for s in spans if s.role == "assistant"), key=lambda s: s.start):
+        if s.start <= covered < s.end:
+            covered = s.end
+    return covered >= end
+
+
 def _span_roles(spans: Sequence[TurnSpan], start: int, end: int) -> set[str]:
     lo, hi = (start, end) if end > start else (max(start - 1, 0), start + 1)
     return {s.role for s in spans if s.start < hi and lo < s.end}
@@ -115,7 +137,8 @@ def compare_ids(
     """Diff two id sequences and classify each differing region.
 
     A region is `special_tokens` when either side holds a special token, else `assistant_text` when it
-    touches a generated (role "assistant") span, else `non_assistant_text`.
+    touches a generated (role "assistant") span, else `non_assistant_text`. The family handler explains known
+    template differences; a region wholly inside generated tokens is explained as `GENERATED`.
     """
     acc, canon = list(accumulated), list(canonical)
     report = TITOReport(
@@ -142,6 +165,11 @@ def compare_ids(
         a0, a1, c0, c1 = head + i1, head + i2, head + j1, head + j2
         a_ids, c_ids = acc[a0:a1], canon[c0:c1]
         a_text, c_text = decode(a_ids), decode(c_ids)
+        explanation = explain(a_text, c_text)
+        if explanation is None and _generated(spans, a0, a1):
+            explanation = GENERATED
+        elif explanation is None and a1 == a0 and any(s.role == "close" and s.start == a0 for s in spans):
+            explanation = CUT
         if any(i in special_ids for i in a_ids) or any(i in special_ids for i in c_ids):
             kind = MismatchKind.SPECIAL_TOKENS
         elif "assistant" in _span_roles(spans, a0, a1):
@@ -157,7 +185,7 @@ def compare_ids(
                 canon_end=c1,
                 accumulated_text=a_text,
                 canonical_text=c_text,
-                explanation=explain(a_text, c_text),
+                explanation=explanation,
             )
         )
     return report
