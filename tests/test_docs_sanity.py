@@ -30,7 +30,7 @@ DIARY_PHRASES = [
 
 
 def documentation_files(repo: Path = REPO) -> list[Path]:
-    files = [repo / "README.md", repo / "DEVELOPERS.md"]
+    files = [repo / "README.md", repo / "DEVELOPERS.md", repo / "ARCHITECTURE.md"]
     files += sorted((repo / "docs").rglob("*.md"))
     files += sorted((repo / "configs").glob("*.yaml"))
     files += sorted((repo / "benchmarks").glob("*.py"))
