@@ -138,7 +138,7 @@ class Trajectory:
         start = len(self.token_ids)
         self.token_ids.extend(ids)
         self.loss_mask.extend([1 if generated else 0] * len(ids))
-        self.rollout_logprobs.extend(logprobs if generated else [0.0] * len(ids))
+        self.rollout_logprobs.extend(logprobs if generated and logprobs is not None else [0.0] * len(ids))
         span = TurnSpan(role=role, start=start, end=len(self.token_ids), weight_version=weight_version)
         self.spans.append(span)
         return span
@@ -308,4 +308,5 @@ class TrajectoryBatch:
         tensors = load_file(str(path))
         with safe_open(str(path), framework="pt") as f:
             meta = json.loads((f.metadata() or {}).get("meta", "[]"))
-        return cls(meta=meta, **tensors)
+        fields: dict[str, Any] = {**tensors, "meta": meta}
+        return cls(**fields)

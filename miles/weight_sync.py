@@ -254,9 +254,14 @@ class WeightSync:
             await asyncio.gather(*(e.update_weights(path=str(folder), version=version) for e in self.engines))
             await asyncio.to_thread(self._prune, folder)
         else:
-            from miles.engines.weight_broadcast import broadcast_weights
+            from miles.engines.weight_broadcast import WeightGroupMember, broadcast_weights
 
-            buckets = await broadcast_weights(self.broadcaster, self.engines, state_dict, version=version)
+            members = [e for e in self.engines if isinstance(e, WeightGroupMember)]
+            if len(members) != len(self.engines):
+                raise WeightSyncError(
+                    "the broadcast method needs engines that join a weight-update group (HTTP)"
+                )
+            buckets = await broadcast_weights(self.broadcaster, members, state_dict, version=version)
         return buckets
 
     def adapter_version(self, name: str) -> int | None:
@@ -326,10 +331,11 @@ class WeightSync:
         """Leave the broadcast group (engines destroy theirs); other methods hold nothing."""
         if self.broadcaster is None:
             return
+        from miles.engines.weight_broadcast import WeightGroupMember
+
         name = self.broadcaster.group_name
-        await asyncio.gather(
-            *(e.destroy_weights_update_group(name) for e in self.engines), return_exceptions=True
-        )
+        members = [e for e in self.engines if isinstance(e, WeightGroupMember)]
+        await asyncio.gather(*(e.destroy_weights_update_group(name) for e in members), return_exceptions=True)
         self.broadcaster.close()
 
 

@@ -34,7 +34,7 @@ import datetime
 import threading
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -451,8 +451,47 @@ async def _together(blocking: Callable[[], Any], calls: Sequence[Awaitable[Any]]
     raise failure
 
 
+@runtime_checkable
+class WeightGroupMember(Protocol):
+    """An engine that joins the trainer's weight-update group over SGLang's API (`SGLangClient`)."""
+
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        *,
+        group_name: str = ...,
+        backend: str = ...,
+    ) -> None: ...
+
+    def attach_weight_group(self, broadcaster: Any) -> None: ...
+
+    async def begin_weight_update(self) -> None: ...
+
+    async def end_weight_update(self) -> None: ...
+
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        *,
+        group_name: str = ...,
+        weight_version: int | None = ...,
+        flush_cache: bool = ...,
+        load_format: str | None = ...,
+    ) -> None: ...
+
+    async def destroy_weights_update_group(self, group_name: str = ...) -> bool: ...
+
+
 async def init_weight_update_group(
-    broadcaster: WeightBroadcaster, clients: Sequence[Any], *, ranks_per_engine: Sequence[int] | None = None
+    broadcaster: WeightBroadcaster,
+    clients: Sequence[WeightGroupMember],
+    *,
+    ranks_per_engine: Sequence[int] | None = None,
 ) -> None:
     """Rendezvous the trainer (rank 0) with every `SGLangClient` in `clients`. Engine `i` holds
     `ranks_per_engine[i]` ranks (its `tp_size`; 1 each by default) and joins at the next free rank offset."""
@@ -478,7 +517,7 @@ async def init_weight_update_group(
 
 async def broadcast_weights(
     broadcaster: WeightBroadcaster,
-    clients: Sequence[Any],
+    clients: Sequence[WeightGroupMember],
     state_dict: Mapping[str, torch.Tensor],
     *,
     version: int | None = None,

@@ -29,7 +29,7 @@ import logging
 import math
 import time
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Collection, Sequence
+from collections.abc import AsyncIterator, Awaitable, Collection, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -688,7 +688,7 @@ class Router:
         idle = 0
         while idle < 2:
             now = time.monotonic()
-            jobs = []
+            jobs: list[Awaitable[object]] = []
             for e in self._engines:
                 stale = now - e.last_probe_at >= interval
                 if stale and (

@@ -9,7 +9,7 @@ import os
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -149,7 +149,9 @@ class SessionScheduler:
         self.tokenizer = tokenizer
         self.env_factory = env_factory
         self._owns_recorder = recorder is not None and not isinstance(recorder, Recorder)
-        self.recorder = Recorder(recorder) if self._owns_recorder else recorder  # type: ignore[arg-type]
+        self.recorder: Recorder | None = (
+            recorder if recorder is None or isinstance(recorder, Recorder) else Recorder(recorder)
+        )
         if parser is None and scfg.parser is not None:
             from miles.tools import get_parser
 
@@ -169,7 +171,7 @@ class SessionScheduler:
         *,
         num_groups: int | None = None,
         admit: Callable[[], Awaitable[None]] | None = None,
-    ) -> AsyncIterator[Group]:
+    ) -> AsyncGenerator[Group, None]:
         """Yield groups as they complete. With `num_groups`, stop after that many, having scheduled
         `config.oversample_groups` extra ones and aborted whatever is still running; otherwise run one
         group per task until `tasks` is exhausted. `admit`, when given, is awaited before each next task is
