@@ -28,15 +28,11 @@ def make_task(rng) -> Task:
 
 class ShopOracle(OraclePolicy):
     def act(self, messages: list[Message]) -> Message:
-        if messages[-1].role != "tool":
-            item = self.task.data["item"]
-            return Message(
-                "assistant",
-                tool_calls=[
-                    ToolCall("price", {"item": item}, id="call_0", raw_arguments=f'{{"item": "{item}"}}')
-                ],
-            )
-        return Message("assistant", f"It costs {messages[-1].content} dollars.")
+        if messages[-1].role == "tool":
+            return Message("assistant", f"It costs {messages[-1].content} dollars.")
+        item = self.task.data["item"]
+        call = ToolCall("price", {"item": item}, id="call_0", raw_arguments=f'{{"item": "{item}"}}')
+        return Message("assistant", tool_calls=[call])
 
 
 class ShopEnv(ToolEnv):
