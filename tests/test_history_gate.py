@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from history_gate import CORRIDORS, METRICS, STEPS, WINDOW, corridors_from, gate_run, violations
@@ -15,10 +16,15 @@ def _corridors() -> dict:
 
 
 @pytest.mark.slow
-def test_a_fixed_seed_run_of_the_calculator_example_stays_inside_the_trusted_corridors(tmp_path):
-    rows = gate_run(tmp_path / "run")
-    assert len(rows) == STEPS
-    assert violations(rows, _corridors()) == []
+def test_a_fixed_seed_run_stays_inside_the_trusted_corridors_and_a_3x_learning_rate_leaves_them(tmp_path):
+    """The gate on today's code, and on a planted regression (the calculator example at 3x its learning rate),
+    run side by side (one thread each)."""
+    with ThreadPoolExecutor(2) as pool:
+        healthy = pool.submit(gate_run, tmp_path / "run")
+        regressed = pool.submit(gate_run, tmp_path / "lr3x", "trainer.lr=0.0009")
+        rows, bad = healthy.result(), regressed.result()
+    assert len(rows) == STEPS and violations(rows, _corridors()) == []
+    assert any("outside its corridor" in v for v in violations(bad, _corridors()))
 
 
 def _rows(value: float, **at: float) -> list[dict]:
