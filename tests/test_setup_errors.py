@@ -15,6 +15,13 @@ REPO = Path(__file__).resolve().parents[1]
 MAIN_JOB = str(REPO / "configs" / "calculator.yaml")
 
 
+def train(out: Path, *sets: str) -> int:
+    """`miles train` of the calculator example into `out`, in this process, with `--set` overrides."""
+    return main(
+        ["train", "--config", MAIN_JOB, "--output-dir", str(out), *(x for s in sets for x in ("--set", s))]
+    )
+
+
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
@@ -319,47 +326,19 @@ def test_oversampling_trains_the_first_groups_and_records_the_dropped_ones(tmp_p
 
     monkeypatch.chdir(REPO)
     out = tmp_path / "run"
-    assert (
-        main(
-            [
-                "train",
-                "--config",
-                MAIN_JOB,
-                "--output-dir",
-                str(out),
-                "--set",
-                "steps=2",
-                "--set",
-                "rollout.tasks_per_step=2",
-                "--set",
-                "rollout.scheduler.oversample_groups=2",
-                "--set",
-                "eval.num_tasks=2",
-            ]
-        )
-        == 0
+    sets = (
+        "steps=2",
+        "rollout.tasks_per_step=2",
+        "rollout.scheduler.oversample_groups=2",
+        "eval.num_tasks=2",
     )
+    assert train(out, *sets) == 0
     records = read_sessions(out / "sessions.jsonl").records
     groups = {r.group_id for r in records}
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["sessions"] for r in rows if r["kind"] == "train"] == [16, 16]  # 2 groups of 8 trained per step
     assert len(groups) > 4  # extra groups started, and their sessions are in the file (done or aborted)
-    assert (
-        main(
-            [
-                "train",
-                "--config",
-                MAIN_JOB,
-                "--output-dir",
-                str(tmp_path / "r2"),
-                "--set",
-                "rollout.scheduler.oversample_groups=1",
-                "--set",
-                "rollout.agent.command=true",
-            ]
-        )
-        == 2
-    )
+    assert train(tmp_path / "r2", "rollout.scheduler.oversample_groups=1", "rollout.agent.command=true") == 2
 
 
 def test_a_step_that_runs_out_of_memory_is_one_line_naming_the_keys(tmp_path, capsys, monkeypatch):
@@ -377,24 +356,7 @@ def test_a_step_that_runs_out_of_memory_is_one_line_naming_the_keys(tmp_path, ca
     monkeypatch.setattr(TorchTrainer, "train_step", full)
     monkeypatch.chdir(REPO)
     out = tmp_path / "run"
-    assert (
-        main(
-            [
-                "train",
-                "--config",
-                MAIN_JOB,
-                "--output-dir",
-                str(out),
-                "--set",
-                "steps=2",
-                "--set",
-                "rollout.tasks_per_step=2",
-                "--set",
-                "eval.num_tasks=2",
-            ]
-        )
-        == 1
-    )
+    assert train(out, "steps=2", "rollout.tasks_per_step=2", "eval.num_tasks=2") == 1
     err = capsys.readouterr().err
     last = err.strip().splitlines()[-1]
     assert "Traceback" not in err and last.startswith("miles train: out of memory (CUDA out of memory); "), (
