@@ -363,3 +363,30 @@ def test_a_step_that_runs_out_of_memory_is_one_line_naming_the_keys(tmp_path, ca
         err
     )
     assert "trainer.micro_batch_tokens (65536)" in last and "engine.kv_cache_fraction" in last, err
+
+
+def test_an_engine_that_fails_every_decode_step_makes_the_start_evaluation_no_score_naming_the_error(
+    tmp_path, capsys, monkeypatch
+):
+    """An engine whose every decode step fails (as a KV cache that cannot grow on a full GPU does) leaves the start
+    evaluation without a score: the run ends broken (exit 3) with one line that names the first failure."""
+    import torch
+
+    from miles.engines.embedded import EmbeddedEngine
+
+    def full(self):
+        raise torch.OutOfMemoryError(
+            "CUDA out of memory. Tried to allocate 45.00 GiB. GPU 0 has a total capacity"
+        )
+
+    monkeypatch.setattr(EmbeddedEngine, "_step", full)
+    monkeypatch.chdir(REPO)
+    assert train(tmp_path / "run", "steps=2", "rollout.tasks_per_step=2", "eval.num_tasks=2") == 3
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith(
+        "miles train: the run is broken: the start evaluation (greedy) is no score: 2 of 2 "
+    )
+    assert (
+        "; the first: EngineError: " in last
+        and "decode step failed: OutOfMemoryError('CUDA out of memory" in last
+    )

@@ -28,6 +28,7 @@ class EvalResult:
     success_rate: float
     mean_reward: float
     terminations: dict[str, int]
+    first_error: str = ""  # the first infrastructure failure's type and message, one line
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -40,7 +41,8 @@ class EvalResult:
             kinds = ", ".join(
                 f"{self.terminations[t]} {t}" for t in _INFRASTRUCTURE if self.terminations.get(t)
             )
-            return f"{failed} of {self.num_tasks} sessions failed in the engines ({kinds})"
+            first = f"; the first: {self.first_error}" if self.first_error else ""
+            return f"{failed} of {self.num_tasks} sessions failed in the engines ({kinds}){first}"
         return ""
 
 
@@ -78,12 +80,14 @@ def summarize(mode: str, records: Sequence[SessionRecord]) -> EvalResult:
     for r in records:
         terms[r.termination.value] = terms.get(r.termination.value, 0) + 1
     success = sum(bool(r.final_info.get("success", False)) for r in records)
+    failed = next((r.error for r in records if r.termination.value in _INFRASTRUCTURE and r.error), None)
     return EvalResult(
         mode=mode,
         num_tasks=n,
         success_rate=success / n if n else 0.0,
         mean_reward=sum(r.reward for r in records) / n if n else 0.0,
         terminations=terms,
+        first_error="" if failed is None else f"{failed.type}: {failed.message.splitlines()[0][:300]}",
     )
 
 
