@@ -85,7 +85,8 @@ def assert_consistent(rec: SessionRecord) -> None:
     rec.trajectory.check()
     outputs = [i for t in rec.turns for i in range(t.output_start, t.output_end)]
     assert [i for i, m in enumerate(rec.trajectory.loss_mask) if m] == outputs  # each output once, in place
-    assert check_tito(rec, tito()).ok
+    tito_check = check_tito(rec, tito())
+    assert tito_check.ok, tito_check.message
 
 
 async def run_all(sched: SessionScheduler, tasks: list[str]) -> list[SessionRecord]:

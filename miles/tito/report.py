@@ -108,9 +108,10 @@ CUT = "the model's turn was cut before it ended; the re-render completes it"
 
 def _generated(spans: Sequence[TurnSpan], start: int, end: int) -> bool:
     """Whether every token of `[start, end)` lies in a generated (role "assistant") span; for an empty range
-    (the re-render has tokens the model did not write there), whether the tokens on both sides of it do."""
+    (the re-render has tokens the model did not write there), whether the token after it does: the re-render
+    writes the model's turn otherwise (a call wrapped in the template's syntax, say)."""
     if end == start:
-        start, end = start - 1, start + 1
+        end = start + 1
     covered = start
     for s in sorted((s for s in spans if s.role == "assistant"), key=lambda s: s.start):
         if s.start <= covered < s.end:
