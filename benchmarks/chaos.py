@@ -210,12 +210,14 @@ def main() -> int:  # noqa: C901 - one flat list of probes reads best
     # ---- sessions of agents
     from miles.sessions.openai.endpoint import OpenAIEndpoint
     from miles.sessions.openai.routes import create_openai_app
-    from miles.tito import TokenizerSpec
+    from miles.tito import TITOTokenizer, TokenizerSpec
 
     async def agents() -> list[int]:
         from miles.sessions.openai.routes import EndpointServer
 
-        endpoint = OpenAIEndpoint(engine, tokenizer=TokenizerSpec("tiny").build(), open_sessions=False)
+        endpoint = OpenAIEndpoint(
+            engine, tokenizer=TITOTokenizer.from_spec(TokenizerSpec("tiny")), open_sessions=False
+        )
         mine, theirs = endpoint.open("run-s0"), endpoint.open("run-s1")
         server = EndpointServer(create_openai_app(endpoint))
         url = await server.start()

@@ -42,7 +42,7 @@ def main() -> None:
     import miles.trainers.torch_backend as backend
     from miles.envs import EnvRecipe
     from miles.sessions.records import SessionRecord, TurnRecord
-    from miles.tito import TokenizerSpec
+    from miles.tito import TITOTokenizer, TokenizerSpec
     from miles.trainers.demos import oracle_demos
     from miles.trainers.health import HealthConfig, RunHealth, first_nonfinite, step_activity
     from miles.trainers.torch_backend import TorchTrainer, TorchTrainerConfig
@@ -52,7 +52,7 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(
         REPO / "checkpoints" / "calculator-sft-1m", dtype=torch.float32
     )
-    tito = TokenizerSpec("tiny", "compact").build()
+    tito = TITOTokenizer.from_spec(TokenizerSpec("tiny", "compact"))
     recipe = EnvRecipe("Calculator-v0", {"max_operand": 9, "num_operators": [1, 1], "operators": "+-*"})
     tasks = recipe.make().tasks.take(64)
     trajs = asyncio.run(oracle_demos(recipe.make, tasks, tito))

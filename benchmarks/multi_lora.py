@@ -52,7 +52,7 @@ def equivalence(steps: int, groups: int) -> float:
     from miles.envs import EnvRecipe
     from miles.sessions.config import SchedulerConfig, SessionConfig
     from miles.sessions.scheduler import SessionScheduler
-    from miles.tito import TokenizerSpec
+    from miles.tito import TITOTokenizer, TokenizerSpec
     from miles.trainers.data import load_tasks
     from miles.trainers.lora.config import LoraSpec
     from miles.trainers.lora.trainer import AdapterSpec, MultiLoraTrainer
@@ -60,7 +60,7 @@ def equivalence(steps: int, groups: int) -> float:
     from miles.trajectory import TrajectoryBatch
 
     names = ("mul", "addsub", "mixed")
-    tito = TokenizerSpec("tiny", "compact").build()
+    tito = TITOTokenizer.from_spec(TokenizerSpec("tiny", "compact"))
     base = AutoModelForCausalLM.from_pretrained(WARM_START, dtype=torch.float32)
 
     async def rollouts() -> list[list]:

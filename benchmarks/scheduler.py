@@ -27,6 +27,7 @@ from miles.sessions import InstantEngine, SchedulerConfig, SessionConfig, Sessio
 from miles.sessions.metrics import SessionMetrics
 from miles.tiny import load_tiny_tokenizer
 from miles.tito import TITOTokenizer
+from miles.tito.conversation import Conversation
 from miles.tools import get_parser, tool
 from miles.types import Message
 
@@ -76,7 +77,7 @@ async def bare(n: int, tito: TITOTokenizer, engine: InstantEngine) -> list[float
     async def one(i: int) -> float:
         env = BenchEnv()
         obs, _ = await env.areset(seed=i, options={"task_id": f"t{i % 64}"})
-        conv = tito.start(obs, tools=env.tool_schemas())
+        conv = Conversation(tito, obs, tools=env.tool_schemas())
         total = 0.0
         for _ in range(TURNS):
             res = await engine.generate(conv.prompt_ids, sampling, session_id=f"b{i}")

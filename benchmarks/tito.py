@@ -16,6 +16,7 @@ import time
 
 from miles.engine import FinishReason
 from miles.tito import TITOTokenizer, load_tokenizer
+from miles.tito.conversation import Conversation
 from miles.types import Message, ToolCall
 
 TOOLS = [
@@ -52,7 +53,7 @@ def _turn(t: int) -> tuple[Message, list[Message]]:
 
 def run_once(tito: TITOTokenizer, outputs: list[list[int]]) -> tuple[dict[int, float], dict[int, float], int]:
     """One 64-turn conversation: seconds per append at the measured turns (TITO, naive) and its final length."""
-    conv = tito.start(START, TOOLS)
+    conv = Conversation(tito, START, TOOLS)
     history = list(START)
     tito_s, naive_s = {}, {}
     for t in range(1, TURNS + 1):

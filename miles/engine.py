@@ -6,13 +6,24 @@ import abc
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from miles.engines.lora import AdapterWeights
+from typing import Any, Protocol
 
 #: The `policy_id` of the base model (no LoRA adapter); any other policy id names an adapter.
 BASE_POLICY = "base"
+
+
+class LoraAdapter(Protocol):
+    """A LoRA adapter as the contract names it: its rank, scaling and size. Engines take
+    `miles.engines.lora.AdapterWeights` (PEFT's settings and tensors), the one implementation."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def scaling(self) -> float: ...
+
+    @property
+    def num_bytes(self) -> int: ...
 
 
 #: Below this a temperature is greedy decoding: dividing logits by a denormal overflows them to inf.
@@ -102,6 +113,12 @@ class GenerateResult:
 
     `weight_version` is the version the call finished under; `token_versions[i]`, when the engine reports it,
     the version that produced `output_ids[i]` (a call can span a weight update that lands between decode steps).
+
+    Under top-k/top-p sampling `output_logprobs[i]` is the logprob under the distribution sampled from
+    (renormalised over the tokens the filter kept), and `kept_counts[i]`, when the engine reports it, how many
+    tokens the filter kept when `output_ids[i]` was drawn (0: the whole vocabulary); a trainer renormalises over
+    its own `kept_counts[i]` largest logits to reproduce the logprob (sampling-mask replay). None: the engine
+    reports no kept set (no filter, or an engine that cannot tell).
     """
 
     output_ids: list[int]
@@ -114,6 +131,7 @@ class GenerateResult:
     engine_id: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
     token_versions: list[int] | None = None
+    kept_counts: list[int] | None = None
 
     def __post_init__(self) -> None:
         if len(self.output_ids) != len(self.output_logprobs):
@@ -124,6 +142,10 @@ class GenerateResult:
             raise ValueError(
                 f"output_ids ({len(self.output_ids)}) and token_versions ({len(self.token_versions)}) "
                 "differ in length"
+            )
+        if self.kept_counts is not None and len(self.kept_counts) != len(self.output_ids):
+            raise ValueError(
+                f"output_ids ({len(self.output_ids)}) and kept_counts ({len(self.kept_counts)}) differ in length"
             )
 
 
@@ -181,7 +203,7 @@ class RolloutEngine(abc.ABC):
         self,
         name: str,
         *,
-        weights: AdapterWeights | None = None,
+        weights: LoraAdapter | None = None,
         path: str | None = None,
         version: int | None = None,
     ) -> int:

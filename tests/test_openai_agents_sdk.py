@@ -19,6 +19,7 @@ from miles.sessions.instant import InstantEngine
 from miles.sessions.openai.endpoint import OpenAIEndpoint
 from miles.sessions.openai.routes import EndpointServer, create_openai_app
 from miles.sessions.replay import check_tito
+from miles.tito.conversation import Conversation
 from miles.types import Message
 
 
@@ -73,7 +74,7 @@ async def test_the_agents_sdk_completes_a_two_turn_tool_task(streamed):
     assert [m["role"] for m in record.turns[0].observation] == ["tool"]
     assert record.turns[0].observation[0]["content"] == "7"
     # the trajectory equals a direct TITO session fed the same messages and outputs
-    conv = t.start([Message.from_dict(m) for m in record.initial_messages], tools=record.tools)
+    conv = Conversation(t, [Message.from_dict(m) for m in record.initial_messages], tools=record.tools)
     conv.append_generation(outputs[0], [-0.5] * len(outputs[0]), weight_version=0, finish_reason="stop")
     conv.append_observation(replies[0], [Message.from_dict(m) for m in record.turns[0].observation])
     conv.append_generation(outputs[1], [-0.5] * len(outputs[1]), weight_version=0, finish_reason="stop")

@@ -18,7 +18,7 @@ from miles.engines.server import serve_in_thread
 from miles.ports import free_port
 from miles.sessions.openai.endpoint import OpenAIEndpoint
 from miles.sessions.replay import check_tito
-from miles.tito import TokenizerSpec
+from miles.tito import TITOTokenizer, TokenizerSpec
 from miles.trajectory import message_from_record
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,7 +69,7 @@ def agent_loop(client: OpenAI, question: str, turns: int = 3) -> list:
 
 
 def test_in_front_of_an_http_engine_with_a_real_model():
-    tito = TokenizerSpec(SFT, "compact").build()
+    tito = TITOTokenizer.from_spec(TokenizerSpec(SFT, "compact"))
     engine = EmbeddedEngine.from_pretrained(SFT, max_batch_size=8)
     handle = serve_in_thread(engine)
     client_engine = SGLangClient(handle.url)

@@ -21,6 +21,7 @@ from miles.sessions.openai.config import OpenAISessionConfig
 from miles.sessions.openai.endpoint import OpenAIEndpoint
 from miles.sessions.openai.routes import EndpointServer, create_openai_app
 from miles.tito import TITOTokenizer, TokenizerSpec
+from miles.tito.conversation import Conversation
 from miles.trajectory import Trajectory
 from miles.types import Message, ToolCall
 
@@ -53,7 +54,9 @@ def tito(name: str = "tiny") -> TITOTokenizer:
     """The tiny tokenizer with its compact template, or the real Qwen3 one (cached)."""
     if name not in _TITOS:
         _TITOS[name] = (
-            TokenizerSpec("tiny", "compact").build() if name == "tiny" else TokenizerSpec(name).build()
+            TITOTokenizer.from_spec(TokenizerSpec("tiny", "compact"))
+            if name == "tiny"
+            else TITOTokenizer.from_spec(TokenizerSpec(name))
         )
     return _TITOS[name]
 
@@ -74,7 +77,7 @@ class Script:
 
 def direct(t: TITOTokenizer, script: Script) -> tuple[Trajectory, list[list[int]]]:
     """The direct TITO session of `script` (no endpoint): its trajectory, and each turn's output ids."""
-    conv = t.start(script.messages, tools=script.tools)
+    conv = Conversation(t, script.messages, tools=script.tools)
     outputs = []
     for assistant, observation in script.turns:
         ids = t.expected_generation(conv.messages, assistant, script.tools)

@@ -28,7 +28,7 @@ def test_smollm2_sees_its_tools_through_chatml_tools_and_trains_one_grpo_step(tm
 
     from miles.cli import main
     from miles.sessions.recorder import read_sessions
-    from miles.tito import TokenizerSpec
+    from miles.tito import TITOTokenizer, TokenizerSpec
     from miles.trainers.metrics_log import read_metrics
 
     run = tmp_path / "run"
@@ -59,7 +59,7 @@ def test_smollm2_sees_its_tools_through_chatml_tools_and_trains_one_grpo_step(tm
     assert len(records) == 2 and all(
         r.tools and r.tools[0]["function"]["name"] == "calculate" for r in records
     )
-    tito = TokenizerSpec("smollm2-135m", "chatml-tools").build()
+    tito = TITOTokenizer.from_spec(TokenizerSpec("smollm2-135m", "chatml-tools"))
     prompt = tito.decode(records[0].trajectory.token_ids[: records[0].turns[0].prompt_tokens])
     assert "<tools>" in prompt and '"name": "calculate"' in prompt
     (row,) = [r for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "train"]

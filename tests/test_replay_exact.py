@@ -18,7 +18,7 @@ from miles.envs import EnvRecipe
 from miles.sessions import InstantEngine, SchedulerConfig, SessionConfig, SessionScheduler, read_sessions
 from miles.sessions.replay import check
 from miles.sessions.replay_cli import main
-from miles.tito import TokenizerSpec
+from miles.tito import TITOTokenizer, TokenizerSpec
 
 V1_FILE = Path(__file__).parent / "data" / "sessions_v1.jsonl"
 NOT_CLOSED = "(the <tool_call> tag was not closed)"
@@ -73,7 +73,7 @@ def call(name: str, **arguments: object) -> str:
 
 @pytest.fixture(scope="module")
 def compact_tito():
-    return TokenizerSpec("tiny", "compact").build()
+    return TITOTokenizer.from_spec(TokenizerSpec("tiny", "compact"))
 
 
 @pytest.fixture(scope="module")

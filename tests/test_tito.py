@@ -21,6 +21,7 @@ from miles.tito import (
     load_tokenizer,
 )
 from miles.tito.check import format_report, run_check
+from miles.tito.conversation import Conversation
 from miles.tito.loading import packaged_tokenizer_dir
 from miles.tito.report import GENERATED
 from miles.types import Message, ToolCall
@@ -114,7 +115,7 @@ def test_load_tokenizer_from_folder_gets_llama3_template(tmp_path):
 
 
 def test_chatml_newline_after_stop_token_goes_into_the_delta(tiny, toks):
-    conv = tiny.start(START, TOOLS)
+    conv = Conversation(tiny, START, TOOLS)
     assert conv.prompt_ids == tiny.render_ids(START, TOOLS, add_generation_prompt=True)
     ids, text = _gen(tiny, conv, CALL)
     assert (
@@ -132,7 +133,7 @@ def test_chatml_newline_after_stop_token_goes_into_the_delta(tiny, toks):
 @pytest.mark.parametrize("family", ["tiny", "qwen3", "llama3"])
 def test_max_tokens_without_stop_token_inserts_the_close_token(toks, family):
     tito = TITOTokenizer(toks[family])
-    conv = tito.start(START, TOOLS)
+    conv = Conversation(tito, START, TOOLS)
     answer = Message("assistant", "The answer is 153 and then a long tail of words.")
     full = tito.expected_generation(conv.messages, answer, TOOLS)
     tail = tito.encode(" and then a long tail of words.")
@@ -154,7 +155,7 @@ def test_max_tokens_without_stop_token_inserts_the_close_token(toks, family):
 
 
 def test_generation_can_continue_after_max_tokens(tiny):
-    conv = tiny.start(START)
+    conv = Conversation(tiny, START)
     full = tiny.expected_generation(conv.messages, Message("assistant", "It is 153."))
     conv.append_generation(full[:2], [-1.0, -1.0], weight_version=0, finish_reason=FinishReason.LENGTH)
     conv.append_generation(
@@ -167,7 +168,7 @@ def test_generation_can_continue_after_max_tokens(tiny):
 
 
 def test_state_errors(tiny):
-    conv = tiny.start(START)
+    conv = Conversation(tiny, START)
     with pytest.raises(ConversationStateError, match="needs a generation"):
         conv.append_observation(CALL, RESULT)
     with pytest.raises(ConversationStateError, match="needs a generation"):
@@ -181,7 +182,7 @@ def test_state_errors(tiny):
 
 
 def test_invalid_engine_output(tiny):
-    conv = tiny.start(START)
+    conv = Conversation(tiny, START)
     with pytest.raises(InvalidTokenError, match="outside the vocabulary"):
         conv.append_generation([tiny.vocab_size], [0.0], weight_version=0, finish_reason=FinishReason.STOP)
     with pytest.raises(InvalidTokenError, match="logprobs"):
@@ -190,7 +191,7 @@ def test_invalid_engine_output(tiny):
 
 
 def test_finish_without_recording_compares_only_the_prefix(tiny):
-    conv = tiny.start(START)
+    conv = Conversation(tiny, START)
     conv.append_generation([100, 101], [-1.0, -2.0], weight_version=0, finish_reason=FinishReason.LENGTH)
     conv.finish()
     assert conv.trajectory.token_ids[-1] == tiny.close_token_id
@@ -200,7 +201,7 @@ def test_finish_without_recording_compares_only_the_prefix(tiny):
 
 def test_mismatch_kinds_and_strict_mode(tiny, toks):
     # the engine ends its turn on <|endoftext|> (also a stop token) where the template writes <|im_end|>
-    conv = tiny.start(START, TOOLS)
+    conv = Conversation(tiny, START, TOOLS)
     ids = tiny.expected_generation(conv.messages, CALL, TOOLS)
     ids[-1] = toks["tiny"].convert_tokens_to_ids("<|endoftext|>")
     conv.append_generation(ids, [-0.1] * len(ids), weight_version=0, finish_reason=FinishReason.STOP)
@@ -211,7 +212,7 @@ def test_mismatch_kinds_and_strict_mode(tiny, toks):
     assert [m.explanation for m in report.mismatches] == [GENERATED] and report.ok  # trained as generated
 
     # the model spelled its answer with non-canonical tokens
-    conv = tiny.start(START)
+    conv = Conversation(tiny, START)
     text = "The answer is 153."
     odd = [i for ch in text for i in tiny.encode(ch)]
     assert odd != tiny.encode(text)
@@ -227,7 +228,7 @@ def test_mismatch_kinds_and_strict_mode(tiny, toks):
     assert {m.explanation for m in report.mismatches} == {GENERATED}
 
     # a recorded observation differs from what was tokenized: not the model's, so not ok
-    conv = tiny.start(START, TOOLS)
+    conv = Conversation(tiny, START, TOOLS)
     _gen(tiny, conv, CALL)
     conv.append_observation(CALL, RESULT)
     conv.messages[-1].content = "117"
@@ -239,7 +240,7 @@ def test_mismatch_kinds_and_strict_mode(tiny, toks):
 
 def test_qwen3_thinking_is_kept_and_explained(toks):
     q = TITOTokenizer(toks["qwen3"])
-    conv = q.start(START, TOOLS)
+    conv = Conversation(q, START, TOOLS)
     first = Message("assistant", "The answer is 153.", reasoning="58 * 2 = 116, plus 37.")
     ids, text = _gen(q, conv, first)
     assert text.startswith("<think>\n58 * 2 = 116")
@@ -258,7 +259,7 @@ def test_qwen3_thinking_is_kept_and_explained(toks):
 
 def test_qwen3_enable_thinking_false(toks):
     q = TITOTokenizer(toks["qwen3"], chat_template_kwargs={"enable_thinking": False})
-    conv = q.start(START, TOOLS)
+    conv = Conversation(q, START, TOOLS)
     assert q.decode(conv.prompt_ids).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     _gen(q, conv, CALL)
     delta = conv.append_observation(CALL, RESULT)

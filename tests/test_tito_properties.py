@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from miles.engine import FinishReason
 from miles.tiny import load_tiny_tokenizer
 from miles.tito import TITOTokenizer, load_tokenizer
+from miles.tito.conversation import Conversation
 from miles.tools import get_parser
 from miles.types import Message, ToolCall
 
@@ -129,7 +130,7 @@ def play(tito: TITOTokenizer, messages, tools, steps, parser=None):
     With `parser`, a template-faithful output is recorded as the parser reads it (as a session does), not as
     the scripted message.
     """
-    conv = tito.start(messages, tools)
+    conv = Conversation(tito, messages, tools)
     fed: list[tuple[list[int], list[float]]] = []
     for version, step in enumerate(steps):
         if step.mode == "garbage":
@@ -320,7 +321,7 @@ def test_string_arguments_round_trip_byte_exactly(titos, family, data):
     assert [c.raw_arguments for c in as_message.tool_calls] == raws
     assert tito.render_text([*history, as_message], TOOLS) == tito.render_text([*history, client_msg], TOOLS)
 
-    conv = tito.start(history, TOOLS)
+    conv = Conversation(tito, history, TOOLS)
     ids = tito.expected_generation(history, client_msg, TOOLS)
     text = conv.append_generation(ids, None, weight_version=0, finish_reason=FinishReason.STOP)
     parsed = get_parser(PARSERS[family]).parse(text).to_message()

@@ -7,7 +7,7 @@ import hashlib
 import pytest
 
 from miles.tiny import compact_chat_template
-from miles.tito import ChatTemplateError, TokenizerSpec, resolve_chat_template
+from miles.tito import ChatTemplateError, TITOTokenizer, TokenizerSpec, resolve_chat_template
 from miles.types import Message
 
 
@@ -29,13 +29,13 @@ def test_resolve_chat_template_names_files_and_errors(tmp_path):
 
 
 def test_build_records_the_template_it_used():
-    tito = TokenizerSpec("tiny", "compact").build()
+    tito = TITOTokenizer.from_spec(TokenizerSpec("tiny", "compact"))
     assert tito.chat_template == compact_chat_template()
     assert tito.spec == TokenizerSpec(
         "tiny", "compact", {}, hashlib.sha256(compact_chat_template().encode()).hexdigest()
     )
     assert TokenizerSpec.from_record(tito.spec.to_record()) == tito.spec
-    own = TokenizerSpec("tiny").build()
+    own = TITOTokenizer.from_spec(TokenizerSpec("tiny"))
     assert own.spec is not None and own.spec.template_sha256 != tito.spec.template_sha256
     tools = [{"type": "function", "function": {"name": "calculate", "parameters": {"type": "object"}}}]
     msgs = [Message("user", "What is 2 + 2?")]

@@ -20,6 +20,7 @@ from miles.engine import FinishReason
 from miles.envs.recipe import error_line, import_user_modules
 from miles.sessions.records import ErrorInfo, SessionRecord, TurnRecord, jsonable
 from miles.sessions.session import tool_results_of
+from miles.tito.conversation import Conversation
 from miles.tito.spec import TokenizerSpec
 from miles.trajectory import message_from_record, message_record
 from miles.types import Message, TerminationReason
@@ -494,7 +495,9 @@ def check_tito(record: SessionRecord, tito: Any) -> TitoCheck:
     traj = record.trajectory
     if not traj.token_ids:
         return TitoCheck(record.session_id, True, "no tokens recorded")
-    conv = tito.start([message_from_record(m) for m in record.initial_messages], tools=record.tools or None)
+    conv = Conversation(
+        tito, [message_from_record(m) for m in record.initial_messages], tools=record.tools or None
+    )
     for turn in record.turns:
         if turn.output_end <= turn.output_start and not turn.assistant:
             break

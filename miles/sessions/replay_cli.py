@@ -29,6 +29,7 @@ from miles.sessions.replay import (
     rescore,
     tokenizer_spec_for,
 )
+from miles.tito.tokenizer import TITOTokenizer
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -167,7 +168,7 @@ def _tito_for(args: argparse.Namespace, record: SessionRecord, cache: dict[str, 
     key = json.dumps([spec.tokenizer, spec.chat_template, dict(spec.chat_template_kwargs)], sort_keys=True)
     if key not in cache:
         try:
-            cache[key] = spec.build()
+            cache[key] = TITOTokenizer.from_spec(spec)
         except Exception as exc:
             raise ReplayError(
                 f"cannot load tokenizer {spec.tokenizer!r} (chat template {spec.chat_template!r}) "

@@ -27,6 +27,7 @@ from miles.sessions.records import (
 from miles.sessions.retry import backoff_delay_s, is_retryable
 from miles.sessions.router import Lease, NoHealthyEngineError, Router
 from miles.sessions.spec import SessionSpec
+from miles.tito.conversation import Conversation
 from miles.trajectory import Trajectory, message_from_record, message_record
 from miles.types import Message, TerminationReason
 
@@ -188,7 +189,7 @@ class Session:
         except Exception as exc:
             raise _End(TerminationReason.ENV_ERROR, ErrorInfo.from_exception("reset", exc)) from exc
         rec.tools = tools
-        conv = self.conversation = self.tokenizer.start(list(obs), tools=tools or None)
+        conv = self.conversation = Conversation(self.tokenizer, list(obs), tools=tools or None)
         max_turns = cfg.max_turns or int(getattr(env, "max_turns", 0) or 0) or 1
         mnt = self.sampling.max_new_tokens
         seen_errors: dict[str, int] = {}

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from miles.engine import FinishReason
+from miles.tito.conversation import Conversation
 from miles.tito.errors import DeltaPrefixError
 from miles.tito.loading import load_tokenizer
 from miles.tito.report import TITOReport
@@ -276,7 +277,7 @@ def scenarios() -> list[Scenario]:
 
 def play(tito: TITOTokenizer, scenario: Scenario) -> TITOReport:
     """Run one scenario through a `Conversation` with template-faithful outputs and check it."""
-    conv = tito.start(scenario.messages, scenario.tools)
+    conv = Conversation(tito, scenario.messages, scenario.tools)
     for version, turn in enumerate(scenario.turns):
         ids = tito.expected_generation(conv.messages, turn.assistant, scenario.tools)
         recorded = turn.assistant

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from miles.tito.errors import TokenizerSpecError
-from miles.tito.loading import TEMPLATES_DIR, load_tokenizer
-from miles.tito.tokenizer import TITOTokenizer
+from miles.tito.loading import TEMPLATES_DIR
 
 
 class ChatTemplateError(TokenizerSpecError):
@@ -68,20 +67,6 @@ class TokenizerSpec:
     chat_template: str | None = None
     chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
     template_sha256: str = ""
-
-    def build(self) -> TITOTokenizer:
-        """The TITO tokenizer; its `spec` is this spec with `template_sha256` filled in."""
-        tito = TITOTokenizer(
-            load_tokenizer(self.tokenizer),
-            chat_template=resolve_chat_template(self.chat_template),
-            chat_template_kwargs=dict(self.chat_template_kwargs),
-        )
-        tito.spec = replace(
-            self,
-            chat_template_kwargs=dict(self.chat_template_kwargs),
-            template_sha256=template_sha256(tito.chat_template),
-        )
-        return tito
 
     def to_record(self) -> dict[str, Any]:
         """The JSON form."""

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from miles.tito.errors import (
     DeltaPrefixError,
@@ -12,10 +13,9 @@ from miles.tito.errors import (
     TemplateTokenizerMismatchError,
 )
 from miles.tito.families import FamilyHandler, detect_family, get_handler, template_source
+from miles.tito.loading import load_tokenizer
+from miles.tito.spec import TokenizerSpec, resolve_chat_template, template_sha256
 from miles.types import Message
-
-if TYPE_CHECKING:
-    from miles.tito.spec import TokenizerSpec
 
 MessageLike = Message | dict[str, Any]
 
@@ -33,8 +33,23 @@ class TITOTokenizer:
     passed to every render.
     """
 
-    #: The names that rebuild this tokenizer, when `TokenizerSpec.build` made it (sessions record it).
+    #: The names that rebuild this tokenizer, when `from_spec` made it (sessions record it).
     spec: TokenizerSpec | None = None
+
+    @classmethod
+    def from_spec(cls, spec: TokenizerSpec) -> TITOTokenizer:
+        """The TITO tokenizer `spec` names; its `spec` is `spec` with `template_sha256` filled in."""
+        tito = cls(
+            load_tokenizer(spec.tokenizer),
+            chat_template=resolve_chat_template(spec.chat_template),
+            chat_template_kwargs=dict(spec.chat_template_kwargs),
+        )
+        tito.spec = dataclasses.replace(
+            spec,
+            chat_template_kwargs=dict(spec.chat_template_kwargs),
+            template_sha256=template_sha256(tito.chat_template),
+        )
+        return tito
 
     def __init__(
         self,
@@ -192,9 +207,3 @@ class TITOTokenizer:
                 "assistant turn; the template is not append-only there"
             )
         return self.cut_after_last_stop(self.encode(full[len(prompt) :]))
-
-    def start(self, messages: Sequence[MessageLike], tools: list[dict] | None = None):
-        """Render the first prompt once (with the generation prompt) and open a `Conversation` on it."""
-        from miles.tito.conversation import Conversation
-
-        return Conversation(self, messages, tools)

@@ -7,6 +7,7 @@ from typing import Any
 
 from miles.engine import FinishReason
 from miles.envs import Env, Task, arun_episode
+from miles.tito.conversation import Conversation
 from miles.trajectory import Trajectory
 from miles.types import Message
 
@@ -19,7 +20,7 @@ def demo_trajectory(
     `messages[:first_assistant]` is the prompt. Each assistant message is appended as the ids a
     template-faithful model emits (loss mask 1); everything between them as observation deltas (mask 0).
     """
-    conv = tito.start(list(messages[:first_assistant]), tools)
+    conv = Conversation(tito, list(messages[:first_assistant]), tools)
     history = list(messages[:first_assistant])
     i = first_assistant
     while i < len(messages):

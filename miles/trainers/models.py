@@ -29,7 +29,7 @@ def build_tito(cfg: ModelConfig) -> TITOTokenizer:
     """The TITO tokenizer the config names, with its chat-template override if any (its `spec` is recorded
     with every session)."""
     try:
-        return TokenizerSpec(cfg.tokenizer, cfg.chat_template).build()
+        return TITOTokenizer.from_spec(TokenizerSpec(cfg.tokenizer, cfg.chat_template))
     except (ChatTemplateError, TemplateTokenizerMismatchError) as exc:
         raise ModelSpecError("model.chat_template", str(exc)) from exc
     except TokenizerSpecError as exc:

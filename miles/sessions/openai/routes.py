@@ -262,10 +262,12 @@ def endpoint_tokenizer(model: str, config: OpenAIEndpointConfig) -> Any:
     """The TITO tokenizer for the served `model` spec (or `config.tokenizer`), with the template override;
     `ConfigError` (one line) when it cannot be built."""
     from miles.engines.server import tokenizer_spec
-    from miles.tito import TITOError, TokenizerSpec
+    from miles.tito import TITOError, TITOTokenizer, TokenizerSpec
 
     try:
-        return TokenizerSpec(config.tokenizer or tokenizer_spec(model), config.chat_template).build()
+        return TITOTokenizer.from_spec(
+            TokenizerSpec(config.tokenizer or tokenizer_spec(model), config.chat_template)
+        )
     except TITOError as exc:
         raise ConfigError("--openai tokenizer", str(exc)) from None
 

@@ -32,6 +32,7 @@ from miles.sessions.openai.schema import (
 )
 from miles.sessions.records import ErrorInfo, SessionRecord, TurnRecord, calls_view, observed_tool_results
 from miles.sessions.spec import SessionSpec
+from miles.tito.conversation import Conversation
 from miles.trajectory import message_record
 from miles.types import Message, TerminationReason
 
@@ -243,8 +244,8 @@ class OpenAISession:
 
     def _new_branch(self, request: ChatRequest, params: SamplingParams, fork: tuple[int, str] | None) -> Plan:
         try:
-            conv = self.tito.start(
-                list(request.messages), tools=list(request.tools) if request.tools else None
+            conv = Conversation(
+                self.tito, list(request.messages), tools=list(request.tools) if request.tools else None
             )
         except Exception as exc:  # the client's messages: TITOError, a template's raise_exception, ...
             raise _template_error(exc) from None
