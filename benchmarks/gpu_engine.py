@@ -78,7 +78,7 @@ def _prefill(decoder: Decoder, batch: DecodeBatch, prompts: list[list[int]], row
     write = torch.tensor([i * width + j for i, p in enumerate(prompts) for j in range(len(p))], device=dev)
     last = torch.tensor([i * width + len(p) - 1 for i, p in enumerate(prompts)], device=dev)
     logits = decoder.forward(batch.cache, ids, pos, 0, width, write=write, last=last)
-    first, _ = sample(logits, SamplingTensors.build(rows, [0] * len(rows), dev), SampleMode.of(rows))
+    first, _, _ = sample(logits, SamplingTensors.build(rows, [0] * len(rows), dev), SampleMode.of(rows))
     batch.join(0, first, [len(p) for p in prompts], rows, [1] * len(rows))
 
 

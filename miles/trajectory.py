@@ -75,7 +75,13 @@ class TrajectoryMeta:
 
 @dataclass
 class Trajectory:
-    """One session as tokens. `loss_mask` is 1 exactly on model-generated tokens; logprobs are 0.0 elsewhere."""
+    """One session as tokens. `loss_mask` is 1 exactly on model-generated tokens; logprobs are 0.0 elsewhere.
+
+    `kept_counts`, when the engine recorded them (top-k/top-p sampling), holds per token how many tokens the
+    sampler kept when it drew that token (0: the whole vocabulary, and on every token not generated); empty when
+    nothing was recorded. The trainer renormalises its logprob of a token over its own `kept_counts` largest
+    logits (`miles.engine.GenerateResult.kept_counts`).
+    """
 
     token_ids: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
@@ -86,6 +92,7 @@ class Trajectory:
     termination: TerminationReason | None = None
     meta: TrajectoryMeta = field(default_factory=TrajectoryMeta)
     messages: list[Message] = field(default_factory=list)
+    kept_counts: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.check()
@@ -117,6 +124,14 @@ class Trajectory:
                 raise TrajectoryInvariantError(f"loss_mask[{i}]={m} is not 0 or 1")
             if m == 0 and lp != 0.0:
                 raise TrajectoryInvariantError(f"rollout_logprobs[{i}]={lp} on a masked-out token")
+        if self.kept_counts:
+            if len(self.kept_counts) != n:
+                raise TrajectoryInvariantError(
+                    f"kept_counts has {len(self.kept_counts)} entries for {n} tokens"
+                )
+            for i, (m, k) in enumerate(zip(self.loss_mask, self.kept_counts, strict=True)):
+                if k < 0 or (m == 0 and k != 0):
+                    raise TrajectoryInvariantError(f"kept_counts[{i}]={k} (loss_mask {m})")
         prev_end = 0
         for s in self.spans:
             if not (prev_end <= s.start <= s.end <= n):
@@ -131,11 +146,21 @@ class Trajectory:
         generated: bool,
         logprobs: list[float] | None = None,
         weight_version: int | None = None,
+        kept_counts: list[int] | None = None,
     ) -> TurnSpan:
-        """Append one turn's tokens verbatim; generated tokens get mask 1 and their logprobs."""
+        """Append one turn's tokens verbatim; generated tokens get mask 1, their logprobs and, when the engine
+        reported them, their kept counts (the first counts recorded give every earlier token 0)."""
         if generated and (logprobs is None or len(logprobs) != len(ids)):
             raise TrajectoryInvariantError("generated tokens need one logprob each")
+        if kept_counts is not None and (not generated or len(kept_counts) != len(ids)):
+            raise TrajectoryInvariantError("kept counts need generated tokens, one count each")
         start = len(self.token_ids)
+        if kept_counts is not None or self.kept_counts:
+            if not self.kept_counts:
+                self.kept_counts = [0] * start
+            self.kept_counts.extend(
+                [int(k) for k in kept_counts] if kept_counts is not None else [0] * len(ids)
+            )
         self.token_ids.extend(ids)
         self.loss_mask.extend([1 if generated else 0] * len(ids))
         self.rollout_logprobs.extend(logprobs if generated and logprobs is not None else [0.0] * len(ids))
@@ -154,7 +179,7 @@ class Trajectory:
             "termination": self.termination.value if self.termination else None,
             "meta": asdict(self.meta),
             "messages": [message_record(m) for m in self.messages],
-        }
+        } | ({"kept_counts": self.kept_counts} if self.kept_counts else {})
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Trajectory:
@@ -169,6 +194,7 @@ class Trajectory:
             termination=TerminationReason(term) if term else None,
             meta=TrajectoryMeta(**data.get("meta", {})),
             messages=[message_from_record(m) for m in data.get("messages", [])],
+            kept_counts=[int(k) for k in data.get("kept_counts") or []],
         )
 
     def to_json(self) -> str:
@@ -186,7 +212,9 @@ class TrajectoryBatch:
 
     `advantages` has one entry per sequence; `group_ids` maps each sequence to its GRPO group;
     `oldest_versions` holds each sequence's oldest generating weight version (-1: unknown); `policy_ids` the
-    policy that generated each sequence (an adapter's name or "base"; empty: all "base").
+    policy that generated each sequence (an adapter's name or "base"; empty: all "base"). `kept_counts` (None
+    when no trajectory recorded any) holds each token's sampler kept count (`Trajectory.kept_counts`; 0: the
+    whole vocabulary).
     """
 
     token_ids: torch.Tensor  # int64 [T]
@@ -201,6 +229,7 @@ class TrajectoryBatch:
     turn_index: torch.Tensor | None = (
         None  # int64 [T]: the model turn a token belongs to (0, 1, ...; -1: not the model's)
     )
+    kept_counts: torch.Tensor | None = None  # int64 [T]: top-k/top-p kept counts (0: the whole vocabulary)
 
     def __post_init__(self) -> None:
         if not self.policy_ids and self.meta:
@@ -232,6 +261,7 @@ class TrajectoryBatch:
             oldest_versions=None if self.oldest_versions is None else self.oldest_versions[idx],
             policy_ids=tuple(self.policy_of(i) for i in indices),
             turn_index=None if self.turn_index is None else tokens(self.turn_index),
+            kept_counts=None if self.kept_counts is None else tokens(self.kept_counts),
         )
 
     def staleness(self, trainer_version: int) -> torch.Tensor:
@@ -278,6 +308,11 @@ class TrajectoryBatch:
             turn_index=torch.cat([_turn_index(t) for t in trajectories])
             if trajectories
             else torch.zeros(0, dtype=torch.int64),
+            kept_counts=torch.tensor(
+                [k for t in trajectories for k in (t.kept_counts or [0] * len(t))], dtype=torch.int64
+            )
+            if any(t.kept_counts for t in trajectories)
+            else None,
         )
 
     def sequence(self, i: int) -> slice:
@@ -296,6 +331,7 @@ class TrajectoryBatch:
                 "group_ids",
                 "oldest_versions",
                 "turn_index",
+                "kept_counts",
             )
             if getattr(self, k) is not None
         }

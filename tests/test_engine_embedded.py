@@ -57,14 +57,25 @@ async def test_greedy_matches_hf_generate_in_a_mixed_batch(engine):
         assert r.finish_reason is FinishReason.LENGTH and r.prompt_tokens == len(p)
 
 
-async def test_sampled_logprobs_are_temperature_scaled_before_filtering(engine):
+async def test_sampled_logprobs_are_those_of_the_temperature_scaled_filtered_distribution(engine):
     prompt = [5, 9, 11, 2]
     params = SamplingParams(temperature=0.7, top_k=20, top_p=0.9, max_new_tokens=16, seed=1)
     r = await engine.generate(prompt, params)
-    ref = reference_logprobs(engine.model, prompt, r.output_ids, temperature=0.7)
-    assert torch.allclose(torch.tensor(r.output_logprobs), ref, atol=1e-4)
-    raw = reference_logprobs(engine.model, prompt, r.output_ids, temperature=1.0)
-    assert not torch.allclose(torch.tensor(r.output_logprobs), raw, atol=1e-3)
+    assert r.kept_counts is not None and all(1 <= k <= 20 for k in r.kept_counts)
+    with torch.no_grad():
+        logits = engine.model(torch.tensor([prompt + r.output_ids])).logits[0, len(prompt) - 1 : -1].float()
+    scaled = logits / 0.7
+    expected = []
+    for row, tok, k in zip(scaled, r.output_ids, r.kept_counts, strict=True):
+        kept = row >= row.topk(k).values[-1]  # what top-k/top-p kept: the k largest
+        expected.append(float(torch.log_softmax(row.masked_fill(~kept, float("-inf")), -1)[tok]))
+    assert torch.allclose(torch.tensor(r.output_logprobs), torch.tensor(expected), atol=1e-4)
+    full = reference_logprobs(engine.model, prompt, r.output_ids, temperature=0.7)
+    assert bool((torch.tensor(r.output_logprobs) >= full - 1e-5).all())  # renormalised: never below the full
+    unfiltered = await engine.generate(prompt, SamplingParams(temperature=0.7, max_new_tokens=16, seed=1))
+    assert unfiltered.kept_counts is None
+    ref = reference_logprobs(engine.model, prompt, unfiltered.output_ids, temperature=0.7)
+    assert torch.allclose(torch.tensor(unfiltered.output_logprobs), ref, atol=1e-4)
 
 
 async def test_seed_reproducible_regardless_of_batch_company(engine):
@@ -560,7 +571,7 @@ def test_padded_bucketed_steps_compute_what_exact_steps_do():
             write = torch.tensor([i * width + j for i, p in enumerate(prompts) for j in range(len(p))])
             last = torch.tensor([i * width + len(p) - 1 for i, p in enumerate(prompts)])
             logits = decoder.forward(batch.cache, ids, pos, 0, width, write=write, last=last)
-            first, _ = sample(logits, SamplingTensors.build(rows, [0] * 5, "cpu"), mode)
+            first, _, _ = sample(logits, SamplingTensors.build(rows, [0] * 5, "cpu"), mode)
             batch.join(0, first, [len(p) for p in prompts], rows, [1] * 5)
             lengths = [len(p) + 1 for p in prompts]
             out = []
@@ -573,8 +584,8 @@ def test_padded_bucketed_steps_compute_what_exact_steps_do():
                 lengths = [n + 1 for n in lengths]
             runs.append(out)
         assert batch.shape(5, 70, mode) == (8, 128, mode)
-    for (tok_a, lp_a), (tok_b, lp_b) in zip(*runs, strict=True):
-        assert tok_a == tok_b
+    for (tok_a, lp_a, kept_a), (tok_b, lp_b, kept_b) in zip(*runs, strict=True):
+        assert tok_a == tok_b and kept_a == kept_b
         assert lp_a == pytest.approx(lp_b, abs=1e-5)
 
 

@@ -24,7 +24,7 @@ logits_st = st.lists(st.floats(-20, 20, allow_nan=False, width=32), min_size=2, 
 
 def draw(logits: torch.Tensor, rows: list[RowSampling], steps: list[int]) -> tuple[list[int], list[float]]:
     tensors = SamplingTensors.build(rows, steps, "cpu")
-    tokens, logprobs = sample(logits, tensors, SampleMode.of(rows))
+    tokens, logprobs, _ = sample(logits, tensors, SampleMode.of(rows))
     return tokens.tolist(), logprobs.tolist()
 
 
@@ -108,7 +108,7 @@ def test_draws_follow_the_distribution():
         key=torch.full((n,), seed_key(3), dtype=torch.int64),
         step=torch.arange(n),
     )
-    tokens, _ = sample(logits.expand(n, -1), tensors, SampleMode(greedy=False, sampled=True, filters=False))
+    tokens, _, _ = sample(logits.expand(n, -1), tensors, SampleMode(greedy=False, sampled=True, filters=False))
     freq = torch.bincount(tokens, minlength=5).float() / n
     assert torch.allclose(freq, probs, atol=0.012)  # ~4 standard deviations at n=20k
 

@@ -20,7 +20,8 @@ Design (see benchmarks/engine.py and docs/benchmarks.md for the measurements):
   last sampled token, which was never fed back) is copied into an LRU `SessionStore`. The next request of
   the session reuses the longest common prefix and only prefills the rest. Weight updates flush the store.
 * Sampling is seeded per request and reproducible whatever shares the batch; logprobs are those of the
-  temperature-scaled distribution (see `miles.engines.sampling`).
+  distribution sampled from (temperature-scaled, renormalised over what top-k/top-p kept), and a request that
+  filters reports each token's kept count in `GenerateResult.kept_counts` (see `miles.engines.sampling`).
 * Supported architectures: `miles.engines.decoder.SUPPORTED_MODEL_TYPES` (Llama, Mistral, Qwen2, Qwen3).
 * **LoRA adapters** (`update_adapter`, `generate(adapter=...)`): rows of different adapters and of the base
   decode in the same step, each under its own adapter (`miles.engines.lora_bank`). An adapter's requests report
@@ -102,6 +103,7 @@ class _Request:
     start: float = field(default_factory=time.perf_counter)
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    kept_counts: list[int] = field(default_factory=list)
     token_versions: list[int] = field(default_factory=list)
     cached_tokens: int = 0
     weight_version_start: int = 0
@@ -576,15 +578,16 @@ class EmbeddedEngine(RolloutEngine):
         self._decoder.bank.select([r.adapter_slot for r in [*self._active, *new]])
         logits = self._prefill(new, reused, first)
         rows = [r.row for r in new]
-        tokens, logprobs = sample(
+        tokens, logprobs, kept = sample(
             logits, SamplingTensors.build(rows, [0] * len(new), self.device), SampleMode.of(rows)
         )
         batch.join(first, tokens, [len(r.input_ids) for r in new], rows, [1] * len(new))
         now = time.perf_counter()
-        for req, tok, lp in zip(new, tokens.tolist(), logprobs.tolist(), strict=True):
+        for req, tok, lp, k in zip(new, tokens.tolist(), logprobs.tolist(), kept.tolist(), strict=True):
             self.histograms.first_token.observe(now - req.start)
             req.output_ids.append(tok)
             req.output_logprobs.append(lp)
+            req.kept_counts.append(k)
             req.token_versions.append(self._policy_version(req))
         for req in new:
             req.weights_epoch = self._epoch
@@ -654,7 +657,7 @@ class EmbeddedEngine(RolloutEngine):
         length = max(r.cache_len for r in active) + 1
         batch.grow(length)
         self._decoder.bank.select([r.adapter_slot for r in active])
-        tokens, logprobs = batch.step(
+        tokens, logprobs, kept = batch.step(
             len(active),
             length,
             SampleMode.of(r.row for r in active),
@@ -665,9 +668,10 @@ class EmbeddedEngine(RolloutEngine):
         self.stats["decode_tokens"] += len(tokens)
         versions = {r.adapter: self._policy_version(r) for r in active}
         done = []
-        for i, (req, tok, lp) in enumerate(zip(active, tokens, logprobs, strict=True)):
+        for i, (req, tok, lp, k) in enumerate(zip(active, tokens, logprobs, kept, strict=True)):
             req.output_ids.append(tok)
             req.output_logprobs.append(lp)
+            req.kept_counts.append(k)
             req.token_versions.append(versions[req.adapter])
             if tok in req.stop_ids or len(req.output_ids) >= req.max_new:
                 done.append(i)
@@ -730,6 +734,7 @@ class EmbeddedEngine(RolloutEngine):
             engine_id=self.engine_id,
             extra={"rid": req.rid, "weight_version_start": req.weight_version_start},
             token_versions=list(req.token_versions),
+            kept_counts=list(req.kept_counts) if req.row.filters else None,
         )
         self._resolve(req, result)
 

@@ -80,7 +80,7 @@ class DecodeBatch:
             self.sampling.key,
             self.sampling.step,
         ]
-        self.out = torch.zeros((2, max_batch), dtype=torch.float64, **z)
+        self.out = torch.zeros((3, max_batch), dtype=torch.float64, **z)
         self._graphs: dict[tuple[int, int, SampleMode], torch.cuda.CUDAGraph] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.graphs_enabled else None
 
@@ -158,9 +158,10 @@ class DecodeBatch:
                 )
             )
         )
-        tokens, logprobs = sample(logits, view, mode)
+        tokens, logprobs, kept = sample(logits, view, mode)
         self.out[0, :rows].copy_(tokens)
         self.out[1, :rows].copy_(logprobs)
+        self.out[2, :rows].copy_(kept)
         self.tokens[:rows].copy_(tokens)
         self.positions[:rows].add_(self.active[:rows])
         self.sampling.step[:rows].add_(1)
@@ -168,11 +169,11 @@ class DecodeBatch:
 
     def step(
         self, rows: int, length: int, mode: SampleMode, lengths: Sequence[int] | None = None
-    ) -> tuple[list[int], list[float]]:
+    ) -> tuple[list[int], list[float], list[int]]:
         """One decode step of rows `0 .. rows-1`, whose caches hold fewer than `length` positions (row `i` reads
         `lengths[i]` of them, when given: an eager step then groups rows of like lengths, `attention_groups`).
 
-        Returns the sampled tokens and their logprobs (one host synchronisation).
+        Returns the sampled tokens, their logprobs and the kept counts (`sample`; one host synchronisation).
         """
         if not self.padded:
             out = self._step(rows, length, mode, attention_groups(lengths) if lengths is not None else None)
@@ -187,7 +188,7 @@ class DecodeBatch:
                 if self.graphs_enabled:
                     self._capture(key)
         host = out.cpu()
-        return host[0, :rows].long().tolist(), host[1, :rows].tolist()
+        return host[0, :rows].long().tolist(), host[1, :rows].tolist(), host[2, :rows].long().tolist()
 
     def shape(self, rows: int, length: int, mode: SampleMode) -> tuple[int, int, SampleMode]:
         """The bucketed (batch, attention length, mode) a padded step of `rows` rows runs at."""

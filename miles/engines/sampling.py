@@ -1,9 +1,12 @@
 """Batched next-token sampling on the device: per-row settings, per-request seeds, one tensor op per stage.
 
-Which logprob is reported: for a sampled row (temperature > 0) the logprob of the chosen token under
-`log_softmax(logits / temperature)`, i.e. the temperature-scaled distribution *before* top-k/top-p
-filtering. This is what a trainer reproduces from its own logits with `log_softmax(logits / T)`.
-For a greedy row (temperature == 0) it is the raw `log_softmax(logits)` of the argmax token.
+Which logprob is reported: for a sampled row (temperature > 0) the logprob of the chosen token under the
+distribution it was drawn from: `log_softmax(logits / temperature)`, renormalised over the tokens top-k/top-p
+kept when the row filters. With it comes the row's *kept count*, how many tokens survived the filter (0 for a
+row that does not filter): a trainer reproduces the logprob from its own logits by keeping its own
+`count` largest logits (`miles.trainers.logprobs`), which is robust to float differences between the two,
+where a logit threshold would not be. For a greedy row (temperature == 0) it is the raw `log_softmax(logits)`
+of the argmax token, with count 0.
 
 Randomness is counter-based: the uniform number that picks a request's `i`-th token is a hash of the
 request's 32-bit key (derived from its seed) and `i`, inverted through the row's cumulative distribution.
@@ -126,8 +129,10 @@ def _filter_top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.
 
 def sample(
     logits: torch.Tensor, rows: SamplingTensors, mode: SampleMode
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick one token per row of `logits` ([B, V]); returns (token ids int64 [B], their logprobs float32 [B]).
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pick one token per row of `logits` ([B, V]); returns (token ids int64 [B], their logprobs float32 [B],
+    kept counts int64 [B]): the logprob under the distribution sampled from and, for a row that filters, how
+    many tokens top-k/top-p kept (0 for the others; see the module docstring).
 
     `mode` says which kinds of rows the batch holds (`SampleMode.of`); work no row needs is skipped.
     """
@@ -138,9 +143,14 @@ def sample(
         scaled = logits / torch.where(greedy, torch.ones_like(rows.temperature), rows.temperature)[:, None]
     logprobs_all = torch.log_softmax(scaled, dim=-1)
     tokens = None
+    kept = torch.zeros_like(rows.top_k)
     if mode.sampled:
         if mode.filters:
             scaled = _filter_top_k_top_p(scaled, rows.top_k, rows.top_p)
+            filters = ~greedy & ((rows.top_k > 0) | (rows.top_p < 1.0))
+            kept = torch.where(filters, torch.isfinite(scaled).sum(-1), kept)
+            # a filtering row reports the logprob under the renormalised distribution it draws from
+            logprobs_all = torch.where(filters[:, None], torch.log_softmax(scaled, dim=-1), logprobs_all)
         cdf = torch.cumsum(torch.softmax(scaled, dim=-1), dim=-1)
         total = cdf[:, -1]
         # strictly below the total, the first cdf entry above the target is a token of nonzero probability
@@ -151,4 +161,4 @@ def sample(
     if mode.greedy:
         best = logits.argmax(-1)
         tokens = best if tokens is None else torch.where(greedy, best, tokens)
-    return tokens, logprobs_all.gather(-1, tokens[:, None]).squeeze(-1)
+    return tokens, logprobs_all.gather(-1, tokens[:, None]).squeeze(-1), kept

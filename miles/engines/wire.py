@@ -5,6 +5,13 @@ Field names follow SGLang 0.5.x: `GenerateReqInput`, `AbortReq`, `UpdateWeightFr
 `SamplingParams` (sglang/srt/sampling/sampling_params.py), and the response built in tokenizer_manager.py:
 `{"text", "output_ids", "meta_info": {"id", "finish_reason": {"type", ...}, "prompt_tokens",
 "completion_tokens", "cached_tokens", "weight_version", "output_token_logprobs": [[logprob, id, text]]}}`.
+
+Sampling-mask replay over the wire: the embedded server adds `meta_info["miles_kept_counts"]` (one top-k/top-p
+kept count per output token, `GenerateResult.kept_counts`; its logprobs are then those of the renormalised
+distribution) and the client reads it back. SGLang sends no such field: its `output_token_logprobs` are taken
+before top-k/top-p, and its own `return_sampling_mask` (support token ids per token) is refused unless
+`1 < top_k <= --sampling-mask-max-tokens`, so top-p-only requests cannot ask for it; the client does not, and
+tokens from SGLang train over the whole vocabulary (no replay).
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ TOP_K_ALL = 1 << 30  # SGLang's "whole vocabulary" top_k
 ROUTING_KEY_HEADER = "x-smg-routing-key"  # sglang-router's header for sticky (manual policy) routing
 SESSION_HEADER = "x-miles-session-id"  # lets the embedded server keep a session's KV cache between turns
 PAUSE_MODES = ("in_place", "retract", "abort")  # SGLang's PauseGenerationReqInput.mode
+KEPT_COUNTS_FIELD = "miles_kept_counts"  # the embedded server's meta_info extra: top-k/top-p kept counts
 
 
 # ---------------------------------------------------------------------------- requests (client side)
@@ -202,6 +210,16 @@ def parse_generate_response(data: Any, *, engine_id: str = "", fallback_version:
     if not isinstance(kind, str) or kind not in _FINISH_TYPES:
         raise WireFormatError(f"unknown finish_reason {fr!r}", engine_id=engine_id)
     version = parse_weight_version(meta.get("weight_version"))
+    kept = meta.get(KEPT_COUNTS_FIELD)
+    if kept is not None:
+        if not isinstance(kept, list) or len(kept) != len(ids):
+            raise WireFormatError(
+                f"meta_info.{KEPT_COUNTS_FIELD} must hold one count per token", engine_id=engine_id
+            )
+        try:
+            kept = [_as_int(k) for k in kept]
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise WireFormatError(f"bad {KEPT_COUNTS_FIELD}: {exc}", engine_id=engine_id) from exc
     return GenerateResult(
         output_ids=ids,
         output_logprobs=logprobs,
@@ -212,6 +230,7 @@ def parse_generate_response(data: Any, *, engine_id: str = "", fallback_version:
         latency_s=latency,
         engine_id=engine_id,
         extra={"rid": meta.get("id"), "finish_reason": fr, "text": data.get("text")},
+        kept_counts=kept,
     )
 
 
@@ -389,4 +408,6 @@ def generate_response(
         meta["output_token_logprobs"] = [
             [lp, tid, None] for lp, tid in zip(result.output_logprobs, result.output_ids, strict=True)
         ]
+        if result.kept_counts is not None:
+            meta[KEPT_COUNTS_FIELD] = list(result.kept_counts)
     return {"text": text or "", "output_ids": list(result.output_ids), "meta_info": meta}

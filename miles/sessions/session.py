@@ -215,6 +215,7 @@ class Session:
                     weight_version=result.weight_version,
                     finish_reason=result.finish_reason,
                     token_versions=result.token_versions,
+                    kept_counts=result.kept_counts,
                 )
             except Exception as exc:  # output TITO cannot take (ids outside the vocabulary): a model error
                 raise _End(

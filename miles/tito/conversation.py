@@ -78,13 +78,15 @@ class Conversation:
         weight_version: int,
         finish_reason: FinishReason,
         token_versions: Sequence[int] | None = None,
+        kept_counts: Sequence[int] | None = None,
     ) -> str:
         """Append engine output verbatim (loss mask 1, its logprobs) and return its text without the stop token.
 
         A generation that did not end in a stop token may be continued by another `append_generation`.
         `token_versions` (one per output id, when the engine reports them) splits the output into one span per
         weight version, so a turn that spanned a weight update records which tokens each version made; without
-        it the whole output is `weight_version`'s.
+        it the whole output is `weight_version`'s. `kept_counts` (one per output id, when the engine reports
+        them: `GenerateResult.kept_counts`) go into the trajectory for sampling-mask replay.
         """
         self._require_open()
         if self.last_turn_closed:
@@ -103,6 +105,9 @@ class Conversation:
         versions = [weight_version] * len(ids) if token_versions is None else [int(v) for v in token_versions]
         if len(versions) != len(ids):
             raise InvalidTokenError(f"{len(ids)} output ids but {len(versions)} token versions")
+        kept = None if kept_counts is None else [int(k) for k in kept_counts]
+        if kept is not None and len(kept) != len(ids):
+            raise InvalidTokenError(f"{len(ids)} output ids but {len(kept)} kept counts")
         start = 0
         for end in range(1, len(ids) + 1):  # one span per run of equal versions
             if end == len(ids) or versions[end] != versions[start]:
@@ -112,6 +117,7 @@ class Conversation:
                     generated=True,
                     logprobs=lps[start:end],
                     weight_version=versions[start],
+                    kept_counts=None if kept is None else kept[start:end],
                 )
                 start = end
         if not ids:

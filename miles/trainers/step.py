@@ -43,6 +43,17 @@ def resolve_temperature(batch: TrajectoryBatch, override: float | None) -> float
     return temps.pop() if temps else 1.0
 
 
+def replayed_kept_counts(
+    batch: TrajectoryBatch, enabled: bool, lo: int, hi: int, device: torch.device | str
+) -> torch.Tensor | None:
+    """The sampler's kept counts of tokens ``[lo, hi)`` of `batch`, on `device`, when sampling-mask replay is
+    `enabled` (``trainer.sampling_mask``) and the engine recorded any (`TrajectoryBatch.kept_counts`); else
+    None: the logprobs are then taken over the whole vocabulary."""
+    if not enabled or batch.kept_counts is None:
+        return None
+    return batch.kept_counts[lo:hi].to(device)
+
+
 @dataclass(frozen=True)
 class MiniBatch:
     """Sequences ``[lo, hi)`` of one optimizer step, with the loss denominators of the whole mini-batch."""

@@ -44,7 +44,7 @@ from .logprobs import lm_head_bypassed, shifted_entropy, shifted_token_logprobs,
 from .losses import LossInputs, policy_loss, sft_loss
 from .master_weights import MasterWeights
 from .metrics import MetricAccumulator, reduce_metrics, train_step_metrics
-from .step import RLStep, prepare_rl_step, resolve_temperature, validate_batch
+from .step import RLStep, prepare_rl_step, replayed_kept_counts, resolve_temperature, validate_batch
 from .trainer_config import AlgorithmConfig, TorchTrainerConfig, TrainerConfig, lr_lambda
 
 __all__ = ["AlgorithmConfig", "TorchTrainer", "TorchTrainerConfig", "fused_lm_head", "hf_token_logprobs"]
@@ -432,7 +432,14 @@ class TorchTrainer:
         tl, th = int(batch.cu_seqlens[start]), int(batch.cu_seqlens[end])
         ids = batch.token_ids[tl:th].to(self.device)
         lp, ent = hf_token_logprobs(
-            model, ids, cu, temperature, packing=self.packing, pad_token_id=self.pad_token_id, entropy=entropy
+            model,
+            ids,
+            cu,
+            temperature,
+            packing=self.packing,
+            pad_token_id=self.pad_token_id,
+            entropy=entropy,
+            kept_counts=replayed_kept_counts(batch, self.config.sampling_mask, tl, th, self.device),
         )
         if ent is not None and not entropy_grad:
             ent = ent.detach()
@@ -535,6 +542,7 @@ def hf_token_logprobs(
     packing: str = "padded",
     pad_token_id: int = 0,
     entropy: bool = False,
+    kept_counts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Forward packed sequences through an HF causal LM; each token's logprob (and entropy) in packed order.
 
@@ -546,7 +554,9 @@ def hf_token_logprobs(
 
     For `fused_lm_head` models the head never runs over the full batch: the final hidden states of the real
     (unpadded) tokens go through `token_logprobs_from_hidden`, so the ``[T, V]`` logits are never materialised.
-    Gradients flow as through the plain forward (entropy included).
+    Gradients flow as through the plain forward (entropy included). ``kept_counts`` (``[T]``, on the model's
+    device) renormalise each token's distribution over its sampler's kept set (sampling-mask replay,
+    `miles.trainers.logprobs`).
     """
     device = token_ids.device
     cu = cu_seqlens.to(device)
@@ -578,12 +588,19 @@ def hf_token_logprobs(
     head = fused_lm_head(model)
     if head is None:
         logits = unpad(model(**kwargs).logits)
-        lp = shifted_token_logprobs(logits, token_ids, starts, temperature)
-        return lp, (shifted_entropy(logits, starts, temperature) if entropy else None)
+        lp = shifted_token_logprobs(logits, token_ids, starts, temperature, kept_counts)
+        ent = shifted_entropy(logits, starts, temperature, kept_counts, token_ids) if entropy else None
+        return lp, ent
     with lm_head_bypassed(head) as captured:
         model(**kwargs)
     return token_logprobs_from_hidden(
-        unpad(captured[0]), head.weight, token_ids, starts, temperature, entropy=entropy
+        unpad(captured[0]),
+        head.weight,
+        token_ids,
+        starts,
+        temperature,
+        entropy=entropy,
+        kept_counts=kept_counts,
     )
 
 

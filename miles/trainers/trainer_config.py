@@ -56,6 +56,9 @@ class TrainerConfig:
     ``micro_batch_tokens`` caps the tokens of one forward pass. ``temperature=None`` takes the rollout
     temperature from the batch's ``meta[i]["sampling_params"]`` (1.0 when absent); logprobs are always
     recomputed as ``log_softmax(logits / T)``. ``precision`` ``auto`` is bf16 on a GPU, fp32 on a CPU.
+    ``sampling_mask`` (sampling-mask replay): for tokens sampled under top-k/top-p whose engine recorded the
+    kept set (`miles.trajectory.Trajectory.kept_counts`), the softmax is renormalised over that set, the
+    distribution actually sampled from; ``false`` takes every logprob over the whole vocabulary.
     """
 
     lr: float = 1e-5
@@ -71,6 +74,7 @@ class TrainerConfig:
     temperature: float | None = None
     precision: Precision = "auto"
     compute_entropy: bool = True
+    sampling_mask: bool = True
 
     def __post_init__(self) -> None:
         if not self.lr > 0:

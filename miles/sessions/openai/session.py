@@ -288,10 +288,12 @@ class OpenAISession:
             prev.tool_results = observed_tool_results(prev.observation)
             prev.reward = 0.0
         ids, lps = list(result.output_ids), list(result.output_logprobs)
+        kept = None if result.kept_counts is None else list(result.kept_counts)
         finish = result.finish_reason
         cut = cut_at_stop(self.tito, ids[:-1] if ids and self.tito.is_stop(ids[-1]) else ids, request.stop)
         if cut is not None:
             ids, lps, finish = ids[: cut[0]], lps[: cut[0]], FinishReason.STOP
+            kept = None if kept is None else kept[: cut[0]]
         conv = branch.conv
         turn = TurnRecord(
             index=len(branch.turns),
@@ -305,7 +307,9 @@ class OpenAISession:
             queue_s=queue_s,
             generate_s=generate_s,
         )
-        text = conv.append_generation(ids, lps, weight_version=result.weight_version, finish_reason=finish)
+        text = conv.append_generation(
+            ids, lps, weight_version=result.weight_version, finish_reason=finish, kept_counts=kept
+        )
         turn.output_end = len(conv)
         turn.text = text
         message = self._parse(text[: cut[1]] if cut is not None else text, request.tool_choice)

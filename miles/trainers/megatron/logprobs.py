@@ -55,9 +55,12 @@ def head_logprobs(
     temperature: float = 1.0,
     *,
     entropy: bool = False,
+    kept_counts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs ``[T]`` (and entropies) of the packed tokens from `model`'s final hidden states ``[T, 1, h]``
-    (or ``[T, h]``), through its output weight; every TP rank gets the full-vocabulary values."""
+    (or ``[T, h]``), through its output weight; every TP rank gets the full-vocabulary values. ``kept_counts``
+    (``[T]``) replay the sampler's top-k/top-p kept sets, the cut found over the whole vocabulary across TP
+    ranks (`miles.trainers.logprobs`)."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
@@ -79,4 +82,5 @@ def head_logprobs(
         vocab_start=start,
         vocab_size=vocab_size,
         group=group,
+        kept_counts=kept_counts,
     )

@@ -40,7 +40,13 @@ from miles.trainers.megatron.model import (
 )
 from miles.trainers.megatron.parallel import ParallelInfo, initialize_parallel
 from miles.trainers.metrics import MetricAccumulator, reduce_metrics, train_step_metrics
-from miles.trainers.step import RLStep, prepare_rl_step, resolve_temperature, validate_batch
+from miles.trainers.step import (
+    RLStep,
+    prepare_rl_step,
+    replayed_kept_counts,
+    resolve_temperature,
+    validate_batch,
+)
 from miles.trainers.trainer_config import AlgorithmConfig, MegatronTrainerConfig, TrainerConfig, lr_lambda
 from miles.trajectory import TrajectoryBatch
 
@@ -55,6 +61,7 @@ class _MicroBatch:
     starts: torch.Tensor  # [n]
     host_cu_seqlens: list[int] = dataclasses.field(default_factory=list)
     dummy: bool = False  # stands in for a rank with no sequences: its loss is multiplied by 0
+    kept_counts: torch.Tensor | None = None  # [T]: the sampler's kept counts to replay (None: no replay)
 
 
 def _finalize_grads(model: list[nn.Module], num_tokens: Any = None, **kwargs: Any) -> None:
@@ -520,6 +527,7 @@ class MegatronTrainer:
                     starts=cu[:-1].to(dev),
                     host_cu_seqlens=cu.tolist(),
                     dummy=dummy,
+                    kept_counts=replayed_kept_counts(batch, self.config.sampling_mask, tl, th, dev),
                 )
             )
         return out
@@ -636,7 +644,14 @@ class MegatronTrainer:
         entropy: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         return head_logprobs(
-            model, hidden, mb.ids[0], mb.starts, self.layout.vocab_size, temperature, entropy=entropy
+            model,
+            hidden,
+            mb.ids[0],
+            mb.starts,
+            self.layout.vocab_size,
+            temperature,
+            entropy=entropy,
+            kept_counts=mb.kept_counts,
         )
 
     def _policy_loss(
