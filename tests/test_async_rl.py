@@ -30,7 +30,7 @@ from miles.sessions.recorder import read_sessions
 from miles.sessions.records import SessionRecord
 from miles.sessions.scheduler import SessionScheduler
 from miles.tito.conversation import Conversation
-from miles.trainers.async_rollout import AsyncRollout, group_staleness
+from miles.trainers.async_rollout import ProcessSource, group_staleness
 from miles.trainers.metrics_log import read_metrics
 from miles.trainers.rollout_process import Finished
 from miles.trainers.train_config import ASYNC_DUAL_CLIP_C, ASYNC_TIS_CAP, load_train_config
@@ -178,7 +178,7 @@ def test_no_group_over_the_bound_is_ever_trained_on(versions, bound, stale):
         for i, vs in enumerate(versions)
     ]
     fresh = [g for g in groups if group_staleness(g.records, trainer_version) <= bound]
-    rollout = AsyncRollout(cfg, http=False, push=None)  # type: ignore[arg-type]
+    rollout = ProcessSource(cfg, http=False, push=None)  # type: ignore[arg-type]
     rollout.process = _FakeProcess(groups)  # type: ignore[assignment]
     taken = asyncio.run(rollout.collect(trainer_version))
     assert all(trainer_version - r.trajectory.oldest_weight_version <= bound for r in taken.records)
@@ -242,7 +242,7 @@ async def test_a_long_tail_group_is_trained_late_not_dropped_as_stale():
         sched, TaskFeed(lambda p: tasks[p % 8]), groups_per_version=2, max_staleness=1, first_version=1
     )
     cfg = load_train_config(None, ["rollout.tasks_per_step=2", "async.enabled=true", "async.max_staleness=1"])
-    rollout = AsyncRollout(cfg, http=False, push=None)  # type: ignore[arg-type]
+    rollout = ProcessSource(cfg, http=False, push=None)  # type: ignore[arg-type]
     rollout.process = _InProcessManager(manager)  # type: ignore[assignment]
     version, trained = 1, []
     try:
@@ -554,7 +554,7 @@ def test_stale_samples_are_weighed_against_the_rollout_policy_by_default():
 def test_groups_of_a_step_that_trained_nothing_free_their_places():
     cfg = load_train_config(None, ["rollout.tasks_per_step=2", "async.enabled=true", "async.max_staleness=1"])
     groups = [Finished(records=[_record(5)], position=p, engine_idle_s=0.0) for p in (7, 8, 9)]
-    rollout = AsyncRollout(cfg, http=False, push=None)  # type: ignore[arg-type]
+    rollout = ProcessSource(cfg, http=False, push=None)  # type: ignore[arg-type]
     rollout.process = _FakeProcess(groups)  # type: ignore[assignment]
     asyncio.run(rollout.collect(5))
     assert rollout.process.replaced == []  # type: ignore[attr-defined]
@@ -572,7 +572,7 @@ def test_the_rollout_process_stops_at_once_with_finished_groups_the_trainer_neve
     )
 
     async def go() -> tuple[int | None, float, int]:
-        process = RolloutProcess(cfg, RolloutStart())
+        process = RolloutProcess.spawn(cfg, RolloutStart())
         await process.ready()
         process.publish(1, None)  # the engines keep the warm start they loaded
         await process.wait_acked(1)

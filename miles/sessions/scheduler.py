@@ -11,7 +11,7 @@ import uuid
 from collections import deque
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from miles.engine import RolloutEngine
 from miles.envs.recipe import EnvRecipe
@@ -91,6 +91,27 @@ class _GroupState:
         self.group = group
         self.slots: list[SessionRecord | None] = [None] * size
         self.left = size
+
+
+class GroupRunner(Protocol):
+    """What runs a step's sessions in groups of samples of one task: `SessionScheduler`, or `AgentRunner`
+    (the user's own agent processes, through the OpenAI-compatible endpoint)."""
+
+    #: Session ids begin with it.
+    run_id: str
+
+    @property
+    def router(self) -> Router:
+        """Where the sessions' requests go (its per-engine stats feed the run's metrics)."""
+        ...
+
+    async def run(self, tasks: Iterable[Any], *, num_groups: int | None = None) -> list[Group]:
+        """One group per task (the first `num_groups` tasks to finish), every session recorded once."""
+        ...
+
+    async def aclose(self) -> None:
+        """Abort what still runs (recorded as aborted)."""
+        ...
 
 
 class SessionScheduler:

@@ -1,5 +1,6 @@
-"""The trainer's side of the asynchronous loop: each step takes finished groups from the rollout process, keeps
-those within the staleness bound, and afterwards hands the new weights back while rollouts go on.
+"""`ProcessSource`, the asynchronous loop's `RolloutSource`: each step takes finished groups from the rollout
+process (a child process, or a Ray actor), keeps those within the staleness bound, and afterwards hands the new
+weights back while rollouts go on.
 
 A group's staleness is the trainer's weight version minus the oldest version among its generated tokens (the
 largest over its samples). The rollout process admits groups under `async.max_staleness`, and a step waits for
@@ -15,23 +16,17 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-import torch
-
+from miles.sessions.metrics import SessionObserver
 from miles.sessions.records import SessionRecord
+from miles.sessions.router import RouterStats
+from miles.trainers.evaluate import EvalResult, EvalSet
+from miles.trainers.protocol import StepRollout, Weights
 from miles.trainers.rollout_process import Finished, RolloutProcess, RolloutStart
+from miles.trainers.sources import Evaluation
 from miles.trainers.train_config import TrainConfig
-
-
-@dataclass
-class StepRollout:
-    """One step's groups, flattened to records, and what taking them cost."""
-
-    records: list[SessionRecord]
-    metrics: dict[str, float] = field(default_factory=dict)
 
 
 def group_staleness(records: list[SessionRecord], trainer_version: int) -> int:
@@ -41,29 +36,35 @@ def group_staleness(records: list[SessionRecord], trainer_version: int) -> int:
     return max((trainer_version - v for v in known), default=0)
 
 
-class AsyncRollout:
-    """Drives a `RolloutProcess`: `start`, then per step `collect` and `publish`; `close` at the end.
+class ProcessSource:
+    """Drives a `RolloutProcess`: `start`, then per step `collect` and `publish`; `aclose` at the end.
 
-    `push(version)` is the trainer's own weight sync, used for HTTP engines (the rollout process's embedded
-    engines get the weights through the process queue instead).
+    `push(version, weights)` is the trainer's own weight sync, used for HTTP engines (the rollout process's embedded
+    engines get the weights through the process queue instead). `evaluation` runs held-out sessions on the
+    trainer's own engines; `observer` sees every training session taken.
     """
+
+    #: Groups taken from the process are consumed at once: an aborted step leaves the cursor ahead of training.
+    checkpoints_when_aborted = False
 
     def __init__(
         self,
         cfg: TrainConfig,
         *,
         http: bool,
-        push: Callable[[int], Awaitable[None]],
-        position: int = 0,
-        consumed: tuple[int, ...] = (),
-        spawn: Callable[[TrainConfig, RolloutStart], RolloutProcess] = RolloutProcess,
+        push: Callable[[int, Weights], Awaitable[None]],
+        evaluation: Evaluation | None = None,
+        observer: SessionObserver | None = None,
+        spawn: Callable[[TrainConfig, RolloutStart], RolloutProcess] = RolloutProcess.spawn,
     ) -> None:
         self.cfg = cfg
         self.acfg = cfg.asynchronous
         self.http = http
         self.push = push
-        self.position = position
-        self.consumed = set(consumed)
+        self.evaluation = evaluation
+        self.observer = observer
+        self.position = 0
+        self.consumed: set[int] = set()
         self.process: RolloutProcess | None = None
         self.spawn = spawn  # how the rollout process starts (a child process; a Ray actor on a Ray cluster)
         self._taken: list[int] = []  # positions of the groups the last `collect` kept as its share
@@ -73,14 +74,12 @@ class AsyncRollout:
         self._idle_mark = 0.0  # ... at the end of the previous step
         self._clock = time.monotonic()
 
-    async def start(
-        self,
-        version: int,
-        state_dict: dict[str, torch.Tensor] | None,
-        *,
-        run_id: str,
-        resume_time: float | None = None,
-    ) -> None:
+    def restore(self, cursor: Mapping[str, Any], *, saved_at: float) -> None:
+        """Continue from a checkpoint's cursor (the rollout process moves its own later sessions aside)."""
+        self.position = int(cursor.get("position", 0))
+        self.consumed = {int(p) for p in cursor.get("consumed", ())}
+
+    async def start(self, version: int, weights: Weights, *, run_id: str, resume_time: float | None) -> None:
         """Start the rollout process at the cursor and hand it weights `version` (the engines' first)."""
         start = RolloutStart(
             position=self.position,
@@ -91,7 +90,7 @@ class AsyncRollout:
         )
         self.process = self.spawn(self.cfg, start)
         await self.process.ready()
-        self.process.publish(version, None if self.http else state_dict)
+        self.process.publish(version, None if self.http else weights())
         await self.process.wait_acked(version)
         self._clock = time.monotonic()
 
@@ -170,6 +169,9 @@ class AsyncRollout:
             "buffer_groups": float(self.process.buffered),
         }
         metrics.update({f"staleness_hist_{k}": float(v) for k, v in sorted(hist.items())})
+        if self.observer is not None:
+            for record in kept:
+                self.observer.observe(record)
         return StepRollout(kept, metrics)
 
     def untrained(self) -> None:
@@ -182,19 +184,29 @@ class AsyncRollout:
             self.process.requeue(position, rerun=False)
         self._taken = []
 
-    async def publish(self, version: int, state_dict: Callable[[], dict[str, torch.Tensor]]) -> float:
-        """Hand weights `version` to the engines (under `async.inflight`); returns the seconds it took here."""
+    async def publish(self, version: int, weights: Weights) -> None:
+        """Hand weights `version` to the engines (under `async.inflight`) while rollouts go on."""
         assert self.process is not None
-        t0 = time.monotonic()
         if self.http:
             if self.acfg.inflight == "continue":
                 await self.process.hold(version)
-            await self.push(version)
+            await self.push(version, weights)
             self.process.publish(version, None)
         else:
             await self.process.wait_acked(version - 1)  # the previous weights have landed: one copy in flight
-            self.process.publish(version, state_dict())
-        return time.monotonic() - t0
+            self.process.publish(version, weights())
+
+    async def evaluate(self, part: EvalSet, *, greedy: bool, run_id: str) -> EvalResult:
+        """Held-out sessions on the trainer's own engines (the loop synced the newest weights to them)."""
+        assert self.evaluation is not None
+        return await self.evaluation(part, greedy=greedy, run_id=run_id)
+
+    def router_stats(self) -> RouterStats | None:
+        return None  # the rollout process routes its own sessions
+
+    @property
+    def record_failures(self) -> int:
+        return 0  # the rollout process records its sessions; its write failures are logged there, not counted here
 
     def data_cursor(self) -> dict[str, Any]:
         """The cursor for a checkpoint: every position below `position`, and those in `consumed`, are trained."""
@@ -206,6 +218,10 @@ class AsyncRollout:
             self.consumed.discard(self.position)
             self.position += 1
 
-    async def close(self) -> None:
+    async def stop(self) -> None:
+        """Running sessions are aborted and recorded; the process ends."""
         if self.process is not None:
             await self.process.close()
+
+    async def aclose(self) -> None:
+        await self.stop()

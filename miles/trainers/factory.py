@@ -157,8 +157,8 @@ def run_worker(cfg: TrainConfig, *, timeout_s: float = DEFAULT_COMMAND_TIMEOUT_S
     """A worker rank of ``miles train``: build the same initial policy and trainer as rank 0 (same seed, same
     ``init_from``), then serve rank 0's commands until ``stop``; returns how many it served."""
     from miles.tito import load_tokenizer
-    from miles.trainers.loop import seed_everything
     from miles.trainers.models import build_policy
+    from miles.trainers.seeding import seed_everything
 
     init_distributed()
     seed_everything(cfg.seed)

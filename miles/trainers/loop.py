@@ -14,37 +14,47 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 import yaml
 
 from miles.config import to_dict
-from miles.engine import EngineError
 from miles.envs.recipe import error_line
 from miles.observability import run_labels, start_observability
 from miles.sessions.metrics import SessionMetrics
 from miles.sessions.recorder import Recorder
 from miles.sessions.records import SessionRecord
-from miles.sessions.scheduler import SessionScheduler
-from miles.trainers.async_rollout import AsyncRollout
-from miles.trainers.cluster.rollout import RayRolloutProcess
+from miles.sessions.scheduler import GroupRunner, SessionScheduler
+from miles.trainers.async_rollout import ProcessSource
 from miles.trainers.cluster.sync import rejoining_weight_sync
 from miles.trainers.data import TaskCursor, load_tasks
 from miles.trainers.demos import oracle_demos
 from miles.trainers.engine_setup import bounded_by_context, build_engine_set
-from miles.trainers.evaluate import EvalResult, eval_sets, evaluate, summarize
+from miles.trainers.evaluate import EvalResult, eval_sets, evaluate
 from miles.trainers.health import UNTRAINABLE, RunHealth, StepActivity, first_nonfinite, step_activity
 from miles.trainers.lora.process import LoraTrainerProcess
 from miles.trainers.metrics_log import MetricsLog, read_metrics
 from miles.trainers.models import build_policy, build_tito, check_devices, check_tools_reach_model
 from miles.trainers.output_dir import OutputDirLock, check_fresh_output_dir
-from miles.trainers.rollout_process import RolloutProcess
+from miles.trainers.protocol import RolloutSource, Trainer, Weights
+from miles.trainers.rl_step import run_step
+from miles.trainers.rollout_process import RolloutProcess, RolloutStart
+from miles.trainers.seeding import seed_everything
+from miles.trainers.sources import (
+    AgentEvaluation,
+    EngineEvaluation,
+    Evaluation,
+    SessionSource,
+    close_within,
+)
 from miles.trainers.train_config import TrainConfig
 from miles.trajectory import Trajectory, TrajectoryBatch
 from miles.types import TerminationReason
 from miles.weight_sync import build_weight_sync
+
+if TYPE_CHECKING:
+    from miles.trainers.lora.run import AdapterRun
 
 log = logging.getLogger(__name__)
 
@@ -72,12 +82,6 @@ class RunSummary:
             "stopped": self.stopped,
             "evals": {stage: {m: r.to_dict() for m, r in res.items()} for stage, res in self.evals.items()},
         }
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 def trainable(records: list[SessionRecord], *, on_timeout: str = "drop") -> list[Trajectory]:
@@ -162,8 +166,10 @@ class TrainLoop:
         resume: bool = False,
         extend: bool = False,
         echo: Callable[[str], None] = print,
+        rollout_process: Callable[[TrainConfig, RolloutStart], RolloutProcess] = RolloutProcess.spawn,
     ) -> None:
         self.cfg = cfg
+        self.rollout_process = rollout_process  # how an asynchronous run starts its rollout process
         self.resume = resume
         self.extend = extend  # a resumed run gets a whole new max_seconds instead of what its budget has left
         self.echo = echo
@@ -183,13 +189,12 @@ class TrainLoop:
             True  # False once the weights held a NaN or inf: nothing is synced or saved after that
         )
 
-    def _set_aside_after(self, saved_at: float) -> None:
-        """Forget the metric rows and move aside the sessions of the work after `saved_at`, which a resumed run
-        redoes: every session stays in the file once (async: the rollout process moves its own aside)."""
+    def _set_aside_after(self, saved_at: float, cursor: dict[str, Any]) -> None:
+        """Continue from data `cursor`; forget the metric rows and move aside the sessions of the work after
+        `saved_at`, which a resumed run redoes: every session stays in its file once."""
         self.metrics.drop_after(saved_at)
-        for recorder in (self.recorder, self.eval_recorder):
-            if recorder is not None:
-                recorder.drop_after(saved_at)
+        self.eval_recorder.drop_after(saved_at)
+        self.source.restore(cursor, saved_at=saved_at)
 
     # ---- setup ---------------------------------------------------------------------------------------
     async def _setup(self) -> None:
@@ -217,7 +222,6 @@ class TrainLoop:
         self.scheduler_cfg = bounded_by_context(cfg.rollout.scheduler, self.engine_set.context_length)
         try:
             from miles.trainers.factory import build_trainer
-            from miles.trainers.protocol import Trainer
 
             self.trainer: Trainer = build_trainer(cfg, self.model)
             make_sync = (
@@ -246,61 +250,92 @@ class TrainLoop:
                 num_params=sum(p.numel() for p in self.model.parameters()),
                 echo=self.echo,
             )
+            self.eval_recorder = Recorder(self.out / "eval_sessions.jsonl")
+            self.health = RunHealth(cfg.health, warn=self.echo)
+            self.session_metrics = SessionMetrics(self.observability.labels)
+            self.version = self.sync.version  # the weights the trainer's policy was last synced as
+            self.adapters: AdapterRun | None = None
+            self.source: RolloutSource = await self._rollout_source()
         except BaseException:
             await self.engine_set.close()
             self._close_trainer()
             raise
-        self.eval_recorder = Recorder(self.out / "eval_sessions.jsonl")
-        self.health = RunHealth(cfg.health, warn=self.echo)
-        self.session_metrics = SessionMetrics(self.observability.labels)
-        self.version = self.sync.version  # the weights the trainer's policy was last synced as
-        self.async_rollout: AsyncRollout | None = None
-        self.recorder: Recorder | None = None
-        self.scheduler: Any = None
-        self.agents = None
-        self.lora: Any = None  # with `adapters:`, a `miles.trainers.lora.run.AdapterRun`
-        if cfg.asynchronous.enabled:  # the rollout process runs (and records) the training sessions
-            return
-        self.recorder = Recorder(self.out / "sessions.jsonl")
-        self.scheduler = SessionScheduler(
-            self.engines,
-            tokenizer=self.tito,
-            config=self.scheduler_cfg,
-            recorder=self.recorder,
-            run_id="train",
-            recipe=self.train_recipe,
-            observer=self.session_metrics,
+
+    async def _rollout_source(self) -> RolloutSource:
+        """Where the training sessions come from: the rollout process (`async.enabled`), the user's agents
+        (`rollout.agent`), or the scheduler in this process; with `adapters:`, each adapter's scheduler shares
+        the source's router."""
+        cfg = self.cfg
+        engine_evaluation = EngineEvaluation(
+            self.engines, self.tito, self.scheduler_cfg, self.eval_recorder, cfg.eval.max_new_tokens
         )
+        if cfg.asynchronous.enabled:  # the rollout process runs (and records) the training sessions
+            return ProcessSource(
+                cfg,
+                http=self.engine_set.is_http,
+                push=self._sync,
+                evaluation=engine_evaluation,
+                observer=self.session_metrics,
+                spawn=self.rollout_process,
+            )
+        recorder = Recorder(self.out / "sessions.jsonl")
+        runner: GroupRunner
+        evaluation: Evaluation = engine_evaluation
+        closing = []
         if cfg.rollout.agent.enabled:  # the user's own agent runs the sessions, against the OpenAI endpoint
             from miles.sessions.openai.agent import AgentRollout
 
-            self.agents = await AgentRollout.start(
+            agents = await AgentRollout.start(
                 self.engines,
                 tokenizer=self.tito,
                 config=cfg.rollout.agent,
                 context_length=self.scheduler_cfg.session.context_length,
                 log_dir=cfg.rollout.agent.log_dir or self.out / "agent_logs",
             )
-            self.scheduler = self.agents.runner(
+            runner = agents.runner(
                 recipe=self.train_recipe,
                 group_size=self.scheduler_cfg.group_size,
                 seed=self.scheduler_cfg.seed,
-                recorder=self.recorder,
+                recorder=recorder,
                 run_id="train",
                 observer=self.session_metrics,
             )
+            evaluation = AgentEvaluation(agents, self.eval_recorder, cfg.eval.max_new_tokens)
+            closing.append(agents.aclose)
+        else:
+            runner = SessionScheduler(
+                self.engines,
+                tokenizer=self.tito,
+                config=self.scheduler_cfg,
+                recorder=recorder,
+                run_id="train",
+                recipe=self.train_recipe,
+                observer=self.session_metrics,
+            )
+        source = SessionSource(
+            runner,
+            tasks=self.train_tasks,
+            cursor=self.cursor,
+            tasks_per_step=cfg.rollout.tasks_per_step,
+            oversample=self.scheduler_cfg.oversample_groups,
+            push=self._sync,
+            evaluation=evaluation,
+            recorder=recorder,
+            closing=closing,
+            close_timeout=TEARDOWN_S,
+        )
         if cfg.adapters:  # LoRA adapters on one base: each its own env and scheduler, all on this router
             from miles.trainers.lora.run import AdapterRun
 
-            self.lora = AdapterRun.build(
+            self.adapters = AdapterRun.build(
                 cfg,
                 trainer=self.trainer,
                 sync=self.sync,
                 engines=self.engines,
-                router=self.scheduler.router,
+                router=runner.router,
                 tokenizer=self.tito,
                 scheduler_config=self.scheduler_cfg,
-                recorder=self.recorder,
+                recorder=recorder,
                 eval_recorder=self.eval_recorder,
                 observer=self.session_metrics,
                 labels=self.observability.labels,
@@ -308,6 +343,7 @@ class TrainLoop:
                 metrics_log=self.metrics,
                 echo=self.echo,
             )
+        return source
 
     def _close_trainer(self) -> None:
         """End the trainer's own process, where it has one (a run with `adapters:`)."""
@@ -328,8 +364,9 @@ class TrainLoop:
             )
         return state
 
-    async def _sync(self, version: int | None = None) -> None:
-        report = await self.sync.push(self._finite_weights(), version=version)
+    async def _sync(self, version: int | None = None, weights: Weights | None = None) -> None:
+        """The trainer's weights (`weights()`, else checked `_finite_weights`) to the engines as `version`."""
+        report = await self.sync.push((weights or self._finite_weights)(), version=version)
         self.version = report.version
         self.metrics.write(
             "sync",
@@ -343,9 +380,10 @@ class TrainLoop:
         self.observability.run.observe_sync(report)
 
     async def _evaluate(self, stage: str) -> dict[str, EvalResult]:
+        """Every held-out set in every configured mode, under the trainer's newest weights."""
         cfg = self.cfg
-        if self.lora is not None:  # every adapter on its own held-out tasks
-            self.summary.evals[stage] = results = await self.lora.evaluate(stage)
+        if self.adapters is not None:  # every adapter on its own held-out tasks
+            self.summary.evals[stage] = results = await self.adapters.evaluate(stage)
             return results
         if self.sync.version < self.version:  # async: the trainer's own engines evaluate the newest weights
             await self._sync(version=self.version)
@@ -355,34 +393,7 @@ class TrainLoop:
             for greedy in modes:
                 key = part.key("greedy" if greedy else "sampled")
                 run_id = f"eval-{stage}-{key.replace('/', '-')}"
-                if self.agents is not None:  # held-out success of the user's agent, through the endpoint
-                    res = summarize(
-                        key,
-                        await self.agents.evaluate(
-                            part.tasks,
-                            recipe=part.recipe,
-                            recorder=self.eval_recorder,
-                            greedy=greedy,
-                            max_tokens=cfg.eval.max_new_tokens,
-                            run_id=run_id,
-                        ),
-                    )
-                else:
-                    res = dataclasses.replace(
-                        await evaluate(
-                            self.engines,
-                            tokenizer=self.tito,
-                            recipe=part.recipe,
-                            run_id=run_id,
-                            tasks=part.tasks,
-                            scheduler=self.scheduler_cfg,
-                            greedy=greedy,
-                            recorder=self.eval_recorder,
-                            max_new_tokens=cfg.eval.max_new_tokens,
-                        ),
-                        mode=key,
-                    )
-                results[key] = res
+                results[key] = res = await self.source.evaluate(part, greedy=greedy, run_id=run_id)
                 if res.invalid and not self.summary.broken:
                     self.summary.broken = f"the {stage} evaluation ({key}) is no score: {res.invalid}"
                 self.metrics.write("eval", self.trainer.step, stage=stage, **res.to_dict())
@@ -482,30 +493,6 @@ class TrainLoop:
             f"{reason})" + (f"; saved to {sft.save_to}" if sft.save_to else "")
         )
 
-    async def _rollout(self) -> tuple[list[SessionRecord], dict[str, float]]:
-        """This step's sessions: run now (synchronous loop), or taken from the rollout process."""
-        if self.async_rollout is not None:
-            taken = await self.async_rollout.collect(self.version)
-            for record in taken.records:
-                self.session_metrics.observe(record)
-            return taken.records, taken.metrics
-        wanted = self.cfg.rollout.tasks_per_step  # plus the extra groups whose slowest are dropped, if asked
-        tasks = [
-            {"task": self.train_tasks[i]}
-            for i in self.cursor.next(wanted + self.scheduler_cfg.oversample_groups)
-        ]
-        groups = await self.scheduler.run(tasks, num_groups=wanted)
-        return [r for g in groups for r in g.records], {}
-
-    async def _update_engines(self) -> None:
-        """The trained weights to the engines: a sync (synchronous loop), or a publish to the rollout process
-        that returns while rollouts go on."""
-        if self.async_rollout is None:
-            await self._sync()
-            return
-        self.version += 1
-        await self.async_rollout.publish(self.version, self._finite_weights)
-
     def _to_train(self, records: list[SessionRecord]) -> list[Trajectory]:
         """The trajectories of `records` that train: finished (or timed-out, per `rollout.on_timeout`), and
         with `rollout.drop_zero_std_groups` only groups whose rewards differ."""
@@ -526,23 +513,16 @@ class TrainLoop:
         )
 
     async def _rl_step(self, step: int, *, ahead: bool = False) -> tuple[dict[str, Any], StepActivity]:
-        cfg = self.cfg
+        """One RL step (the source's groups, the update, the new weights to the engines) and its metrics row."""
         t0 = time.perf_counter()
-        if self.lora is not None:  # every adapter on its own pipeline; updates and pushes happen inside
-            done = await self.lora.step(self._to_train, ahead=ahead)
-            records, extra = done.records, {}
-            t_rollout = done.rollout_s  # the longest adapter's sessions
+        if self.adapters is not None:  # every adapter on its own pipeline; updates and pushes happen inside
+            records, trajs, row = await self._adapter_step(ahead)
         else:
-            records, extra = await self._rollout()
-            t_rollout = time.perf_counter() - t0
-        finished = trainable(records, on_timeout=cfg.rollout.on_timeout)
-        informative, num_groups, flat = split_by_reward_spread(finished)
-        if self.lora is not None:
-            trajs = done.trained
-        else:
-            trajs = informative if cfg.rollout.drop_zero_std_groups else finished
+            records, trajs, row = await self._one_step()
         activity = step_activity(records)
-        row: dict[str, Any] = {
+        finished = trainable(records, on_timeout=self.cfg.rollout.on_timeout)
+        num_groups, flat = split_by_reward_spread(finished)[1:]
+        row = {
             "rollout_reward_mean": float(np.mean([r.reward for r in records])) if records else 0.0,
             "rollout_success_rate": (
                 float(np.mean([bool(r.final_info.get("success")) for r in records])) if records else 0.0
@@ -552,81 +532,63 @@ class TrainLoop:
             **activity.metrics(),
             "rollout_zero_std_group_frac": flat / num_groups if num_groups else 0.0,
             "generated_tokens": sum(r.trajectory.num_generated for r in records),
-            "rollout_s": t_rollout,
-            **extra,
+            **row,
         }
-        if self.lora is not None:
-            if trajs:
-                row.update(
-                    {k: v for k, v in done.metrics.items() if k != "step"},
-                    train_s=done.train_s,
-                    sync_s=done.sync_s,
-                    num_tokens=float(sum(len(t) for t in trajs)),
-                    num_sequences=float(len(trajs)),
-                )
-        elif trajs:
-            t1 = time.perf_counter()
-            metrics = self.trainer.train_step(TrajectoryBatch.from_trajectories(trajs))
-            row["train_s"] = time.perf_counter() - t1
-            row.update({k: v for k, v in metrics.items() if k != "step"})
-            t2 = time.perf_counter()
-            try:
-                await self._update_engines()
-            except (
-                EngineError
-            ) as exc:  # a dead engine: counted by the run's health, which stops a run of them
-                row["sync_failed"] = 1.0
-                self.echo(
-                    f"[warn] the weight update did not reach the engines ({error_line(exc)}); they keep "
-                    f"version {self.version}"
-                )
-            row["sync_s"] = time.perf_counter() - t2
-        else:
-            self.trainer.step += 1
-            if self.async_rollout is not None:
-                self.async_rollout.untrained()
         row["step_s"] = time.perf_counter() - t0
         row["samples_per_s"] = len(trajs) / row["step_s"]
         row["trained_tokens_per_s"] = float(sum(len(t) for t in trajs)) / row["step_s"]
-        if "trainer_wait_s" in extra:
-            row["trainer_idle_ratio"] = extra["trainer_wait_s"] / row["step_s"]
-        if self.lora is not None:
-            self.lora.observe(records, row)
-        if self.scheduler is not None:
-            routing = self.scheduler.router.stats(reset=True)
+        if "trainer_wait_s" in row:
+            row["trainer_idle_ratio"] = row["trainer_wait_s"] / row["step_s"]
+        if self.adapters is not None:
+            self.adapters.observe(records, row)
+        routing = self.source.router_stats()
+        if routing is not None:
             row.update(routing.to_metrics())
             self.session_metrics.observe_router(routing)
         self.metrics.write("train", step, **row)
         self.observability.run.observe_step(row)
         return row, activity
 
-    async def _start_rollout_process(
-        self, start_step: int, consumed: tuple[int, ...], resume_time: float | None
-    ) -> None:
-        """The asynchronous loop: start the rollout process at the data cursor with the current weights."""
-        self.async_rollout = AsyncRollout(
-            self.cfg,
-            http=self.engine_set.is_http,
-            push=lambda version: self._sync(version=version),
-            position=self.cursor.position,
-            consumed=consumed,
-            spawn=RayRolloutProcess if self.cfg.cluster.kind == "ray" else RolloutProcess,
+    async def _one_step(self) -> tuple[list[SessionRecord], list[Trajectory], dict[str, Any]]:
+        """The step (`run_step`) of the trainer's policy: synced now (synchronous loop), or handed to the
+        rollout process while rollouts go on."""
+
+        async def learn(batch: TrajectoryBatch) -> tuple[dict[str, float], Weights]:
+            return self.trainer.train_step(batch), self._finite_weights
+
+        version = self.version
+        done = await run_step(
+            self.source, version=version, select=self._to_train, learn=learn, warn=self.echo
         )
-        await self.async_rollout.start(
-            self.version,
-            None if self.engine_set.is_http else self.trainer.hf_state_dict(),
-            run_id=f"train-r{start_step}" if start_step else "train",
-            resume_time=resume_time,
-        )
+        if done.published:
+            self.version = version + 1
+        elif not done.trained:
+            self.trainer.step += 1
+        return done.records, done.trained, dict(done.metrics)
+
+    async def _adapter_step(
+        self, ahead: bool
+    ) -> tuple[list[SessionRecord], list[Trajectory], dict[str, Any]]:
+        """The step of every adapter, each on its own pipeline (sessions, update, push)."""
+        assert self.adapters is not None
+        done = await self.adapters.step(self._to_train, ahead=ahead)
+        row: dict[str, Any] = {"rollout_s": done.rollout_s}  # the longest adapter's sessions
+        if done.trained:
+            row.update(
+                {k: v for k, v in done.metrics.items() if k != "step"},
+                train_s=done.train_s,
+                sync_s=done.sync_s,
+                num_tokens=float(sum(len(t) for t in done.trained)),
+                num_sequences=float(len(done.trained)),
+            )
+        return done.records, done.trained, row
 
     def _checkpoint(self) -> None:
         if not self.weights_ok:
             return
-        cursor = self.cursor.to_dict()
-        if self.async_rollout is not None:
-            cursor.update(self.async_rollout.data_cursor())
-        if self.lora is not None:
-            cursor.update(self.lora.data_cursor())
+        cursor = self.source.data_cursor()
+        if self.adapters is not None:
+            cursor.update(self.adapters.data_cursor())
         self.trainer.save_checkpoint(
             self.out / "checkpoints",
             data_cursor=cursor,
@@ -719,7 +681,7 @@ class TrainLoop:
             signals.restore()
         if task.done() and not task.cancelled() and task.exception() is not None:
             self.echo(f"[health] aborting raised {error_line(task.exception())}")
-        if self.async_rollout is None:  # the synchronous loop's state is consistent between awaits
+        if self.source.checkpoints_when_aborted:
             self._checkpoint()
         if self.summary.stopped:
             self.echo(f"[train] stopped by {self.summary.stopped} after step {self.summary.steps_done}")
@@ -734,23 +696,9 @@ class TrainLoop:
 
     async def _teardown(self) -> None:
         """Close every part of the run, each within `TEARDOWN_S` (a wedged engine must not hold the exit)."""
-        parts = [
-            self.async_rollout and self.async_rollout.close,
-            self.lora and self.lora.aclose,
-            self.scheduler and self.scheduler.aclose,
-            self.agents and self.agents.aclose,
-            self.recorder and self.recorder.aclose,
-            self.eval_recorder.aclose,
-            self.sync.close,
-            self.engine_set.close,
-        ]
-        for close in parts:
-            if not close:
-                continue
-            try:
-                await asyncio.wait_for(close(), timeout=TEARDOWN_S)
-            except Exception as exc:  # noqa: BLE001 - the run's own outcome matters more than a close
-                log.warning("closing %s failed: %s", getattr(close, "__qualname__", close), error_line(exc))
+        parts = [self.adapters.aclose] if self.adapters is not None else []
+        parts += [self.source.aclose, self.eval_recorder.aclose, self.sync.close, self.engine_set.close]
+        await close_within(parts, TEARDOWN_S)
         self._close_trainer()
         self.metrics.close()
         self.observability.close()
@@ -759,13 +707,12 @@ class TrainLoop:
         """Resume or warm-start, evaluate, the RL steps, the last checkpoint and the final evaluation."""
         cfg = self.cfg
         start_step = 0
-        consumed: tuple[int, ...] = ()
         saved_at: float | None = None
         ckpt_root = self.out / "checkpoints"
         resumed = self.resume and any(ckpt_root.glob("step_*"))
         if self.resume and not resumed:  # killed before its first checkpoint: every step is redone
             saved_at = 0.0
-            self._set_aside_after(saved_at)
+            self._set_aside_after(saved_at, {})
             self.echo(
                 f"[resume] no checkpoint in {ckpt_root}: starting at step 0 (the earlier sessions are "
                 "moved to sessions.jsonl.dropped)"
@@ -774,16 +721,12 @@ class TrainLoop:
             ckpt = self.trainer.load_checkpoint(ckpt_root)
             for reason in getattr(ckpt, "passed_over", []):
                 self.echo(f"[resume] passed over a damaged checkpoint: {reason}")
-            self.cursor.position = int(ckpt.data_cursor.get("position", 0))
-            consumed = tuple(int(p) for p in ckpt.data_cursor.get("consumed", ()))
             start_step = ckpt.step
             await self._sync(version=ckpt.extra.get("weight_version"))
             saved_at = float(ckpt.extra.get("time", float("inf")))
-            self._set_aside_after(saved_at)
-            if self.scheduler is not None:
-                self.scheduler.run_id = f"train-r{start_step}"  # session ids stay unique across resumes
-            if self.lora is not None:
-                await self.lora.restore(ckpt, start_step)
+            self._set_aside_after(saved_at, ckpt.data_cursor)
+            if self.adapters is not None:
+                await self.adapters.restore(ckpt, start_step)
             self.summary.evals.update(self._recorded_evals("start"))  # the gain is measured from the start
             spent = time.perf_counter() - t_start
             self.echo(
@@ -798,12 +741,16 @@ class TrainLoop:
             await self._sft(t_start)
         elif cfg.model.init_from or cfg.engine.kind != "embedded":
             await self._sync()
-        if self.lora is not None and start_step == 0:
-            await self.lora.start()
+        if self.adapters is not None and start_step == 0:
+            await self.adapters.start()
         if start_step == 0:
             await self._evaluate("start")
-        if cfg.asynchronous.enabled:
-            await self._start_rollout_process(start_step, consumed, saved_at)
+        await self.source.start(  # session ids stay unique across resumes
+            self.version,
+            self.trainer.hf_state_dict,
+            run_id=f"train-r{start_step}" if start_step else "train",
+            resume_time=saved_at,
+        )
         t_rl = time.perf_counter()
         step, committed = start_step, False
         self.summary.steps_done = step
@@ -815,7 +762,7 @@ class TrainLoop:
             ):
                 self.echo(f"[train] time budget of {cfg.max_seconds:.0f} s reached after {step} steps")
                 break
-            committed = self.lora is not None and self._runs_ahead(step, t_start)
+            committed = self.adapters is not None and self._runs_ahead(step, t_start)
             try:
                 row, activity = await self._rl_step(step, ahead=committed)
             except NonFiniteWeightsError as exc:
@@ -826,7 +773,7 @@ class TrainLoop:
             self.summary.steps_done = step
             self.summary.seconds["rl"] = time.perf_counter() - t_rl
             self.echo(progress_line(step, cfg.steps, row))
-            unrecorded = getattr(getattr(self.scheduler, "stats", None), "record_failures", 0)
+            unrecorded = self.source.record_failures
             if unrecorded:
                 self.summary.broken = (
                     f"{unrecorded} session record(s) could not be written to "
@@ -847,8 +794,7 @@ class TrainLoop:
             if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
                 self._checkpoint()
         self.summary.seconds["rl"] = time.perf_counter() - t_rl
-        if self.async_rollout is not None:  # running sessions are aborted and recorded; then checkpoint
-            await self.async_rollout.close()
+        await self.source.stop()  # running sessions are aborted and recorded; then the checkpoint
         self._checkpoint()
         if not self.summary.broken and (step > start_step or "start" not in self.summary.evals):
             await self._evaluate("final")

@@ -1,20 +1,34 @@
-"""`Trainer`: what the train loop (and later a trainer process or a Ray actor) needs from a training backend.
+"""The train loop's two contracts: `Trainer`, the training backend, and `RolloutSource`, where a step's
+sessions come from and where new weights go.
 
-`TorchTrainer`, `MegatronTrainer` and `CollectiveTrainer` (rank 0's handle on a multi-rank job) implement it.
-Every argument and result is picklable (tensors on the CPU, paths, plain dicts), so a process boundary can sit
-between the caller and the trainer.
+`TorchTrainer`, `MegatronTrainer` and `CollectiveTrainer` (rank 0's handle on a multi-rank job) implement
+`Trainer`. Every argument and result is picklable (tensors on the CPU, paths, plain dicts), so a process
+boundary can sit between the caller and the trainer.
+
+`SessionSource` (sessions run in the loop's own process, by the scheduler or by the user's agents) and
+`ProcessSource` (the asynchronous loop's rollout process, local or a Ray actor) implement `RolloutSource`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
+from miles.sessions.records import SessionRecord
+from miles.sessions.router import RouterStats
 from miles.trajectory import TrajectoryBatch
 
 from .checkpoint import Checkpoint
+
+if TYPE_CHECKING:
+    from .evaluate import EvalResult, EvalSet
+
+#: The trainer's weights under their Hugging Face names, made when asked (a consistent CPU snapshot).
+Weights = Callable[[], dict[str, torch.Tensor]]
 
 
 @runtime_checkable
@@ -71,4 +85,70 @@ class Trainer(Protocol):
 
     def save_pretrained(self, directory: str | Path) -> None:
         """Write the policy as an ordinary HF checkpoint folder (``from_pretrained``-loadable)."""
+        ...
+
+
+@dataclass(frozen=True)
+class StepRollout:
+    """One step's sessions (its groups, flattened to records) and what collecting them measured."""
+
+    records: list[SessionRecord]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@runtime_checkable
+class RolloutSource(Protocol):
+    """The rollout side of a run, as the train loop drives it: `restore` (a resumed run), `start`, then per
+    step `collect` and `publish` (or `untrained`), `evaluate` whenever asked, `stop` after the last step and
+    `aclose` at the end."""
+
+    #: Whether the data cursor is consistent when the loop's work is aborted between awaits (a checkpoint may
+    #: then be written): true where sessions run in the loop's own process.
+    checkpoints_when_aborted: bool
+
+    def restore(self, cursor: Mapping[str, Any], *, saved_at: float) -> None:
+        """Before `start`: continue from a checkpoint's data `cursor`; the sessions recorded after `saved_at`
+        (a time.time()) are moved aside, since the resumed run redoes them."""
+        ...
+
+    async def start(self, version: int, weights: Weights, *, run_id: str, resume_time: float | None) -> None:
+        """Begin serving sessions under weights `version` (`weights()` gives them to engines that need them);
+        session ids begin with `run_id`."""
+        ...
+
+    async def collect(self, version: int) -> StepRollout:
+        """This step's groups, for a trainer at weight `version`."""
+        ...
+
+    def untrained(self) -> None:
+        """The last `collect` trained nothing (no group had a reward spread): no new weights come of it."""
+        ...
+
+    async def publish(self, version: int, weights: Weights) -> None:
+        """Hand weights `version` (the trainer's, after this step) to the engines."""
+        ...
+
+    async def evaluate(self, part: EvalSet, *, greedy: bool, run_id: str) -> EvalResult:
+        """Held-out sessions of `part` under the newest synced weights; the result's mode is `part`'s key."""
+        ...
+
+    def data_cursor(self) -> dict[str, Any]:
+        """Which training tasks are done, for a checkpoint (`restore` takes it back)."""
+        ...
+
+    def router_stats(self) -> RouterStats | None:
+        """Per-engine routing counts since the last call (None where routing happens in another process)."""
+        ...
+
+    @property
+    def record_failures(self) -> int:
+        """Session records that could not be written so far."""
+        ...
+
+    async def stop(self) -> None:
+        """No more training sessions: those still running are aborted and recorded; `evaluate` still works."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release everything `start` (or the constructor) took."""
         ...

@@ -26,7 +26,7 @@ import types
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -310,35 +310,71 @@ def _quiet_dead_peer_handshakes() -> None:
     sys.excepthook = hook
 
 
-class RolloutProcess:
-    """Starts the rollout process and talks to it: `next_group()`, `publish()`, `hold()`, `requeue()`, `close()`.
+class Channel(Protocol):
+    """One direction of messages between the trainer and the rollout manager: a `multiprocessing` queue, or
+    a Ray actor's queue seen through its handle."""
 
-    A dead or silent process raises `RolloutManagerError` from whichever call notices it.
+    def put(self, message: Any) -> None: ...
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any: ...
+
+    def qsize(self) -> int: ...
+
+    def cancel_join_thread(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class Worker(Protocol):
+    """Where the rollout manager runs: a child process, or a Ray actor's `run` call."""
+
+    @property
+    def exitcode(self) -> int | None: ...
+
+    def is_alive(self) -> bool: ...
+
+    def join(self, timeout: float | None = None) -> None: ...
+
+    def terminate(self) -> None: ...
+
+
+class RolloutProcess:
+    """The trainer's handle on the rollout manager: `next_group()`, `publish()`, `hold()`, `requeue()`,
+    `close()`, over two `Channel`s and the `Worker` that runs it. `spawn` starts it as a child process;
+    `miles.trainers.cluster.rollout.spawn_on_ray` as a Ray actor.
+
+    A dead or silent manager raises `RolloutManagerError` from whichever call notices it.
     """
 
-    def __init__(self, cfg: TrainConfig, start: RolloutStart) -> None:
+    def __init__(self, inbox: Channel, outbox: Channel, process: Worker, *, timeout_s: float) -> None:
+        self.inbox, self.outbox, self.process = inbox, outbox, process
+        self.timeout_s = timeout_s
+        self.groups: deque[Finished] = deque()
+        self.acked = 0
+        self._sent: dict[int, Any] = {}  # weights kept alive until the manager has loaded them
+        self._ready = False
+
+    @classmethod
+    def spawn(cls, cfg: TrainConfig, start: RolloutStart) -> RolloutProcess:
+        """Start `rollout_main` in a spawned child process with `async.rollout_threads` torch threads."""
         import torch.multiprocessing as mp
 
         ctx = mp.get_context("spawn")
         _quiet_dead_peer_handshakes()
-        self.timeout_s = cfg.asynchronous.manager_timeout_s
-        self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
-        self.process = ctx.Process(
-            target=rollout_main, args=(cfg, start, self.inbox, self.outbox), name="miles-rollout", daemon=True
+        inbox, outbox = ctx.Queue(), ctx.Queue()
+        process = ctx.Process(
+            target=rollout_main, args=(cfg, start, inbox, outbox), name="miles-rollout", daemon=True
         )
         env_threads = os.environ.get("OMP_NUM_THREADS")
         os.environ["OMP_NUM_THREADS"] = str(cfg.asynchronous.rollout_threads or 1)
         try:
-            self.process.start()
+            process.start()
         finally:
             if env_threads is None:
                 os.environ.pop("OMP_NUM_THREADS", None)
             else:
                 os.environ["OMP_NUM_THREADS"] = env_threads
-        self.groups: deque[Finished] = deque()
-        self.acked = 0
-        self._sent: dict[int, Any] = {}  # weights kept alive until the manager has loaded them
-        self._ready = False
+        return cls(inbox, outbox, process, timeout_s=cfg.asynchronous.manager_timeout_s)
 
     @property
     def buffered(self) -> int:

@@ -107,8 +107,8 @@ def _tail(path: Path, lines: int = 8) -> str:
 
 
 class AgentRunner:
-    """Runs `config.command` once per session and returns the sessions in `Group`s, like
-    `SessionScheduler.run(tasks, num_groups=...)` (duck-typed: `run`, `aclose`).
+    """Runs `config.command` once per session and returns the sessions in `Group`s: a `GroupRunner`, like
+    `SessionScheduler`.
 
     A group holds its samples' records in sample order; a sample whose client forked its history has one
     record per branch, all with the sample's reward.

@@ -24,6 +24,8 @@ import httpx
 
 from miles.engines.embedded import EmbeddedEngine
 from miles.ports import free_port
+from miles.trainers.cluster.config import enter_driver_folder
+from miles.trainers.cluster.rollout import spawn_on_ray
 from miles.trainers.train_config import TrainConfig
 
 
@@ -38,13 +40,6 @@ def probe_port() -> tuple[str, int]:
     """Where a server of this node can listen: its IP and a free port (run as a task in the server's bundle)."""
     host, _ = node_address()
     return host, free_port(host)
-
-
-def enter_driver_folder(folder: str) -> None:
-    """Work from the driver's folder when this node has it (a shared filesystem, or the same machine), so the
-    config's relative paths (output_dir, init_from, ...) mean what they mean on the driver."""
-    if Path(folder).is_dir():
-        os.chdir(folder)
 
 
 def is_loopback(host: str) -> bool:
@@ -124,8 +119,8 @@ class EngineActor:
 
         from miles.engines.auth import admin_token
         from miles.engines.server import serve_in_thread
-        from miles.trainers.loop import seed_everything
         from miles.trainers.models import build_policy, build_tito
+        from miles.trainers.seeding import seed_everything
 
         seed_everything(cfg.seed)
         tito = build_tito(cfg.model)
@@ -206,7 +201,7 @@ class TrainerRankActor:
         if is_loopback(cfg.sync.master_address) and not is_loopback(self.host):
             # The engines join the weight-update group here; the default loopback address is this node's.
             cfg = dataclasses.replace(cfg, sync=dataclasses.replace(cfg.sync, master_address=self.host))
-        loop = TrainLoop(cfg, resume=resume, extend=extend)
+        loop = TrainLoop(cfg, resume=resume, extend=extend, rollout_process=spawn_on_ray)
         try:
             summary = asyncio.run(loop.run())
         finally:

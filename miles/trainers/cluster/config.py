@@ -5,7 +5,9 @@ places them as Ray actors on a Ray cluster (`miles.trainers.cluster.ray_run`). T
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 from miles.trainers.errors import ConfigError
@@ -127,3 +129,10 @@ class ClusterConfig:
                 "colocated: an engine shares its trainer rank's GPU; set "
                 "it equal to trainer.gpus_per_rank (or use placement: disaggregated)",
             )
+
+
+def enter_driver_folder(folder: str) -> None:
+    """Work from the driver's folder when this node has it (a shared filesystem, or the same machine), so the
+    config's relative paths (output_dir, init_from, ...) mean what they mean on the driver."""
+    if Path(folder).is_dir():
+        os.chdir(folder)

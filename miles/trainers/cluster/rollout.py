@@ -2,18 +2,18 @@
 
 `RolloutManagerActor` runs the rollout process's own body (`rollout_main`: the `RolloutManager` with its
 scheduler, router and recorder, against the engine actors' URLs) in a thread, with two in-actor queues in
-place of the process's `torch.multiprocessing` queues. `RayRolloutProcess` is the trainer's handle: the same
-`RolloutProcess` (next_group, publish, hold, requeue, close), talking to the actor instead of a child process.
+place of the process's `torch.multiprocessing` queues. `spawn_on_ray` gives the trainer its handle: the same
+`RolloutProcess` (next_group, publish, hold, requeue, close), over the actor's `Channel` and `Worker` instead of
+a child process's.
 """
 
 from __future__ import annotations
 
 import os
 import queue
-from collections import deque
 from typing import Any
 
-from miles.trainers.cluster.actors import enter_driver_folder
+from miles.trainers.cluster.config import enter_driver_folder
 from miles.trainers.rollout_process import RolloutProcess, RolloutStart, rollout_main
 from miles.trainers.train_config import TrainConfig
 
@@ -122,27 +122,25 @@ class _ActorProcess:
         ray.kill(self.actor, no_restart=True)
 
 
-class RayRolloutProcess(RolloutProcess):
+def spawn_on_ray(cfg: TrainConfig, start: RolloutStart) -> RolloutProcess:
     """`RolloutProcess` with the manager in a `RolloutManagerActor` (placed by `cluster.manager`)."""
+    import ray
 
-    def __init__(self, cfg: TrainConfig, start: RolloutStart) -> None:
-        import ray
-
-        manager = cfg.cluster.manager
-        actor = (
-            ray.remote(RolloutManagerActor)
-            .options(
-                num_cpus=manager.cpus,
-                resources=dict(manager.resources) or None,
-                max_restarts=0,
-                max_concurrency=4,
-            )
-            .remote(cfg, start, os.getcwd())
+    manager = cfg.cluster.manager
+    actor = (
+        ray.remote(RolloutManagerActor)
+        .options(
+            num_cpus=manager.cpus,
+            resources=dict(manager.resources) or None,
+            max_restarts=0,
+            max_concurrency=4,
         )
-        self.timeout_s = cfg.asynchronous.manager_timeout_s
-        self.inbox = self.outbox = _Mailbox(actor)
-        self.process = _ActorProcess(actor, actor.run.remote())
-        self.groups = deque()  # the rest of RolloutProcess's state, as its constructor sets it
-        self.acked = 0
-        self._sent = {}
-        self._ready = False
+        .remote(cfg, start, os.getcwd())
+    )
+    mailbox = _Mailbox(actor)
+    return RolloutProcess(
+        mailbox,
+        mailbox,
+        _ActorProcess(actor, actor.run.remote()),
+        timeout_s=cfg.asynchronous.manager_timeout_s,
+    )

@@ -2,10 +2,11 @@
 its scheduler, evaluation, sync and metrics.
 
 Every adapter's scheduler shares the loop's router, so the sessions of all adapters run at once and the engines
-decode their rows together, each row under its own adapter. Within a step each adapter runs its own pipeline:
-its sessions, its update (one adapter at a time, in the trainer's own process, `LoraTrainerProcess`, so the
-other adapters' sessions go on beside it), and the push of its new weights (only adapters that trained, each
-under its own version counter: `WeightSync.push_adapter`).
+decode their rows together, each row under its own adapter. Within a step each adapter runs its own copy of the
+one step body (`miles.trainers.rl_step.run_step`) on its own `SessionSource`: its sessions, its update (one
+adapter at a time, in the trainer's own process, `LoraTrainerProcess`, so the other adapters' sessions go on
+beside it), and the push of its new weights (only adapters that trained, each under its own version counter:
+`WeightSync.push_adapter`).
 
 When the loop commits the next step during this one, an adapter's pipeline of the next step starts as soon as
 its own push is done: its sessions, and its update as soon as they are in, while other adapters still roll
@@ -39,9 +40,12 @@ from miles.sessions.scheduler import SessionScheduler
 from miles.trainers.checkpoint import Checkpoint
 from miles.trainers.data import TaskCursor, load_tasks
 from miles.trainers.errors import ConfigError
-from miles.trainers.evaluate import EvalResult, evaluate
+from miles.trainers.evaluate import EvalResult, EvalSet
 from miles.trainers.lora.process import LoraTrainerProcess
 from miles.trainers.metrics_log import MetricsLog
+from miles.trainers.protocol import Weights
+from miles.trainers.rl_step import run_step
+from miles.trainers.sources import EngineEvaluation, SessionSource
 from miles.trainers.train_config import AdapterConfig, TrainConfig
 from miles.trainers.trainer_process import TrainerProcessError
 from miles.trajectory import Trajectory, TrajectoryBatch
@@ -82,6 +86,10 @@ class AdapterPart:
     tasks_per_step: int
     scheduler: SessionScheduler
     metrics: RunMetrics
+    #: Its sessions, pushes and evaluations, set by `AdapterRun` (over `scheduler`, `train_tasks`, `cursor`).
+    source: SessionSource | None = None
+    #: The step number of the sync rows that the adapter's next push writes.
+    step_index: int = 0
 
     @property
     def name(self) -> str:
@@ -138,6 +146,34 @@ class AdapterRun:
         self._updating = asyncio.Lock()  # one adapter's update at a time: they share the peft model
         self._update: asyncio.Future[tuple[dict[str, float], AdapterWeights]] | None = (
             None  # the one in flight
+        )
+        for part in self.parts:
+            part.source = self._source(part)
+
+    def _source(self, part: AdapterPart) -> SessionSource:
+        """`part`'s sessions from its own tasks and cursor, its pushes under its own version, and its held-out
+        sessions under its own policy."""
+        name = part.name
+
+        async def push(version: int, weights: Weights) -> None:
+            await self._push(name, version, part.step_index, weights())
+
+        assert isinstance(part.scheduler.recorder, Recorder)
+        return SessionSource(
+            part.scheduler,
+            tasks=part.train_tasks,
+            cursor=part.cursor,
+            tasks_per_step=part.tasks_per_step,
+            oversample=0,
+            push=push,
+            evaluation=EngineEvaluation(
+                self.engines,
+                self.tokenizer,
+                part.scheduler_config,
+                self.eval_recorder,
+                self.cfg.eval.max_new_tokens,
+            ),
+            recorder=part.scheduler.recorder,
         )
 
     @classmethod
@@ -291,29 +327,18 @@ class AdapterRun:
         self, part: AdapterPart, select: Callable[[list[SessionRecord]], list[Trajectory]], index: int
     ) -> _Pipeline:
         """Start `part`'s pipeline of step `index` (the step number of its sync rows)."""
-        position = part.cursor.position
-        tasks = [{"task": part.train_tasks[i]} for i in part.cursor.next(part.tasks_per_step)]
-        run = self._pipeline(part, tasks, select, index)
-        return _Pipeline(position, asyncio.get_running_loop().create_task(run))
+        return _Pipeline(
+            part.cursor.position, asyncio.get_running_loop().create_task(self._pipeline(part, select, index))
+        )
 
     async def _pipeline(
-        self,
-        part: AdapterPart,
-        tasks: list[dict[str, Any]],
-        select: Callable[[list[SessionRecord]], list[Trajectory]],
-        index: int,
+        self, part: AdapterPart, select: Callable[[list[SessionRecord]], list[Trajectory]], index: int
     ) -> AdapterStep:
-        t0 = time.perf_counter()
-        groups = await part.scheduler.run(tasks, num_groups=part.tasks_per_step)
-        records = [r for g in groups for r in g.records]
-        rollout_s = time.perf_counter() - t0
-        trajs = select(records)
-        metrics: dict[str, float] = {}
-        train_s = sync_s = 0.0
-        if trajs:
-            batch = TrajectoryBatch.from_trajectories(trajs)
+        """`part`'s copy of the one step body, with its update in the trainer process."""
+        assert part.source is not None
+
+        async def learn(batch: TrajectoryBatch) -> tuple[dict[str, float], Weights]:
             async with self._updating:
-                t1 = time.perf_counter()
                 threads_all = torch.get_num_threads()
                 threads = threads_all if part.scheduler.router.inflight == 0 else max(1, threads_all - 1)
                 # shielded: a cancelled step waits for the update it started (`settle`), as the trainer's pipe
@@ -323,9 +348,15 @@ class AdapterRun:
                 )
                 metrics, weights = await asyncio.shield(self._update)
                 self._update = None
-                train_s = time.perf_counter() - t1
-            sync_s = await self._push(part.name, None, index, weights)
-        return AdapterStep(records, trajs, metrics, rollout_s, train_s, sync_s)
+            return metrics, lambda: weights
+
+        part.step_index = index
+        last = self.weight_sync.adapter_version(part.name)
+        version = -1 if last is None else last  # a first push is version 0, as `push_adapter` numbers it
+        done = await run_step(part.source, version=version, select=select, learn=learn, warn=self.echo)
+        metrics = dict(done.metrics)
+        rollout_s, train_s, sync_s = (metrics.pop(k, 0.0) for k in ("rollout_s", "train_s", "sync_s"))
+        return AdapterStep(done.records, done.trained, metrics, rollout_s, train_s, sync_s)
 
     def _train(
         self, name: str, batch: TrajectoryBatch, threads: int
@@ -378,15 +409,10 @@ class AdapterRun:
         modes = ([True] if ev.greedy else []) + ([False] if ev.sampled else [])
 
         async def one(part: AdapterPart, greedy: bool) -> EvalResult:
-            return await evaluate(
-                self.engines,
-                tokenizer=self.tokenizer,
-                recipe=part.eval_recipe,
-                tasks=part.eval_tasks,
-                scheduler=part.scheduler_config,
+            assert part.source is not None
+            return await part.source.evaluate(
+                EvalSet("", part.eval_recipe, part.eval_tasks),
                 greedy=greedy,
-                recorder=self.eval_recorder,
-                max_new_tokens=ev.max_new_tokens,
                 run_id=f"eval-{stage}-{part.name}-{'greedy' if greedy else 'sampled'}",
             )
 
