@@ -23,10 +23,10 @@ def _case(n: int, h: int, v: int, seed: int, dtype=torch.float64):
     return hidden, weight, ids, torch.tensor(cuts)
 
 
-def _reference(hidden, weight, ids, starts, temperature):
+def _reference(hidden, weight, ids, starts, temperature, kept=None):
     logits = hidden @ weight.t()
-    return shifted_token_logprobs(logits, ids, starts, temperature), shifted_entropy(
-        logits, starts, temperature
+    return shifted_token_logprobs(logits, ids, starts, temperature, kept), shifted_entropy(
+        logits, starts, temperature, kept, ids
     )
 
 
@@ -60,6 +60,42 @@ def test_values_and_gradients_equal_the_full_logits_path(n, h, v, chunk, tempera
     assert float(grads[0][0][starts].abs().max()) == 0.0  # sequence starts have no predecessor
 
 
+@settings(max_examples=25, deadline=None)
+@given(
+    n=st.integers(1, 40),
+    h=st.integers(1, 9),
+    v=st.integers(2, 30),
+    chunk=st.sampled_from([None, 1, 3, 7]),
+    temperature=st.sampled_from([1.0, 0.6, 1.7]),
+    seed=st.integers(0, 2**16),
+)
+def test_kept_counts_replay_equals_the_full_logits_path(n, h, v, chunk, temperature, seed):
+    """Sampling-mask replay: each position renormalised over its kept set, in the fused forward and backward
+    alike; counts of 0 (and of the whole vocabulary) keep everything."""
+    hidden, weight, ids, starts = _case(n, h, v, seed)
+    kept = torch.randint(0, v + 1, (n,), generator=torch.Generator().manual_seed(seed + 3))
+    a = torch.randn(n, dtype=torch.float64, generator=torch.Generator().manual_seed(seed + 1))
+    b = torch.randn(n, dtype=torch.float64, generator=torch.Generator().manual_seed(seed + 2))
+    grads = []
+    for fused in (True, False):
+        x, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        if fused:
+            lp, ent = token_logprobs_from_hidden(
+                x, w, ids, starts, temperature, entropy=True, chunk_tokens=chunk, kept_counts=kept
+            )
+        else:
+            lp, ent = _reference(x, w, ids, starts, temperature, kept)
+            lp, ent = lp.double(), ent.double()
+        (lp @ a + ent @ b).backward()
+        grads.append((lp.detach(), ent.detach(), x.grad, w.grad))
+    for got, want in zip(*grads, strict=True):
+        torch.testing.assert_close(got, want.to(got.dtype), rtol=1e-5, atol=1e-5)
+    full, _ = token_logprobs_from_hidden(hidden, weight, ids, starts, temperature)
+    assert bool((grads[0][0] >= full - 1e-9).all())  # a subset's renormalised logprob is never lower
+    unfiltered = (kept == 0) | (kept >= v)  # a token's own count: the position before it is renormalised
+    torch.testing.assert_close(grads[0][0][unfiltered], full[unfiltered])
+
+
 def test_float64_gradcheck():
     hidden, weight, ids, starts = _case(9, 4, 6, seed=3)
 
@@ -67,6 +103,14 @@ def test_float64_gradcheck():
         return token_logprobs_from_hidden(x, w, ids, starts, 0.8, entropy=True, chunk_tokens=4)
 
     assert torch.autograd.gradcheck(f, (hidden.requires_grad_(), weight.requires_grad_()))
+    kept = torch.tensor([0, 2, 1, 6, 3, 0, 2, 4, 5])
+
+    def g(x, w):
+        return token_logprobs_from_hidden(
+            x, w, ids, starts, 0.8, entropy=True, chunk_tokens=4, kept_counts=kept
+        )
+
+    assert torch.autograd.gradcheck(g, (hidden, weight))
 
 
 def test_entropy_off_leaves_it_out_and_unused_entropy_adds_no_gradient():
@@ -116,12 +160,23 @@ def test_bad_shapes_and_temperature_are_named():
 # ------------------------------------------------------------------ a vocabulary split over two ranks (gloo)
 
 
-def _vocab_parallel_worker(rank: int, world: int, port: int, out: str) -> None:
+#: kept counts for the 17 tokens of the split-vocabulary case (0: all); rows 2 and 10 of its head are equal, so
+#: the two ranks hold tied logits, and a cut among them must break the tie by vocabulary order across ranks
+SPLIT_KEPT = torch.tensor([0, 8, 1, 3, 5, 2, 9, 4, 0, 12, 11, 2, 6, 3, 8, 1, 12])
+
+
+def _split_case():
+    hidden, weight, ids, starts = _case(17, 5, 13, seed=8)
+    weight[10] = weight[2]
+    return hidden, weight, ids, starts
+
+
+def _vocab_parallel_worker(rank: int, world: int, port: int, out: str, kept: bool) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        hidden, weight, ids, starts = _case(17, 5, 13, seed=8)
+        hidden, weight, ids, starts = _split_case()
         padded = torch.cat([weight, torch.zeros(3, 5, dtype=weight.dtype)])  # 16 rows, 8 per rank, 13 real
         shard = padded[rank * 8 : (rank + 1) * 8].clone().requires_grad_()
         x = hidden.clone().requires_grad_()
@@ -135,6 +190,7 @@ def _vocab_parallel_worker(rank: int, world: int, port: int, out: str) -> None:
             vocab_start=rank * 8,
             vocab_size=13,
             group=torch.distributed.group.WORLD,
+            kept_counts=SPLIT_KEPT if kept else None,
         )
         (lp.sum() + 0.5 * ent.sum()).backward()
         grad_x = x.grad.clone()
@@ -144,16 +200,19 @@ def _vocab_parallel_worker(rank: int, world: int, port: int, out: str) -> None:
         torch.distributed.destroy_process_group()
 
 
-def test_vocabulary_split_over_ranks_equals_one_rank(tmp_path):
+@pytest.mark.parametrize("kept", [False, True], ids=["full", "kept-counts"])
+def test_vocabulary_split_over_ranks_equals_one_rank(tmp_path, kept):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = str(tmp_path / "vp")
-    mp.start_processes(_vocab_parallel_worker, args=(2, port, out), nprocs=2, join=True, start_method="spawn")
+    mp.start_processes(
+        _vocab_parallel_worker, args=(2, port, out, kept), nprocs=2, join=True, start_method="spawn"
+    )
     ranks = [torch.load(f"{out}.{r}") for r in range(2)]
-    hidden, weight, ids, starts = _case(17, 5, 13, seed=8)
+    hidden, weight, ids, starts = _split_case()
     x, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    lp, ent = _reference(x, w, ids, starts, 0.9)
+    lp, ent = _reference(x, w, ids, starts, 0.9, SPLIT_KEPT if kept else None)
     (lp.sum() + 0.5 * ent.sum()).backward()
     for r in ranks:
         torch.testing.assert_close(r["lp"], lp.double(), rtol=1e-6, atol=1e-6)
