@@ -388,3 +388,60 @@ async def test_an_agent_runs_the_envs_own_tools_through_its_session(tmp_path):
     assert answers["get_order3"]["content"].startswith("Error: invalid arguments for tool 'get_order'")
     assert lines[4] == "stranger 401"
     assert group.records[0].termination is TerminationReason.DONE
+
+
+async def test_replay_check_of_agent_sessions_compares_the_env_tool_results_and_the_envs_reward(tmp_path):
+    """`miles replay --check` on agent sessions: a result the env's tool route gave is marked `env` and named
+    after its call (the agent's tool message carries no name), and compared with what the env answers on
+    replay; the agent's own result, and an agent that stops after a tool call without answering, are the
+    agent's business. Changing a recorded env result, or the env-scored reward, is a divergence."""
+    from dataclasses import replace
+
+    from miles.sessions.replay import check
+
+    t = tito("tiny")
+    agent = agent_file(
+        tmp_path,
+        "route",
+        """\
+        root = BASE.removesuffix("/v1")
+        messages = list(TASK["messages"])
+        for _ in range(3):
+            message = chat(messages)["choices"][0]["message"]
+            messages.append(message)
+            if not message.get("tool_calls") or SID.endswith("s1"):
+                break  # s1 stops after its first tool call, never sending its result
+            for c in message["tool_calls"]:
+                body = json.loads(c["function"]["arguments"])
+                content = post(f"{root}/sessions/{SID}/tools/{c['function']['name']}", body)["content"]
+                if SID.endswith("s2"):
+                    content = str(int(content) + 1)  # the agent answers the call itself, and wrongly
+                messages.append({"role": "tool", "tool_call_id": c["id"], "content": content})
+        """,
+    )
+    recorder = Recorder(tmp_path / "sessions.jsonl")
+    service = await AgentRollout.start(
+        calculator_model(), tokenizer=t, config=config(agent, reward="env"), log_dir=tmp_path / "logs"
+    )
+    runner = service.runner(recipe=RECIPE, group_size=3, run_id="a", recorder=recorder)
+    try:
+        [group] = await runner.run([{"task": RECIPE.make().tasks.take(1)[0]}])
+    finally:
+        await runner.aclose()
+        await service.aclose()
+        await recorder.aclose()
+    records = {r.session_id: r for r in read_sessions(tmp_path / "sessions.jsonl").records}
+    assert sorted(records) == ["a-s0", "a-s1", "a-s2"]
+    results = {sid: r.turns[0].tool_results for sid, r in records.items()}
+    assert [(x["name"], x.get("env")) for x in results["a-s0"]] == [("calculate", True)]
+    assert results["a-s1"] == [] and [x.get("env") for x in results["a-s2"]] == [None]
+    assert records["a-s0"].reward == 1.0 and records["a-s2"].reward == 0.0
+    for record in records.values():
+        res = await check(record)
+        assert res.ok and res.steps == len(record.turns), (record.session_id, res)
+    s0 = records["a-s0"]
+    tampered = replace(s0.turns[0], tool_results=[{**results["a-s0"][0], "content": "41"}])
+    res = await check(replace(s0, turns=[tampered, *s0.turns[1:]]))
+    assert res.divergence is not None and res.divergence.field == "env tool result"
+    res = await check(replace(s0, reward=0.0))
+    assert res.divergence is not None and res.divergence.field == "final reward"

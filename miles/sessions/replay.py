@@ -314,10 +314,58 @@ def recorded_action(record: SessionRecord, turn: TurnRecord) -> Message:
 _CUT_SHORT = (TerminationReason.ABORTED, TerminationReason.TIMEOUT, TerminationReason.ENGINE_ERROR)
 
 
+#: The class an external agent's sessions record (`rollout.agent`, the OpenAI endpoint).
+AGENT_SESSION_CLASS = "miles.sessions.openai.session:OpenAISession"
+
+
+def is_agent_record(record: SessionRecord) -> bool:
+    """Whether `record` is a session an external agent drove through the OpenAI endpoint."""
+    return record.env_class == AGENT_SESSION_CLASS
+
+
+async def _redrive_agent(record: SessionRecord, env: Any, out: RedriveResult) -> RedriveResult:
+    """What an agent's session can promise: the env stepped with the recorded assistant messages gives, for
+    every tool result the env ran for the agent (`env: true`), the same name and content, and ends with the
+    recorded reward when the env scored the session. The agent's own tool results, its end of the session and
+    the turns it never answered are its business, not the env's."""
+    total, components = 0.0, {}
+    for turn in record.turns:
+        if not turn.assistant:
+            break
+        try:
+            obs, reward, terminated, truncated, info = await env.astep(recorded_action(record, turn))
+        except Exception as exc:
+            out.error = ErrorInfo.from_exception("step", exc)
+            out.divergence = Divergence(turn.index, "step", "returned", f"raised {type(exc).__name__}: {exc}")
+            return out
+        out.steps += 1
+        replayed = {r.get("call_id"): r for r in tool_results_of(obs, info)}
+        for r in turn.tool_results:
+            if r.get("env"):
+                new = replayed.get(r.get("call_id"), {})
+                if _results_view([r]) != _results_view([{k: new.get(k) for k in ("name", "content")}]):
+                    out.divergence = Divergence(turn.index, "env tool result", r, new)
+                    return out
+        total += float(reward)
+        if terminated or truncated:
+            components = {str(k): float(v) for k, v in (info.get("reward_components") or {}).items()}
+            break
+    out.reward, out.reward_components = total, components
+    info = record.final_info
+    last_branch = info.get("branch", 0) == info.get("branches", 1) - 1
+    scored = record.ok and info.get("reward_source") == "env" and last_branch
+    if scored and (abs(total - record.reward) > 1e-9 or components != record.reward_components):
+        out.divergence = Divergence(
+            len(record.turns), "final reward", (record.reward, record.reward_components), (total, components)
+        )
+    return out
+
+
 async def redrive(record: SessionRecord, env: Any, *, parser: Any = None) -> RedriveResult:
     """Reset `env` as the session did and feed it the recorded assistant messages, comparing the
     observations, tool results, rewards and end flags turn by turn. With `parser`, the recorded text is
-    re-parsed and the parsed message compared too (and used as the action)."""
+    re-parsed and the parsed message compared too (and used as the action). An external agent's session is
+    checked for what it can promise (`_redrive_agent`)."""
     out = RedriveResult(record.session_id)
     rec_task_seed = record.task.get("seed")
     seed = rec_task_seed if rec_task_seed is not None else record.seed
@@ -329,6 +377,8 @@ async def redrive(record: SessionRecord, env: Any, *, parser: Any = None) -> Red
         out.error = ErrorInfo.from_exception("reset", exc)
         out.divergence = Divergence(-1, "reset", "succeeded", f"raised {type(exc).__name__}: {exc}")
         return out
+    if is_agent_record(record):  # its first messages are the agent's own request
+        return await _redrive_agent(record, env, out)
     replayed = _messages_view(obs, record)
     if record.error is not None and record.error.where == "reset":
         out.divergence = Divergence(-1, "reset", f"raised {record.error.type}", "succeeded")

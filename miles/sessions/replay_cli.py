@@ -24,6 +24,7 @@ from miles.sessions.replay import (
     console_for,
     env_for,
     filter_records,
+    is_agent_record,
     list_table,
     render_session,
     rescore,
@@ -199,7 +200,8 @@ def _run_checks(args: argparse.Namespace, records: list[SessionRecord], out: Any
         if args.check:
             res = asyncio.run(check(r, factory, parser=parser))
             if res.ok:
-                out.print(f"{r.session_id}: check ok ({res.steps} steps)")
+                what = "; an agent's session: the env's tool results and reward" if is_agent_record(r) else ""
+                out.print(f"{r.session_id}: check ok ({res.steps} steps{what})")
             else:
                 status = 1
                 out.print(

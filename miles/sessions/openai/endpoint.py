@@ -344,7 +344,8 @@ class OpenAIEndpoint:
     async def run_tool(self, session_id: str, name: str, arguments: Any) -> dict[str, Any]:
         """Run the env's tool `name` for the session's agent (the env of a runner's session, in the episode's own
         state): `{"name", "content"}`, the tool message the env would have shown the model. 404 for a session
-        without env tools; a bad call is the env's error message, not an HTTP error."""
+        without env tools; a bad call is the env's error message, not an HTTP error. The answer is remembered:
+        the agent's tool message that carries it is recorded as the env's (`env: true`), which replay checks."""
         session = self.get(session_id)
         if session.tools is None:
             raise EndpointError(
@@ -360,6 +361,7 @@ class OpenAIEndpoint:
                 400, "the body must be the tool's arguments as a JSON object", param="arguments"
             )
         message = await session.tools(name, arguments)
+        session.env_answers.append((name, message.content))
         return {"name": name, "content": message.content}
 
     def post_reward(self, session_id: str, reward: ClientReward) -> None:

@@ -149,6 +149,8 @@ class OpenAISession:
         self.override = override or SamplingOverride()
         #: runs one of the env's tools for the agent (`POST /sessions/{id}/tools/{name}`); None: no env tools
         self.tools: Callable[[str, dict[str, Any]], Awaitable[Message]] | None = None
+        #: (name, content) of every env tool answer not yet matched to a tool message of the agent's history
+        self.env_answers: list[tuple[str, str]] = []
         self.context_length = config.context_length or context_length
         self.branches: list[Branch] = []
         self.lock = asyncio.Lock()
@@ -285,7 +287,7 @@ class OpenAISession:
                 )
             prev = branch.turns[-1]
             prev.observation = [message_record(m) for m in plan.observation]
-            prev.tool_results = observed_tool_results(prev.observation)
+            prev.tool_results = self._tool_results(branch.last, prev.observation)
             prev.reward = 0.0
         ids, lps = list(result.output_ids), list(result.output_logprobs)
         kept = None if result.kept_counts is None else list(result.kept_counts)
@@ -343,6 +345,21 @@ class OpenAISession:
     def branch_id(self, k: int) -> str:
         """The recorded session id of branch `k`: the session's id, then `<id>.fork<k>`."""
         return self.session_id if k == 0 else f"{self.session_id}.fork{k}"
+
+    def _tool_results(
+        self, action: Message | None, observation: list[dict[str, Any]]
+    ) -> list[dict[str, Any]]:
+        """The tool results of an agent's observation: each named after the call it answers, and marked
+        `env: true` when its content is an answer of the env's own tool (`POST /sessions/{id}/tools/{name}`),
+        so that a replay compares it with what the env answers."""
+        names = {c.id: c.name for c in action.tool_calls} if action is not None else {}
+        results = observed_tool_results(observation)
+        for r in results:
+            r["name"] = r["name"] or names.get(r["call_id"], "")
+            if (r["name"], r["content"]) in self.env_answers:
+                self.env_answers.remove((r["name"], r["content"]))
+                r["env"] = True
+        return results
 
     def records(
         self,
