@@ -108,7 +108,9 @@ def test_draws_follow_the_distribution():
         key=torch.full((n,), seed_key(3), dtype=torch.int64),
         step=torch.arange(n),
     )
-    tokens, _, _ = sample(logits.expand(n, -1), tensors, SampleMode(greedy=False, sampled=True, filters=False))
+    tokens, _, _ = sample(
+        logits.expand(n, -1), tensors, SampleMode(greedy=False, sampled=True, filters=False)
+    )
     freq = torch.bincount(tokens, minlength=5).float() / n
     assert torch.allclose(freq, probs, atol=0.012)  # ~4 standard deviations at n=20k
 
