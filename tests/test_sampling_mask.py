@@ -149,6 +149,32 @@ def test_the_embedded_servers_kept_counts_cross_the_wire_and_sglangs_absence_mea
         wire.parse_generate_response(data)
 
 
+def test_an_agents_sessions_through_the_openai_endpoint_record_the_kept_counts():
+    """The OpenAI-compatible endpoint (external agents) records each generated token's kept count too."""
+    from openai import OpenAI
+    from test_openai_support import calculator_script, direct, drive, served, tito
+
+    from miles.sessions.instant import InstantEngine
+    from miles.sessions.openai.config import OpenAISessionConfig
+    from miles.sessions.openai.endpoint import OpenAIEndpoint
+
+    class Filtering(InstantEngine):  # a scripted model that reports a kept count of 3 per token
+        async def generate(self, input_ids, sampling_params, **kw):
+            result = await super().generate(input_ids, sampling_params, **kw)
+            return dataclasses.replace(result, kept_counts=[3] * len(result.output_ids))
+
+    t, script = tito("tiny"), calculator_script()
+    _, outputs = direct(t, script)
+    endpoint = OpenAIEndpoint(
+        Filtering([list(o) for o in outputs]), tokenizer=t, config=OpenAISessionConfig(parser="hermes")
+    )
+    with served(endpoint) as url:
+        drive(OpenAI(base_url=f"{url}/v1", api_key="s1", max_retries=0), script, top_p=0.8)
+        OpenAI(base_url=url, api_key="s1").post("/sessions/s1/close", cast_to=object)
+    traj = endpoint.closed["s1"].result[0].trajectory
+    assert traj.kept_counts == [3 * m for m in traj.loss_mask] and sum(traj.loss_mask) > 0
+
+
 # ------------------------------------------------------------------ embedded engine rollouts, both backends
 
 
