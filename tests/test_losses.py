@@ -299,3 +299,21 @@ def test_the_mismatch_tail_and_its_split_by_model_turn():
     )
     assert m["mismatch_abs_turn1"] == 0.0 and m["mismatch_abs_turn2"] == pytest.approx(1.0)
     assert m["mismatch_abs_turn3plus"] == pytest.approx((0.0 + 0.9 + 0.3) / 3)
+
+
+def test_the_sequence_mask_drops_a_whole_sequence_with_one_token_far_from_the_rollout_policy():
+    # two sequences of two tokens; the second's last token moved by a factor e (log ratio 1 > 0.693)
+    x = _inputs([0.0] * 4, [1.0, 1.0, -1.0, -1.0], seq=[0, 0, 1, 1], rollout_shift=[0.1, -0.1, 0.0, 1.0])
+    out = policy_loss(x, LossConfig(ratio_to="rollout", dual_clip_c=3.0, seq_mask_log_ratio=0.693))
+    out.loss.backward()
+    r0, r1 = math.exp(0.1), math.exp(-0.1)
+    assert out.loss.item() == pytest.approx(-(r0 + r1) / 4)  # the second sequence leaves; denominator stays 4
+    assert x.logprobs.grad.tolist() == pytest.approx([-r0 / 4, -r1 / 4, 0.0, 0.0])
+    m = _metrics(out)
+    assert m["seq_masked_frac"] == pytest.approx(0.5)
+    assert m["seq_masked_token_frac"] == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="rollout_logprobs"):
+        policy_loss(_inputs([0.0], [1.0]), LossConfig(seq_mask_log_ratio=0.693))
+    with pytest.raises(ConfigError) as e:
+        LossConfig(seq_mask_log_ratio=-1.0)
+    assert e.value.key == "seq_mask_log_ratio"

@@ -52,6 +52,11 @@ class LossConfig:
       is then the importance weight itself, and ``tis_cap``/``icepop`` must stay unset.
     - ``tis_cap``: truncated importance sampling, weight ``min(exp(old - rollout), cap)``; ``None`` disables.
     - ``icepop``: ``(low, high)``; tokens whose ``exp(old - rollout)`` falls outside are dropped; ``None`` disables.
+    - ``seq_mask_log_ratio``: a sequence any of whose trained tokens has ``|old - rollout|`` above this (a log ratio;
+      ``0.693``: a factor of 2) leaves the loss whole, the denominators unchanged: the policy has moved so far
+      from the one that sampled it that its reward no longer scores the current policy's own behaviour. Works
+      with either ``ratio_to``; ``None`` disables. On the calculator example at ``max_staleness: 4`` it does not
+      prevent the collapse (docs/benchmarks/async_rl.md).
     - ``kl_coef`` / ``kl_estimator``: KL penalty to a reference policy (``k1`` or ``k3``); 0 disables.
     - ``entropy_coef``: entropy bonus (subtracted from the loss); the entropy metric is reported regardless.
     """
@@ -68,6 +73,7 @@ class LossConfig:
     kl_estimator: Literal["k1", "k3"] = "k3"
     entropy_coef: float = 0.0
     ratio_to: RatioTo | None = None
+    seq_mask_log_ratio: float | None = None
 
     def __post_init__(self) -> None:
         if self.policy_loss not in POLICY_LOSSES:
@@ -96,6 +102,8 @@ class LossConfig:
                 "with ratio_to: rollout the ratio is already the importance weight of "
                 "the rollout policy; set tis_cap and icepop to null",
             )
+        if self.seq_mask_log_ratio is not None and not self.seq_mask_log_ratio > 0:
+            raise ConfigError("seq_mask_log_ratio", f"must be > 0 (or null), got {self.seq_mask_log_ratio}")
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ConfigError("kl_estimator", f"must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}")
         if self.kl_coef < 0:
@@ -181,6 +189,16 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
     raise ValueError(f"unknown kl estimator {estimator!r}; expected one of {KL_ESTIMATORS}")
 
 
+def seq_keep_mask(
+    log_ratio: torch.Tensor, loss_mask: torch.Tensor, seq_index: torch.Tensor, threshold: float
+) -> torch.Tensor:
+    """Per token: 1 where the token's sequence has no loss-masked token with ``|log_ratio|`` above
+    ``threshold``, else 0."""
+    far = ((log_ratio.detach().abs() > threshold) & (loss_mask > 0)).to(torch.float64)
+    bad_seq = _seq_sums(far, seq_index) > 0
+    return (~bad_seq[seq_index]).to(loss_mask.dtype)
+
+
 def ratio_reference(inputs: LossInputs, config: LossConfig) -> torch.Tensor:
     """The logprobs the ratio is taken against: ``old_logprobs``, or ``rollout_logprobs`` for ``ratio_to:
     rollout``."""
@@ -240,6 +258,16 @@ def policy_loss(
     _add("ratio_mean", ratio)
 
     keep = torch.ones_like(mask)
+    if config.seq_mask_log_ratio is not None:
+        if inputs.rollout_logprobs is None:
+            raise ValueError("seq_mask_log_ratio needs rollout_logprobs")
+        seq_log_ratio = inputs.old_logprobs - inputs.rollout_logprobs.to(inputs.old_logprobs.dtype)
+        seq_keep = seq_keep_mask(seq_log_ratio, inputs.loss_mask, inputs.seq_index, config.seq_mask_log_ratio)
+        _add("seq_masked_token_frac", 1.0 - seq_keep)
+        seq_w = _seq_sums(mask, inputs.seq_index) > 0
+        kept_seq = _seq_sums(seq_keep.to(mask.dtype) * mask, inputs.seq_index) > 0
+        sums["seq_masked_frac"] = (float((seq_w & ~kept_seq).sum()), float(seq_w.sum()))
+        pg = pg * seq_keep
     if config.tis_cap is not None or config.icepop is not None:
         if inputs.rollout_logprobs is None:
             raise ValueError("tis_cap / icepop need rollout_logprobs")
