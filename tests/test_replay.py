@@ -12,8 +12,9 @@ from test_session_support import AddEnv, StepFailsEnv, call_text, ids, tito
 
 from miles.envs import reward
 from miles.sessions import InstantEngine, SchedulerConfig, SessionScheduler, read_sessions
-from miles.sessions.replay import check, check_tito, filter_records, rescore
+from miles.sessions.replay import check, check_tito, filter_records, rescore, tokenizer_spec_for
 from miles.sessions.replay_cli import main
+from miles.tito import MismatchKind, TITOTokenizer
 from miles.tools import tool
 from miles.types import TerminationReason
 
@@ -135,6 +136,31 @@ def test_tito_alignment_is_verified_and_tampering_is_found(recording: Path, tmp_
     bad.write_text(json.dumps(data) + "\n")
     code, out = cli(str(bad), "--tito", "--tokenizer", "tiny")
     assert code == 1 and "MISALIGNED" in out and "token 5" in out
+
+
+NESTED_CALLS = Path(__file__).parent / "data" / "orders_agent_nested_tool_calls.jsonl"
+
+
+def test_tito_of_an_agent_session_with_nested_cut_tool_calls(tmp_path: Path) -> None:
+    """An external agent's Orders-v0 session with the tiny model: nested <tool_call> tags, two turns cut at
+    max_new_tokens, the same tool error three times. Every re-render difference lies in the model's own turns,
+    where it is explained; the session's own verdict (final_info["tito"]) was the misaligned one."""
+    (record,) = read_sessions(NESTED_CALLS).records
+    tc = check_tito(record, TITOTokenizer.from_spec(tokenizer_spec_for(record)))
+    assert tc.ok, tc.message
+    counts = tc.report.counts()
+    assert not tc.report.exact and counts["special_tokens"] == counts["non_assistant_text"] == 0
+    assert all(m.kind is MismatchKind.ASSISTANT_TEXT for m in tc.report.mismatches)
+    code, out = cli(str(NESTED_CALLS), "--session", "train-s5", "--tito")
+    assert code == 0 and "train-s5: tito ok: 789 tokens aligned" in out
+    data = json.loads(NESTED_CALLS.read_text())
+    data["turns"][1]["observation"][0]["content"] = data["turns"][1]["observation"][0]["content"].replace(
+        "JSON", "YAML"
+    )
+    bad = tmp_path / "tampered.jsonl"
+    bad.write_text(json.dumps(data) + "\n")
+    code, out = cli(str(bad), "--tito")
+    assert code == 1 and "MISALIGNED" in out
 
 
 def test_torn_last_line_is_skipped_and_reported(recording: Path, tmp_path: Path, capsys) -> None:

@@ -23,7 +23,8 @@ from miles.tito import (
 from miles.tito.check import format_report, run_check
 from miles.tito.conversation import Conversation
 from miles.tito.loading import packaged_tokenizer_dir
-from miles.tito.report import GENERATED
+from miles.tito.report import CUT, GENERATED
+from miles.tools import get_parser
 from miles.types import Message, ToolCall
 
 TOOLS = [
@@ -234,6 +235,66 @@ def test_mismatch_kinds_and_strict_mode(tiny, toks):
     conv.messages[-1].content = "117"
     report = conv.check()
     assert {m.kind for m in report.mismatches} == {MismatchKind.NON_ASSISTANT_TEXT} and not report.ok
+    with pytest.raises(TITOMismatchError, match="non_assistant_text"):
+        conv.check(strict=True)
+
+
+# What the tiny model wrote in an Orders-v0 agent session (`data/orders_agent_nested_tool_calls.jsonl`): nested
+# <tool_call> tags, two turns cut by max_new_tokens, each answered by the same tool error.
+NESTED_OUTPUTS = [
+    ('<tool_call>\n<tool_call>\n{"name": "authenticate", "arguments": {"email": "dad', False),
+    ('<tool_call>\n<tool_call>\n{"name": "com", "arguments": {"order_id": "W10773"}}\n</tool_call>', True),
+    (
+        '<tool_call>\n<tool_call>\n{"name": "authenticom", "arguments": {"email": "b_id": "9973 could not',
+        False,
+    ),
+    ('<tool_call>\n<tool_call>\n{"name": "ample W10"}}\n</tool_call>', True),
+]
+SAME_ERROR = 'Error: {"error":{"message":"the body is not JSON","code":null}}'
+
+
+def _nested_session(tiny) -> Conversation:
+    conv = Conversation(tiny, START, TOOLS)
+    parser = get_parser("hermes")
+    for k, (text, stop) in enumerate(NESTED_OUTPUTS):
+        ids = tiny.encode(text) + ([tiny.close_token_id] if stop else [])
+        finish = FinishReason.STOP if stop else FinishReason.LENGTH
+        msg = parser.parse(
+            conv.append_generation(ids, None, weight_version=0, finish_reason=finish)
+        ).to_message()
+        if k < len(NESTED_OUTPUTS) - 1:
+            conv.append_observation(
+                msg, [Message("tool", SAME_ERROR, tool_call_id=c.id, name=c.name) for c in msg.tool_calls]
+            )
+        else:
+            conv.finish(msg)
+    return conv
+
+
+def test_repeated_observations_after_malformed_turns_are_compared_turn_by_turn(tiny):
+    # The template re-renders each nested call as a call wrapped around the model's text, and a cut one with the
+    # closing it lacked; the identical observations must still be compared with their own re-render, not with
+    # a neighbour's (one whole-sequence diff misaligned here and blamed an observation).
+    conv = _nested_session(tiny)
+    report = conv.check()
+    assert report.ok and not report.exact, report.summary()
+    assert report.counts()["special_tokens"] == report.counts()["non_assistant_text"] == 0, report.summary()
+    assert {m.explanation for m in report.mismatches} == {GENERATED, CUT}
+    spans = conv.trajectory.spans
+    fixed = [s for s in spans if s.role in ("prompt", "observation")]
+    for m in report.mismatches:  # each lies in a model turn (an insertion may sit where the turn ends)
+        assert not any(s.start < max(m.acc_end, m.acc_start + 1) and m.acc_start < s.end for s in fixed), m
+
+    # still strict: a re-render that differs in one of the repeated observations is found, in that observation
+    conv = _nested_session(tiny)
+    conv.messages[5].content = SAME_ERROR.replace("JSON", "YAML")  # the second of three equal tool results
+    report = conv.check()
+    assert not report.ok and {m.kind for m in report.unexplained} == {MismatchKind.NON_ASSISTANT_TEXT}
+    second = [s for s in spans if s.role == "observation"][1]
+    assert all(second.start <= m.acc_start < m.acc_end <= second.end for m in report.unexplained)
+    assert [(m.accumulated_text.strip(), m.canonical_text.strip()) for m in report.unexplained] == [
+        ("JSON", "YAML")
+    ], report.summary()
     with pytest.raises(TITOMismatchError, match="non_assistant_text"):
         conv.check(strict=True)
 

@@ -41,6 +41,9 @@ class Conversation:
             generated=False,
         )
         self._turn_start = len(self._traj.token_ids)  # where the current, not yet recorded, model turn begins
+        # (ids, messages): ends of the prompt and of each observation, where the ids are the template's render
+        # of that many messages plus the generation prompt
+        self._marks: list[tuple[int, int]] = [(self._turn_start, len(self.messages))]
         self._generating = False  # engine output appended since the last observation
         self._closed = False  # the current model turn ends with a stop token
         self._recorded_final = False  # finish() recorded the last assistant message
@@ -152,6 +155,7 @@ class Conversation:
         self.messages.extend(obs)
         self._generating = False
         self._turn_start = len(self._traj.token_ids)
+        self._marks.append((self._turn_start, len(self.messages)))
         return closed + delta_ids
 
     def finish(self, assistant: MessageLike | None = None) -> None:
@@ -180,8 +184,23 @@ class Conversation:
         covered = self._turn_start if self._generating else n
         return tito.render_ids(self.messages, self.tools, add_generation_prompt=True), covered
 
+    def turn_anchors(self, canonical: Sequence[int], covered: int) -> list[tuple[int, int]]:
+        """`(accumulated, canonical)` positions that correspond: the end of the prompt and of each observation
+        up to `covered`, paired with the length of the template's render of the messages recorded by then (plus
+        the generation prompt), where that render is a token prefix of `canonical`. A template that re-renders
+        earlier turns once more follow (Qwen3 dropping older thinking) gives no anchor there."""
+        out = []
+        for pos, count in self._marks:
+            if pos >= covered:  # the render of everything covered is `canonical` itself
+                break
+            prefix = self.tito.render_ids(self.messages[:count], self.tools, add_generation_prompt=True)
+            if list(canonical[: len(prefix)]) == prefix:
+                out.append((pos, len(prefix)))
+        return out
+
     def check(self, strict: bool = False) -> TITOReport:
-        """Re-render the recorded messages canonically and classify every difference from the accumulated ids.
+        """Re-render the recorded messages canonically and classify every difference from the accumulated ids,
+        turn by turn (`turn_anchors`, rendered only when the ids are not exact).
 
         `strict=True` raises `TITOMismatchError` when a difference is not explained by the family handler.
         """
@@ -196,6 +215,7 @@ class Conversation:
             family=self.tito.family,
             explain=self.tito.handler.explain,
             num_tokens=len(self._traj.token_ids),
+            anchors=[] if acc == canonical else self.turn_anchors(canonical, covered),
         )
         if strict and not report.ok:
             raise TITOMismatchError(report)

@@ -134,12 +134,21 @@ def compare_ids(
     family: str,
     explain: Callable[[str, str], str | None],
     num_tokens: int | None = None,
+    anchors: Sequence[tuple[int, int]] = (),
 ) -> TITOReport:
     """Diff two id sequences and classify each differing region.
 
-    A region is `special_tokens` when either side holds a special token, else `assistant_text` when it
-    touches a generated (role "assistant") span, else `non_assistant_text`. The family handler explains known
-    template differences; a region wholly inside generated tokens is explained as `GENERATED`.
+    `anchors` are `(accumulated, canonical)` positions known to correspond: where the template's own render of
+    the conversation so far ends (after the prompt, after each observation with its generation prompt). Each
+    stretch between two anchors (one model turn, its close and the observation after it) is diffed on its own,
+    so a difference is judged within the turn it belongs to: one diff over the whole sequence can pair a turn's
+    tokens with a repeated observation of another turn once the re-render spells a model turn otherwise (a
+    nested or cut tool call). Anchors out of order are ignored.
+
+    A region is `special_tokens` when either side holds a special token, else `assistant_text` when it touches
+    a generated (role "assistant") span, else `non_assistant_text`. The family handler explains known template
+    differences; a region wholly inside generated tokens is explained as `GENERATED`, an addition where TITO
+    closed a cut turn as `CUT`.
     """
     acc, canon = list(accumulated), list(canonical)
     report = TITOReport(
@@ -150,43 +159,65 @@ def compare_ids(
     )
     if acc == canon:
         return report
-    head = 0
-    limit = min(len(acc), len(canon))
-    while head < limit and acc[head] == canon[head]:
-        head += 1
-    tail = 0
-    while tail < limit - head and acc[-1 - tail] == canon[-1 - tail]:
-        tail += 1
-    matcher = SequenceMatcher(
-        None, acc[head : len(acc) - tail], canon[head : len(canon) - tail], autojunk=False
-    )
-    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
-        if tag == "equal":
-            continue
-        a0, a1, c0, c1 = head + i1, head + i2, head + j1, head + j2
-        a_ids, c_ids = acc[a0:a1], canon[c0:c1]
-        a_text, c_text = decode(a_ids), decode(c_ids)
-        explanation = explain(a_text, c_text)
-        if explanation is None and _generated(spans, a0, a1):
-            explanation = GENERATED
-        elif explanation is None and a1 == a0 and any(s.role == "close" and s.start == a0 for s in spans):
-            explanation = CUT
-        if any(i in special_ids for i in a_ids) or any(i in special_ids for i in c_ids):
-            kind = MismatchKind.SPECIAL_TOKENS
-        elif "assistant" in _span_roles(spans, a0, a1):
-            kind = MismatchKind.ASSISTANT_TEXT
-        else:
-            kind = MismatchKind.NON_ASSISTANT_TEXT
-        report.mismatches.append(
-            Mismatch(
-                kind=kind,
-                acc_start=a0,
-                acc_end=a1,
-                canon_start=c0,
-                canon_end=c1,
-                accumulated_text=a_text,
-                canonical_text=c_text,
-                explanation=explanation,
-            )
-        )
+    regions = []
+    a_cur = c_cur = 0
+    for a, c in [*anchors, (len(acc), len(canon))]:
+        if a_cur <= a <= len(acc) and c_cur <= c <= len(canon):
+            regions.append((a_cur, a, c_cur, c))
+            a_cur, c_cur = a, c
+    for lo, hi, clo, chi in regions:
+        head = 0
+        limit = min(hi - lo, chi - clo)
+        while head < limit and acc[lo + head] == canon[clo + head]:
+            head += 1
+        tail = 0
+        while tail < limit - head and acc[hi - 1 - tail] == canon[chi - 1 - tail]:
+            tail += 1
+        lo, clo, hi, chi = lo + head, clo + head, hi - tail, chi - tail
+        matcher = SequenceMatcher(None, acc[lo:hi], canon[clo:chi], autojunk=False)
+        for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+            if tag != "equal":
+                report.mismatches.append(
+                    _classify(
+                        acc, canon, lo + i1, lo + i2, clo + j1, clo + j2, spans, special_ids, decode, explain
+                    )
+                )
     return report
+
+
+def _classify(
+    acc: list[int],
+    canon: list[int],
+    a0: int,
+    a1: int,
+    c0: int,
+    c1: int,
+    spans: Sequence[TurnSpan],
+    special_ids: set[int],
+    decode: Callable[[Sequence[int]], str],
+    explain: Callable[[str, str], str | None],
+) -> Mismatch:
+    """The `Mismatch` for accumulated `[a0, a1)` against canonical `[c0, c1)`: its kind and explanation."""
+    a_ids, c_ids = acc[a0:a1], canon[c0:c1]
+    a_text, c_text = decode(a_ids), decode(c_ids)
+    explanation = explain(a_text, c_text)
+    if explanation is None and _generated(spans, a0, a1):
+        explanation = GENERATED
+    elif explanation is None and a1 == a0 and any(s.role == "close" and s.start == a0 for s in spans):
+        explanation = CUT
+    if any(i in special_ids for i in a_ids) or any(i in special_ids for i in c_ids):
+        kind = MismatchKind.SPECIAL_TOKENS
+    elif "assistant" in _span_roles(spans, a0, a1):
+        kind = MismatchKind.ASSISTANT_TEXT
+    else:
+        kind = MismatchKind.NON_ASSISTANT_TEXT
+    return Mismatch(
+        kind=kind,
+        acc_start=a0,
+        acc_end=a1,
+        canon_start=c0,
+        canon_end=c1,
+        accumulated_text=a_text,
+        canonical_text=c_text,
+        explanation=explanation,
+    )
