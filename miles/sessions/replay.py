@@ -606,7 +606,10 @@ def check_tito(record: SessionRecord, tito: Any) -> TitoCheck:
             report=report,
         )
     return TitoCheck(
-        record.session_id, True, f"{len(traj.token_ids)} tokens aligned; re-render: {report}", report=report
+        record.session_id,
+        True,
+        f"{len(traj.token_ids)} tokens aligned; re-render: {report.summary().splitlines()[0]}",
+        report=report,
     )
 
 
