@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -587,3 +588,57 @@ def test_the_rollout_process_stops_at_once_with_finished_groups_the_trainer_neve
     exitcode, seconds, buffered = asyncio.run(go())
     assert buffered >= 2 * cfg.rollout.tasks_per_step
     assert exitcode == 0 and seconds < 30  # it left on Stop, not on the terminate after the timeout
+
+
+def _dead_process() -> multiprocessing.process.BaseProcess:
+    process = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(0,))
+    process.start()
+    process.join()
+    return process
+
+
+class _BrokenInbox:
+    """An inbox whose message broke off: the trainer died while handing over a shared tensor's descriptor."""
+
+    def get(self, timeout: float) -> None:
+        raise ConnectionResetError("the peer of a descriptor handshake is gone")
+
+
+class _Outbox:
+    def cancel_join_thread(self) -> None:
+        pass
+
+
+def test_a_dead_trainer_stops_the_rollout_process_whatever_its_reader_is_blocked_on():
+    from miles.trainers.rollout_process import Stop, _watch_trainer
+
+    async def go() -> tuple[object, list[str]]:
+        messages: asyncio.Queue[object] = asyncio.Queue()
+        exits: list[str] = []
+        loop = asyncio.get_running_loop()
+        args = (None, _Outbox(), loop, messages, _dead_process(), lambda: exits.append("exit"))
+        await asyncio.wait_for(asyncio.to_thread(_watch_trainer, *args), 30)
+        return await asyncio.wait_for(messages.get(), 5), exits
+
+    msg, exits = asyncio.run(go())
+    assert isinstance(msg, Stop) and exits == ["exit"]
+
+
+def test_a_message_the_dead_trainer_left_half_sent_ends_the_reader_quietly_and_a_live_ones_is_raised():
+    from miles.trainers.rollout_process import _forward
+
+    messages: asyncio.Queue[object] = asyncio.Queue()
+    loop = asyncio.new_event_loop()
+    try:
+        _forward(_BrokenInbox(), _Outbox(), loop, messages, _dead_process())  # returns: nothing to raise
+        assert messages.empty()
+        live = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(60,))
+        live.start()
+        try:
+            with pytest.raises(ConnectionResetError):
+                _forward(_BrokenInbox(), _Outbox(), loop, messages, live)
+        finally:
+            live.kill()
+            live.join()
+    finally:
+        loop.close()

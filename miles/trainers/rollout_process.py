@@ -24,6 +24,7 @@ import time
 import traceback
 import types
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -169,9 +170,11 @@ async def _serve(cfg: TrainConfig, start: RolloutStart, inbox: Any, outbox: Any)
     )
     messages: asyncio.Queue[Any] = asyncio.Queue()
     loop = asyncio.get_running_loop()
-    threading.Thread(
-        target=_forward, args=(inbox, outbox, loop, messages), name="rollout-inbox", daemon=True
-    ).start()
+    trainer = multiprocessing.parent_process()  # None in a Ray actor: Ray ends the actor with its owner
+    for target, name in ((_forward, "rollout-inbox"), (_watch_trainer, "rollout-watch")):
+        threading.Thread(
+            target=target, args=(inbox, outbox, loop, messages, trainer), name=name, daemon=True
+        ).start()
     first_weights = asyncio.Event()
     idle = _IdleClock(scheduler)
     outbox.put(Ready())
@@ -238,24 +241,52 @@ async def _serve(cfg: TrainConfig, start: RolloutStart, inbox: Any, outbox: Any)
         await engines.close()
 
 
-def _forward(inbox: Any, outbox: Any, loop: asyncio.AbstractEventLoop, messages: asyncio.Queue[Any]) -> None:
-    """Hand the trainer's messages to the event loop, one by one (a blocking queue read in its own thread).
-    A trainer process that died without a word (SIGKILL, SIGTERM) counts as a `Stop`: the sessions in flight
-    are aborted and recorded, and the process leaves within `ORPHAN_EXIT_S` whatever it is blocked on (a
-    full pipe to the dead trainer, a wedged engine): no orphan keeps running."""
-    parent = multiprocessing.parent_process()  # None in a Ray actor: Ray ends the actor with its owner
+def _exit_soon() -> None:
+    """Leave within `ORPHAN_EXIT_S`, whatever the process is blocked on by then."""
+    threading.Timer(ORPHAN_EXIT_S, os._exit, (1,)).start()
+
+
+def _forward(
+    inbox: Any, outbox: Any, loop: asyncio.AbstractEventLoop, messages: asyncio.Queue[Any], trainer: Any
+) -> None:
+    """Hand the trainer's messages to the event loop, one by one (a blocking queue read in its own thread). A
+    read that fails because the trainer died while sending (a shared tensor's descriptor handshake broke off)
+    ends the thread quietly: `_watch_trainer` stops the process."""
     while True:
         try:
             msg = inbox.get(timeout=1.0)
         except queue.Empty:
-            if parent is None or parent.is_alive():
-                continue
-            outbox.cancel_join_thread()  # nobody reads it any more: exiting must not wait to flush it
-            threading.Timer(ORPHAN_EXIT_S, os._exit, (1,)).start()
-            msg = Stop()
+            continue
+        except Exception:
+            if trainer is not None:
+                trainer.join(2.0)
+                if not trainer.is_alive():
+                    return
+            raise
         loop.call_soon_threadsafe(messages.put_nowait, msg)
         if isinstance(msg, Stop):
             return
+
+
+def _watch_trainer(
+    inbox: Any,
+    outbox: Any,
+    loop: asyncio.AbstractEventLoop,
+    messages: asyncio.Queue[Any],
+    trainer: Any,
+    on_orphan: Callable[[], None] = _exit_soon,
+) -> None:
+    """A trainer process that died without a word (SIGKILL, SIGTERM) counts as a `Stop`: the sessions in flight
+    are aborted and recorded, and `on_orphan` makes the process leave within `ORPHAN_EXIT_S` whatever it is
+    blocked on (a full pipe to the dead trainer, a wedged engine, a read of a message the trainer never
+    finished): no orphan keeps running. Nothing to watch in a Ray actor (`trainer` None)."""
+    if trainer is None:
+        return
+    while trainer.is_alive():
+        trainer.join(1.0)
+    outbox.cancel_join_thread()  # nobody reads it any more: exiting must not wait to flush it
+    on_orphan()
+    loop.call_soon_threadsafe(messages.put_nowait, Stop())
 
 
 class _IdleClock:
