@@ -11,6 +11,7 @@ Off-policy correction uses the ratio ``exp(old_logprobs - rollout_logprobs)`` pe
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -57,6 +58,13 @@ class LossConfig:
       from the one that sampled it that its reward no longer scores the current policy's own behaviour. Works
       with either ``ratio_to``; ``None`` disables. On the calculator example at ``max_staleness: 4`` it does not
       prevent the collapse (docs/benchmarks/async_rl.md).
+    - ``mismatch_kl_target``: a trust region on the policy's drift from the samples it trains on: each optimizer
+      step's learning rate is multiplied by ``min(1, target / mismatch_kl)``, where ``mismatch_kl`` is the
+      mini-batch's KL(rollout || current policy) per trained token (the ``mismatch_kl`` metric). Under Adam the
+      step size is about the learning rate whatever the gradient's size, so shrinking the gradient cannot
+      slow a policy that runs ahead of its stale samples; this shrinks the step. On-policy batches (the
+      synchronous loop) have a mismatch near 0 and train at the full rate. The applied factor is the
+      ``lr_scale`` metric. ``None`` disables (docs/benchmarks/async_rl.md).
     - ``kl_coef`` / ``kl_estimator``: KL penalty to a reference policy (``k1`` or ``k3``); 0 disables.
     - ``entropy_coef``: entropy bonus (subtracted from the loss); the entropy metric is reported regardless.
     """
@@ -74,6 +82,7 @@ class LossConfig:
     entropy_coef: float = 0.0
     ratio_to: RatioTo | None = None
     seq_mask_log_ratio: float | None = None
+    mismatch_kl_target: float | None = None
 
     def __post_init__(self) -> None:
         if self.policy_loss not in POLICY_LOSSES:
@@ -104,6 +113,12 @@ class LossConfig:
             )
         if self.seq_mask_log_ratio is not None and not self.seq_mask_log_ratio > 0:
             raise ConfigError("seq_mask_log_ratio", f"must be > 0 (or null), got {self.seq_mask_log_ratio}")
+        if self.mismatch_kl_target is not None and not (
+            math.isfinite(self.mismatch_kl_target) and self.mismatch_kl_target > 0
+        ):
+            raise ConfigError(
+                "mismatch_kl_target", f"must be a finite number > 0 (or null), got {self.mismatch_kl_target}"
+            )
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ConfigError("kl_estimator", f"must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}")
         if self.kl_coef < 0:
@@ -197,6 +212,19 @@ def seq_keep_mask(
     far = ((log_ratio.detach().abs() > threshold) & (loss_mask > 0)).to(torch.float64)
     bad_seq = _seq_sums(far, seq_index) > 0
     return (~bad_seq[seq_index]).to(loss_mask.dtype)
+
+
+def mismatch_lr_scale(mismatch: tuple[float, float] | None, target: float | None) -> float:
+    """The factor `LossConfig.mismatch_kl_target` puts on one optimizer step's learning rate:
+    ``min(1, target / kl)`` for the mini-batch's mismatch ``(sum, count)`` of per-token KL(rollout || current)
+    (the ``mismatch_kl`` metric's pair, summed over the mini-batch's micro-batches and ranks); 1 when the rule is
+    off, when no token was counted, or when the KL is at most the target. A non-finite KL gives 0 (no move)."""
+    if target is None or mismatch is None or mismatch[1] <= 0:
+        return 1.0
+    kl = mismatch[0] / mismatch[1]
+    if not math.isfinite(kl):
+        return 0.0
+    return 1.0 if kl <= target else target / kl
 
 
 def ratio_reference(inputs: LossInputs, config: LossConfig) -> torch.Tensor:

@@ -41,7 +41,7 @@ from .checkpoint import (
 )
 from .errors import CheckpointError
 from .logprobs import lm_head_bypassed, shifted_entropy, shifted_token_logprobs, token_logprobs_from_hidden
-from .losses import LossInputs, policy_loss, sft_loss
+from .losses import LossInputs, mismatch_lr_scale, policy_loss, sft_loss
 from .master_weights import MasterWeights
 from .metrics import MetricAccumulator, reduce_metrics, train_step_metrics
 from .step import RLStep, prepare_rl_step, replayed_kept_counts, resolve_temperature, validate_batch
@@ -149,13 +149,15 @@ class TorchTrainer:
         metrics = MetricAccumulator()
         old_lp = self._logprobs_of(self.model, batch, temperature) if rl.needs_old_logprobs else None
         ref_lp = self._logprobs_of(self.ref_model, batch, temperature) if self.ref_model is not None else None
-        grad_norms, losses, lrs, passes = [], [], [], 0
+        grad_norms, losses, lrs, lr_scales, passes = [], [], [], [], 0
         skipped_before = self.nonfinite_steps
+        target = self.algorithm.loss.mismatch_kl_target
         self.model.train()
         for mini in rl.mini_batches():
             lrs.append(self.optimizer.param_groups[0]["lr"])
             self.optimizer.zero_grad(set_to_none=True)
             total = torch.zeros((), dtype=torch.float64)
+            mismatch = torch.zeros(2, dtype=torch.float64)  # this mini-batch's mismatch_kl (sum, count)
             for mb in self._rank_micro_batches(batch, mini.lo, mini.hi):
                 passes += 1
                 if mb is None:
@@ -168,9 +170,17 @@ class TorchTrainer:
                 self._backward(out.loss)
                 total += out.loss.detach().double().cpu()
                 metrics.update(out.metric_sums)
+                mismatch += torch.tensor(out.metric_sums.get("mismatch_kl", (0.0, 0.0)), dtype=torch.float64)
             losses.append(float(self._all_reduce(total)))
-            grad_norms.append(self._optimizer_step())
+            scale = 1.0
+            if target is not None:
+                kl_sum, kl_count = self._all_reduce(mismatch).tolist()
+                scale = mismatch_lr_scale((kl_sum, kl_count), target)
+                lr_scales.append(scale)
+            grad_norms.append(self._optimizer_step(lr_scale=scale))
         result = reduce_metrics(metrics)
+        if lr_scales:
+            result["lr_scale"] = sum(lr_scales) / len(lr_scales)
         result.update(
             train_step_metrics(
                 batch,
@@ -453,7 +463,9 @@ class TorchTrainer:
             return list(self.masters.masters)
         return [p for p in self.model.parameters() if p.requires_grad]
 
-    def _optimizer_step(self) -> float:
+    def _optimizer_step(self, *, lr_scale: float = 1.0) -> float:
+        """Clip, step at ``lr_scale`` times the scheduled learning rate (`mismatch_lr_scale`), advance the
+        schedule; returns the gradient norm."""
         params = self._optimized_params()
         if self.config.max_grad_norm is not None:
             norm = torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm)
@@ -462,7 +474,13 @@ class TorchTrainer:
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
         if math.isfinite(float(norm)):  # the same total norm on every rank: all skip, or none
+            scheduled = [group["lr"] for group in self.optimizer.param_groups]
+            if lr_scale != 1.0:
+                for group, lr in zip(self.optimizer.param_groups, scheduled, strict=True):
+                    group["lr"] = lr * lr_scale
             self.optimizer.step()
+            for group, lr in zip(self.optimizer.param_groups, scheduled, strict=True):
+                group["lr"] = lr
             self.scheduler.step()
             if self.masters is not None:
                 self.masters.copy_to_model()

@@ -27,7 +27,7 @@ from torch import nn
 from miles.trainers import checkpoint as ckpt_io
 from miles.trainers.batching import plan_micro_batches, token_balanced_share
 from miles.trainers.errors import CheckpointError, ConfigError
-from miles.trainers.losses import LossInputs, LossOutput, policy_loss, sft_loss
+from miles.trainers.losses import LossInputs, LossOutput, mismatch_lr_scale, policy_loss, sft_loss
 from miles.trainers.megatron.compat import label_params_as_cuda
 from miles.trainers.megatron.convert import hf_to_megatron, megatron_to_hf, tp_partition_dim
 from miles.trainers.megatron.logprobs import final_hidden_states, head_logprobs
@@ -233,8 +233,9 @@ class MegatronTrainer:
             else None
         )
         metrics = MetricAccumulator()
-        grad_norms, losses, lrs, passes = [], [], [], 0
+        grad_norms, losses, lrs, lr_scales, passes = [], [], [], [], 0
         skipped_before = self.nonfinite_steps
+        target = self.algorithm.loss.mismatch_kl_target
         for mini in rl.mini_batches():
             loss_fn = partial(
                 self._policy_loss,
@@ -245,11 +246,20 @@ class MegatronTrainer:
                 num_seqs=mini.num_seqs,
             )
             lrs.append(self._set_lr())
-            loss, norm, n = self._optimizer_step(rl.batch, list(range(mini.lo, mini.hi)), loss_fn, metrics)
+            loss, norm, n = self._optimizer_step(
+                rl.batch,
+                list(range(mini.lo, mini.hi)),
+                loss_fn,
+                metrics,
+                mismatch_kl_target=target,
+                scales=lr_scales,
+            )
             losses.append(loss)
             grad_norms.append(norm)
             passes += n
         result = reduce_metrics(metrics)
+        if lr_scales:
+            result["lr_scale"] = sum(lr_scales) / len(lr_scales)
         result.update(
             train_step_metrics(
                 rl.batch,
@@ -605,12 +615,30 @@ class MegatronTrainer:
         seqs: list[int],
         loss_fn: Callable[[_MicroBatch, nn.Module, torch.Tensor], LossOutput],
         metrics: MetricAccumulator,
+        *,
+        mismatch_kl_target: float | None = None,
+        scales: list[float] | None = None,
     ) -> tuple[float, float, int]:
-        """Returns the summed loss over all ranks, the gradient norm and this rank's micro-batch count."""
+        """Returns the summed loss over all ranks, the gradient norm and this rank's micro-batch count. With
+        `mismatch_kl_target` the step runs at `mismatch_lr_scale` times the learning rate `_set_lr` set (the
+        factor is appended to `scales`)."""
         self.ddp.train()
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        local, passes = self._run(batch, seqs, loss_fn, metrics)
+        step_metrics = MetricAccumulator()
+        local, passes = self._run(batch, seqs, loss_fn, step_metrics)
+        metrics.update(step_metrics.sums())
+        if mismatch_kl_target is not None:
+            # only the reporting ranks hold loss metrics; the sum over all ranks gives every rank one factor
+            pair = step_metrics.sums().get("mismatch_kl", (0.0, 0.0))
+            mismatch = torch.tensor(pair, dtype=torch.float64, device=self.info.device)
+            dist.all_reduce(mismatch)
+            kl_sum, kl_count = mismatch.tolist()
+            scale = mismatch_lr_scale((kl_sum, kl_count), mismatch_kl_target)
+            for group in self.optimizer.param_groups:
+                group["lr"] = group["lr"] * scale
+            if scales is not None:
+                scales.append(scale)
         if self._gradients_finite():
             _, grad_norm, _ = self.optimizer.step()
         else:  # a NaN or inf gradient would poison every weight: skip the update
