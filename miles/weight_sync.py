@@ -38,7 +38,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 from urllib.parse import urlsplit
 
 import torch
@@ -150,6 +150,34 @@ def _version_folders(staging_dir: Path) -> list[Path]:
         return []
     found = [p for p in staging_dir.iterdir() if p.is_dir() and p.name[:1] == "v" and p.name[1:].isdigit()]
     return sorted(found, key=lambda p: (p.stat().st_mtime_ns, int(p.name[1:])))
+
+
+class WeightPusher(Protocol):
+    """What a run pushes weights through: `WeightSync`, or `RejoiningSync` on a Ray cluster (engines that
+    restart rejoin before the next push)."""
+
+    @property
+    def version(self) -> int:
+        """The base weights' version the engines were last given."""
+        ...
+
+    async def push(self, state_dict: Mapping[str, torch.Tensor], *, version: int | None = None) -> SyncReport:
+        """Load `state_dict` into every engine as `version` (default: the next)."""
+        ...
+
+    def adapter_version(self, name: str) -> int | None:
+        """The version adapter `name` was last pushed as (None: never)."""
+        ...
+
+    async def push_adapter(
+        self, name: str, weights: AdapterWeights, *, version: int | None = None
+    ) -> SyncReport:
+        """Load adapter `name` into every engine as its `version` (default: its next)."""
+        ...
+
+    async def close(self) -> None:
+        """Release the transport."""
+        ...
 
 
 class WeightSync:

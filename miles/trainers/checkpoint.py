@@ -266,3 +266,15 @@ def _to_lists(x: Any) -> Any:
 
 def _to_tuples(x: Any) -> Any:
     return tuple(_to_tuples(v) for v in x) if isinstance(x, list) else x
+
+
+def elapsed_at_latest(root: str | Path) -> float:
+    """Seconds of its budget the run had spent when its newest checkpoint under `root` was written (0 when
+    there is none, or it does not say)."""
+    latest = latest_checkpoint(root)
+    if latest is None:
+        return 0.0
+    try:
+        return float(json.loads((latest / "meta.json").read_text())["extra"].get("elapsed_s", 0.0))
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0.0

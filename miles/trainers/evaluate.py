@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from miles.engine import RolloutEngine
@@ -14,6 +15,7 @@ from miles.sessions.recorder import Recorder
 from miles.sessions.records import SessionRecord
 from miles.sessions.scheduler import SessionScheduler
 from miles.trainers.data import load_tasks
+from miles.trainers.metrics_log import read_metrics
 
 #: Terminations that say nothing about the policy: an evaluation made mostly of them measured no policy.
 _INFRASTRUCTURE = ("engine_error", "aborted")
@@ -128,3 +130,10 @@ async def evaluate(
     finally:
         await sched.aclose()
     return summarize("greedy" if greedy else "sampled", [r for g in groups for r in g.records])
+
+
+def recorded_evals(metrics_path: str | Path, stage: str) -> dict[str, EvalResult]:
+    """The evaluations of `stage` that a metrics log holds (a resumed run's start), by mode."""
+    fields = {f.name for f in dataclasses.fields(EvalResult)}
+    rows = [r for r in read_metrics(metrics_path) if r.get("kind") == "eval" and r.get("stage") == stage]
+    return {r["mode"]: EvalResult(**{k: v for k, v in r.items() if k in fields}) for r in rows}

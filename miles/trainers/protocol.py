@@ -7,6 +7,9 @@ boundary can sit between the caller and the trainer.
 
 `SessionSource` (sessions run in the loop's own process, by the scheduler or by the user's agents) and
 `ProcessSource` (the asynchronous loop's rollout process, local or a Ray actor) implement `RolloutSource`.
+
+`PolicyRun` is what the train loop steps: `OnePolicy` (the trainer's policy over one `RolloutSource`) or
+`AdapterRun` (LoRA adapters on one frozen base, each its own copy of the step over its own source).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import torch
 
 from miles.sessions.records import SessionRecord
 from miles.sessions.router import RouterStats
-from miles.trajectory import TrajectoryBatch
+from miles.trajectory import Trajectory, TrajectoryBatch
 
 from .checkpoint import Checkpoint
 
@@ -151,4 +154,85 @@ class RolloutSource(Protocol):
 
     async def aclose(self) -> None:
         """Release everything `start` (or the constructor) took."""
+        ...
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What one step did: its sessions, the trajectories it trained on, its metrics (`rollout_s`, the source's
+    collection metrics, then, when it trained, the update's metrics, `train_s`, `sync_s` and `sync_failed`),
+    and whether new weights reached the engines."""
+
+    records: list[SessionRecord]
+    trained: list[Trajectory]
+    metrics: dict[str, float]
+    published: bool
+
+
+@runtime_checkable
+class PolicyRun(Protocol):
+    """What the train loop trains, step by step, and where its sessions come from. The loop calls
+    `warm_start` (a fresh run) or `restore` (a resumed one), then `start`, then `step` until the run ends,
+    `evaluate` between steps, `stop` after the last one and `aclose` at the end."""
+
+    #: Whether `step(ahead=True)` may start the next step's work before this step returns (the loop then
+    #: commits that next step: it runs even if the budget runs out meanwhile).
+    runs_ahead: bool
+
+    @property
+    def checkpoints_when_aborted(self) -> bool:
+        """Whether the data cursor is consistent when the loop's work is aborted between awaits."""
+        ...
+
+    @property
+    def version(self) -> int:
+        """The weight version of the trainer's (base) policy, as a checkpoint records it."""
+        ...
+
+    @property
+    def weights_ok(self) -> bool:
+        """False once the trainer's weights held a NaN or inf: no checkpoint is written after that."""
+        ...
+
+    @property
+    def record_failures(self) -> int:
+        """Session records that could not be written so far."""
+        ...
+
+    async def warm_start(self, budget_s: float) -> None:
+        """Before the first step of a fresh run: bring the engines to the trainer's starting weights (SFT on
+        oracle demonstrations first when configured, within `budget_s` seconds)."""
+        ...
+
+    async def restore(self, checkpoint: Checkpoint | None, *, saved_at: float) -> None:
+        """A resumed run: continue from `checkpoint` (None: killed before its first, so every step is redone);
+        the sessions recorded after `saved_at` are moved aside."""
+        ...
+
+    async def start(self, *, run_id: str, resume_time: float | None) -> None:
+        """Begin serving training sessions, whose ids begin with `run_id`."""
+        ...
+
+    async def step(self, *, ahead: bool) -> StepOutcome:
+        """One step: sessions, the update on those that train, the new weights to the engines."""
+        ...
+
+    def observe(self, records: list[SessionRecord], row: dict[str, Any]) -> None:
+        """Add what the run knows beyond the step's own metrics (routing, per-adapter figures) to `row`."""
+        ...
+
+    async def evaluate(self, stage: str) -> dict[str, EvalResult]:
+        """Every held-out set under the newest weights, each result written to metrics.jsonl and echoed."""
+        ...
+
+    def data_cursor(self) -> dict[str, Any]:
+        """Which training tasks are done, for a checkpoint."""
+        ...
+
+    async def stop(self) -> None:
+        """No more training sessions: those still running are aborted and recorded; `evaluate` still works."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release everything the run took (sessions, recorders, the trainer's own process)."""
         ...

@@ -13,12 +13,15 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from miles.engine import EngineError, RolloutEngine
 from miles.weight_sync import SyncConfig, SyncReport, WeightSync, WeightSyncError, build_weight_sync
+
+if TYPE_CHECKING:
+    from miles.engines.lora import AdapterWeights
 
 
 class RejoiningSync:
@@ -77,6 +80,14 @@ class RejoiningSync:
         report = await self.sync.push(state_dict, version=floor + 1 if version is None else version)
         self.pushed = report.version
         return report
+
+    def adapter_version(self, name: str) -> int | None:
+        return self.sync.adapter_version(name)
+
+    async def push_adapter(
+        self, name: str, weights: AdapterWeights, *, version: int | None = None
+    ) -> SyncReport:
+        return await self.sync.push_adapter(name, weights, version=version)
 
     async def close(self) -> None:
         await self.sync.close()

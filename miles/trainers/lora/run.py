@@ -1,7 +1,7 @@
-"""The multi-adapter side of `TrainLoop` (a run with `adapters:`): per adapter its env, tasks and data cursor,
-its scheduler, evaluation, sync and metrics.
+"""`AdapterRun`, the `PolicyRun` of a run with `adapters:`: per adapter its env, tasks and data cursor, its
+scheduler, evaluation, sync and metrics.
 
-Every adapter's scheduler shares the loop's router, so the sessions of all adapters run at once and the engines
+Every adapter's scheduler shares one router, so the sessions of all adapters run at once and the engines
 decode their rows together, each row under its own adapter. Within a step each adapter runs its own copy of the
 one step body (`miles.trainers.rl_step.run_step`) on its own `SessionSource`: its sessions, its update (one
 adapter at a time, in the trainer's own process, `LoraTrainerProcess`, so the other adapters' sessions go on
@@ -22,7 +22,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -32,7 +32,7 @@ from miles.engines.lora import AdapterWeights
 from miles.envs import EnvRecipe, Task
 from miles.observability import RunLabels, RunMetrics
 from miles.sessions.config import SchedulerConfig
-from miles.sessions.metrics import SessionObserver
+from miles.sessions.metrics import SessionMetrics
 from miles.sessions.recorder import Recorder
 from miles.sessions.records import SessionRecord
 from miles.sessions.router import Router
@@ -43,13 +43,13 @@ from miles.trainers.errors import ConfigError
 from miles.trainers.evaluate import EvalResult, EvalSet
 from miles.trainers.lora.process import LoraTrainerProcess
 from miles.trainers.metrics_log import MetricsLog
-from miles.trainers.protocol import Weights
-from miles.trainers.rl_step import run_step
+from miles.trainers.protocol import StepOutcome, Weights
+from miles.trainers.rl_step import run_step, selection
 from miles.trainers.sources import EngineEvaluation, SessionSource
 from miles.trainers.train_config import AdapterConfig, TrainConfig
 from miles.trainers.trainer_process import TrainerProcessError
 from miles.trajectory import Trajectory, TrajectoryBatch
-from miles.weight_sync import WeightSync
+from miles.weight_sync import WeightPusher
 
 ALL_ADAPTERS = "all"  # the `adapter` label of a multi-adapter run's step-level (all adapters) metrics
 
@@ -119,7 +119,12 @@ class _Pipeline:
 
 
 class AdapterRun:
-    """Rollouts, evaluation, sync, metrics and data cursors of every adapter of a run (see the module doc)."""
+    """Rollouts, evaluation, sync, metrics and data cursors of every adapter of a run (see the module doc).
+    The first adapter's scheduler owns the router that the others share."""
+
+    runs_ahead = True
+    checkpoints_when_aborted = True
+    weights_ok = True  # the base is frozen; an adapter's update is checked in the trainer's process
 
     def __init__(
         self,
@@ -127,14 +132,20 @@ class AdapterRun:
         *,
         cfg: TrainConfig,
         trainer: LoraTrainerProcess,
-        sync: WeightSync,
+        sync: WeightPusher,
         engines: Sequence[RolloutEngine],
         tokenizer: Any,
+        recorder: Recorder,
         eval_recorder: Recorder,
         metrics_log: MetricsLog,
+        session_metrics: SessionMetrics,
         echo: Callable[[str], None] = print,
     ) -> None:
         self.parts = list(parts)
+        self.recorder, self.session_metrics = recorder, session_metrics
+        self.select = selection(
+            on_timeout=cfg.rollout.on_timeout, drop_zero_std_groups=cfg.rollout.drop_zero_std_groups
+        )
         self.cfg, self.trainer, self.weight_sync, self.engines = cfg, trainer, sync, list(engines)
         self.tokenizer, self.eval_recorder, self.metrics_log, self.echo = (
             tokenizer,
@@ -156,7 +167,7 @@ class AdapterRun:
         name = part.name
 
         async def push(version: int, weights: Weights) -> None:
-            await self._push(name, version, part.step_index, weights())
+            await self._push(name, version, part.step_index, cast(AdapterWeights, weights()))
 
         assert isinstance(part.scheduler.recorder, Recorder)
         return SessionSource(
@@ -182,14 +193,13 @@ class AdapterRun:
         cfg: TrainConfig,
         *,
         trainer: LoraTrainerProcess,
-        sync: WeightSync,
+        sync: WeightPusher,
         engines: Sequence[RolloutEngine],
-        router: Router,
         tokenizer: Any,
         scheduler_config: SchedulerConfig,
-        recorder: Recorder | None,
+        recorder: Recorder,
         eval_recorder: Recorder,
-        observer: SessionObserver | None,
+        observer: SessionMetrics,
         labels: RunLabels,
         run_metrics: RunMetrics,
         metrics_log: MetricsLog,
@@ -197,7 +207,7 @@ class AdapterRun:
     ) -> AdapterRun:
         """One part per configured adapter; every env is built once here, so a bad env or reward weight is a
         `ConfigError` naming the adapter before the first step."""
-        parts = []
+        parts: list[AdapterPart] = []
         for a in cfg.adapters:
             recipe = adapter_recipe(cfg, a)
             env_cfg = a.env or cfg.env
@@ -220,7 +230,7 @@ class AdapterRun:
                     scheduler_config=sched_cfg,
                     tasks_per_step=a.tasks_per_step or cfg.rollout.tasks_per_step,
                     scheduler=SessionScheduler(
-                        router,
+                        parts[0].scheduler.router if parts else list(engines),
                         tokenizer=tokenizer,
                         config=sched_cfg,
                         recorder=recorder,
@@ -243,17 +253,40 @@ class AdapterRun:
             sync=sync,
             engines=engines,
             tokenizer=tokenizer,
+            recorder=recorder,
             eval_recorder=eval_recorder,
             metrics_log=metrics_log,
+            session_metrics=observer,
             echo=echo,
         )
+
+    @property
+    def router(self) -> Router:
+        return self.parts[0].scheduler.router
+
+    @property
+    def version(self) -> int:
+        return self.weight_sync.version
+
+    @property
+    def record_failures(self) -> int:
+        return sum(p.scheduler.stats.record_failures for p in self.parts)
+
+    async def warm_start(self, budget_s: float) -> None:
+        """Every adapter into the engines at version 0 (a fresh adapter is the base)."""
+        await self._load_adapters()
 
     @property
     def names(self) -> list[str]:
         return [p.name for p in self.parts]
 
     # ---- engines ---------------------------------------------------------------------------------------
-    async def start(self, versions: dict[str, int] | None = None) -> None:
+    async def start(self, *, run_id: str, resume_time: float | None) -> None:
+        """Each adapter's session ids begin with `run_id` and its name."""
+        for part in self.parts:
+            part.scheduler.run_id = f"{run_id}-{part.name}"
+
+    async def _load_adapters(self, versions: dict[str, int] | None = None) -> None:
         """Load every adapter into the engines: at version 0 (a fresh adapter is the base), or at the versions a
         checkpoint was synced as."""
         for name in self.names:
@@ -282,7 +315,22 @@ class AdapterRun:
         return next(p for p in self.parts if p.name == name)
 
     # ---- a step ----------------------------------------------------------------------------------------
-    async def step(
+    async def step(self, *, ahead: bool) -> StepOutcome:
+        """One step of every adapter (`step_all`), as one outcome: the longest adapter's `rollout_s`, and when
+        any trained, the updates' metrics (`NAME/<metric>`), `train_s` and `sync_s` summed over adapters."""
+        done = await self.step_all(self.select, ahead=ahead)
+        row: dict[str, float] = {"rollout_s": done.rollout_s}
+        if done.trained:
+            row.update(
+                {k: v for k, v in done.metrics.items() if k != "step"},
+                train_s=done.train_s,
+                sync_s=done.sync_s,
+                num_tokens=float(sum(len(t) for t in done.trained)),
+                num_sequences=float(len(done.trained)),
+            )
+        return StepOutcome(done.records, done.trained, row, published=bool(done.trained))
+
+    async def step_all(
         self, select: Callable[[list[SessionRecord]], list[Trajectory]], *, ahead: bool
     ) -> AdapterStep:
         """One step of every adapter, each on its own pipeline (see the module doc): its sessions, `select(records)`
@@ -348,7 +396,8 @@ class AdapterRun:
                 )
                 metrics, weights = await asyncio.shield(self._update)
                 self._update = None
-            return metrics, lambda: weights
+            # the source hands the thunk back to `push` above, which takes an adapter's weights, not a state dict
+            return metrics, cast(Weights, lambda: weights)
 
         part.step_index = index
         last = self.weight_sync.adapter_version(part.name)
@@ -381,9 +430,10 @@ class AdapterRun:
                 await self._update
             self._update = None
 
-    def observe(self, records: Sequence[SessionRecord], row: dict[str, Any]) -> None:
+    def observe(self, records: list[SessionRecord], row: dict[str, Any]) -> None:
         """Add each adapter's rollout reward, success and session count to the step's `row` (as `NAME/...`,
-        beside the trainer's `NAME/...` metrics), and export each adapter's step under its own label."""
+        beside the trainer's `NAME/...` metrics), and export each adapter's step under its own label; then the
+        shared router's counts."""
         for part in self.parts:
             mine = [r for r in records if r.policy_id == part.name]
             prefix = f"{part.name}/"
@@ -400,6 +450,9 @@ class AdapterRun:
             for key in ("rollout_reward_mean", "rollout_success_rate", "sessions"):
                 row[prefix + key] = own[key]
             part.metrics.observe_step({**{k: row[k] for k in ("rollout_s", "step_s") if k in row}, **own})
+        routing = self.router.stats(reset=True)
+        row.update(routing.to_metrics())
+        self.session_metrics.observe_router(routing)
 
     # ---- evaluation ------------------------------------------------------------------------------------
     async def evaluate(self, stage: str) -> dict[str, EvalResult]:
@@ -440,16 +493,24 @@ class AdapterRun:
             }
         }
 
-    async def restore(self, ckpt: Checkpoint, step: int) -> None:
-        """Resume from `ckpt`: each adapter's task position, its weights (already in the trainer) pushed at the
-        version they were synced as, and session ids that stay unique."""
-        saved = ckpt.data_cursor.get("adapters", {})
+    async def restore(self, checkpoint: Checkpoint | None, *, saved_at: float) -> None:
+        """Resume from `checkpoint`: each adapter's task position, and its weights (already in the trainer)
+        pushed at the version they were synced as; the sessions recorded after `saved_at` are moved aside."""
+        self.recorder.drop_after(saved_at)
+        if checkpoint is None:
+            return
+        saved = checkpoint.data_cursor.get("adapters", {})
         for part in self.parts:
             part.cursor.position = int(saved.get(part.name, {}).get("position", 0))
-            part.scheduler.run_id = f"train-{part.name}-r{step}"
-        await self.start({n: int(s["version"]) for n, s in saved.items() if s.get("version") is not None})
+        await self._load_adapters(
+            {n: int(s["version"]) for n, s in saved.items() if s.get("version") is not None}
+        )
+
+    async def stop(self) -> None:
+        await self.settle()
 
     async def aclose(self) -> None:
         await self.settle()
-        for part in self.parts:
+        for part in reversed(self.parts):  # the first owns the router the others use
             await part.scheduler.aclose()
+        await self.recorder.aclose()
