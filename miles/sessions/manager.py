@@ -3,12 +3,10 @@
 The asynchronous loop runs it in its own process (see `miles.trainers.async_rollout`): sessions keep running
 while the trainer trains, and weight updates land while they do. Three pieces:
 
-- **Admission.** With `groups_per_version` groups trained per weight version and a bound of `max_staleness`
-  versions, group number `g` (in start order, counting from the first weight version the engines held)
-  may start only once the engines hold version `first_version + g // groups_per_version - max_staleness`
-  or newer: a group is then trained at most `max_staleness` versions after it started, when the trainer
-  takes groups in start order. With `max_staleness: 0` the next version's groups start only after it
-  landed: the synchronous loop. A group the trainer turned away as too stale, or took in a step that
+- **Admission.** Under the `miles.sessions.staleness.StalenessBound`: with `groups_per_version` groups trained
+  per weight version, group number `g` may start only once the engines hold version
+  `first_version + g // groups_per_version - max_staleness` or newer. With `max_staleness: 0` the next
+  version's groups start only after it landed: the synchronous loop. A group the trainer turned away as too stale, or took in a step that
   trained nothing (no new weights came of it), frees its place (`replace`): one more group is admitted on top
   of the bound, its task run again or the next one. (Without that, such groups would shrink the window for
   good, and the trainer would end up waiting for a group the bound never admits.)
@@ -27,6 +25,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterat
 from typing import Any, Literal
 
 from miles.sessions.scheduler import Group, SessionScheduler
+from miles.sessions.staleness import StalenessBound
 
 
 class TaskFeed:
@@ -76,12 +75,9 @@ class RolloutManager:
         max_staleness: int,
         first_version: int,
     ) -> None:
-        if groups_per_version < 1 or max_staleness < 0:
-            raise ValueError("groups_per_version must be >= 1 and max_staleness >= 0")
+        self.bound = StalenessBound(max_staleness, groups_per_version)
         self.scheduler = scheduler
         self.feed = feed
-        self.groups_per_version = groups_per_version
-        self.max_staleness = max_staleness
         self.first_version = first_version
         self.version = first_version
         self.admitted = 0  # groups started (requeued ones count again)
@@ -92,9 +88,7 @@ class RolloutManager:
     @property
     def allowed(self) -> int:
         """How many groups may have started by now."""
-        return (
-            self.version - self.first_version + self.max_staleness + 1
-        ) * self.groups_per_version + self._credit
+        return self.bound.admitted(self.version, self.first_version, self._credit)
 
     def set_version(self, version: int) -> None:
         """The engines now hold weights `version`: admit the groups that this allows."""

@@ -1,12 +1,12 @@
 """`ProcessSource`, the asynchronous loop's `RolloutSource`: each step takes finished groups from the rollout
-process (a child process, or a Ray actor), keeps those within the staleness bound, and afterwards hands the new
-weights back while rollouts go on.
+process (a child process, or a Ray actor), keeps those within the staleness bound
+(`miles.sessions.staleness.StalenessBound`, which the rollout process admits groups by), and afterwards hands
+the new weights back while rollouts go on.
 
-A group's staleness is the trainer's weight version minus the oldest version among its generated tokens (the
-largest over its samples). The rollout process admits groups under `async.max_staleness`, and a step waits for
-a group still running that would be over it at the next version (each finished group reports the oldest
-version a running group was admitted under), so no group goes over the bound by finishing late. Groups over
-it all the same (HTTP engines whose versions lag) are dropped, or run again with `async.stale: regenerate`.
+A step waits for a group still running that would be over the bound at the next version (each finished group
+reports the oldest version a running group was admitted under), so no group goes over it by finishing late.
+Groups over it all the same (HTTP engines whose versions lag) are dropped, or run again with
+`async.stale: regenerate`.
 
 Which tasks were trained on is kept as cursor positions: everything below `position`, plus `consumed` above
 it (groups finish out of order). A checkpoint stores both, so a resumed run neither repeats nor skips a task.
@@ -22,18 +22,12 @@ from typing import Any
 from miles.sessions.metrics import SessionObserver
 from miles.sessions.records import SessionRecord
 from miles.sessions.router import RouterStats
+from miles.sessions.staleness import StalenessBound
 from miles.trainers.evaluate import EvalResult, EvalSet
 from miles.trainers.protocol import StepRollout, Weights
 from miles.trainers.rollout_process import Finished, RolloutProcess, RolloutStart
 from miles.trainers.sources import Evaluation
 from miles.trainers.train_config import TrainConfig
-
-
-def group_staleness(records: list[SessionRecord], trainer_version: int) -> int:
-    """The most stale sample of a group: trainer version minus its oldest generating version (0 if unknown)."""
-    oldest = [r.trajectory.oldest_weight_version for r in records]
-    known = [v for v in oldest if v is not None]
-    return max((trainer_version - v for v in known), default=0)
 
 
 class ProcessSource:
@@ -59,6 +53,7 @@ class ProcessSource:
     ) -> None:
         self.cfg = cfg
         self.acfg = cfg.asynchronous
+        self.bound = StalenessBound(cfg.asynchronous.max_staleness, cfg.rollout.tasks_per_step)
         self.http = http
         self.push = push
         self.evaluation = evaluation
@@ -108,12 +103,6 @@ class ProcessSource:
         deferred: list[Finished] = []
         self._taken = []
 
-        def lagging() -> bool:
-            return (
-                self._oldest_running is not None
-                and trainer_version - self._oldest_running >= self.acfg.max_staleness
-            )
-
         def take(group: Finished) -> None:
             self._consume(group.position)
             kept.extend(group.records)
@@ -122,7 +111,9 @@ class ProcessSource:
                 for r in group.records
             )
 
-        while len(self._taken) < self.cfg.rollout.tasks_per_step or lagging():
+        while len(self._taken) < self.cfg.rollout.tasks_per_step or self.bound.must_wait(
+            self._oldest_running, trainer_version
+        ):
             if self._deferred:
                 group = self._deferred.popleft()
             else:
@@ -131,8 +122,7 @@ class ProcessSource:
                 waited += time.monotonic() - tw
                 self._oldest_running = group.oldest_running
                 self._engine_idle_s = max(self._engine_idle_s, group.engine_idle_s)
-            stale = group_staleness(group.records, trainer_version)
-            if stale > self.acfg.max_staleness:
+            if self.bound.too_stale(group.records, trainer_version):
                 dropped += 1
                 rerun = self.acfg.stale == "regenerate"
                 self.process.requeue(group.position, rerun=rerun)
@@ -147,7 +137,7 @@ class ProcessSource:
         # each freeing its place (the step takes more than its share)
         backlog, self._deferred = [*deferred, *self._deferred], deque()
         for group in backlog:
-            if group_staleness(group.records, trainer_version) == self.acfg.max_staleness:
+            if self.bound.due(group.records, trainer_version):
                 late += 1
                 self.process.requeue(group.position, rerun=False)
                 take(group)
