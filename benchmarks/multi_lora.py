@@ -2,7 +2,7 @@
 
 * **equivalence**: 3 adapters trained together for k steps on real Calculator groups end with the same adapter
   weights as each trained alone on its own groups with the same seeds (fp32, CPU): the max |dw| is printed
-  (target <= 1e-5; `tests/test_lora_trainer.py` asserts it).
+  (target <= 1e-5; `tests/trainers/lora/test_trainer.py` asserts it).
 * **throughput**: `miles train` with 4 adapters at once vs 4 runs of one adapter each, same steps, same
   groups per adapter (so the same total samples), from the shipped Calculator warm start; each run in its own
   process, RL time only (evaluation excluded), and its steady state (the steps after the first

@@ -8,7 +8,8 @@ import math
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from history_gate import CORRIDORS, METRICS, STEPS, WINDOW, corridors_from, gate_run, violations
+
+from tests.support.history_gate import CORRIDORS, METRICS, STEPS, WINDOW, corridors_from, gate_run, violations
 
 
 def _corridors() -> dict:

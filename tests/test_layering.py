@@ -5,6 +5,7 @@ other in a circle, counting the imports inside functions and under `TYPE_CHECKIN
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -126,5 +127,5 @@ def test_the_check_sees_an_upward_import(tmp_path, monkeypatch):
     (fake / "bad.py").write_text("from miles.sessions import Session\n")
     (tmp_path / "miles" / "sessions").mkdir()
     (tmp_path / "miles" / "sessions" / "fine.py").write_text("from miles.tools import Tool\n")
-    monkeypatch.setattr(__import__(__name__), "REPO", tmp_path)
+    monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
     assert upward_imports() == ["miles/tools/bad.py:1 imports miles.sessions"]

@@ -120,7 +120,8 @@ def _sglang_engine_main(port: int, dump_path: str) -> None:
     _child_setup()
     import fastapi
     import uvicorn
-    from test_sglang_wire import check  # SGLang's io_struct fields, read with ast
+
+    from tests.engines.test_sglang_wire import check  # SGLang's io_struct fields, read with ast
 
     _own_default_group()  # SGLang's WeightUpdater asserts the server's own default group exists
     init_group = sglang_init_custom_process_group()
