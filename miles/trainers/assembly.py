@@ -15,19 +15,20 @@ from typing import Any
 from miles.observability import Observability, run_labels, start_observability
 from miles.sessions.metrics import SessionMetrics
 from miles.sessions.recorder import Recorder
-from miles.sessions.scheduler import GroupRunner, SessionScheduler
+from miles.sessions.scheduler import GroupRunner
 from miles.trainers.async_rollout import ProcessSource
 from miles.trainers.cluster.sync import rejoining_weight_sync
-from miles.trainers.data import TaskCursor, load_tasks
-from miles.trainers.engine_setup import EngineSet, bounded_by_context, build_engine_set
+from miles.trainers.data import TaskCursor
+from miles.trainers.engine_setup import EngineSet
 from miles.trainers.evaluate import eval_sets
 from miles.trainers.health import RunHealth
 from miles.trainers.lora.process import LoraTrainerProcess
 from miles.trainers.metrics_log import MetricsLog
-from miles.trainers.models import build_policy, build_tito, check_devices, check_tools_reach_model
+from miles.trainers.models import build_policy, check_devices, check_tools_reach_model
 from miles.trainers.policy_run import OnePolicy, Publisher
 from miles.trainers.protocol import PolicyRun, RolloutSource, Trainer
 from miles.trainers.rollout_process import RolloutProcess, RolloutStart
+from miles.trainers.rollout_side import RolloutData, RolloutSide
 from miles.trainers.seeding import seed_everything
 from miles.trainers.sft import SftStage
 from miles.trainers.sources import AgentEvaluation, EngineEvaluation, Evaluation, SessionSource, close_within
@@ -75,18 +76,17 @@ async def assemble(
     out = Path(cfg.output_dir)
     check_devices(cfg)
     seed_everything(cfg.seed)
-    recipe = cfg.env.recipe
-    recipe.make(split=cfg.env.train_split).close()  # imports the user's modules; fails early, in one line
-    tito = build_tito(cfg.model)
-    train_recipe = recipe.with_kwargs(split=cfg.env.train_split)
-    train_tasks = load_tasks(recipe, cfg.env.train_split, cfg.env.num_train_tasks)
+    cfg.env.recipe.make(
+        split=cfg.env.train_split
+    ).close()  # imports the user's modules; fails early, in one line
+    data = RolloutData.load(cfg)
+    recipe, train_recipe, train_tasks, tito = data.recipe, data.train_recipe, data.train_tasks, data.tito
     held_out = eval_sets(recipe, cfg.env.eval_split, cfg.eval.num_tasks, cfg.eval.envs)
     await check_tools_reach_model(tito, train_recipe, train_tasks[0])  # before the model loads
     model = build_policy(cfg.model, tito.tokenizer)
     # Engines copy the policy before the trainer wraps it (FSDP, Megatron conversion).
-    engine_set = await build_engine_set(cfg.engine, model, tito.tokenizer, cfg.model.tokenizer)
-    engines = engine_set.rollout
-    scheduler_cfg = bounded_by_context(cfg.rollout.scheduler, engine_set.context_length)
+    side = await RolloutSide.build(cfg, data, model)
+    engine_set, engines, scheduler_cfg = side.engine_set, side.engine_set.rollout, side.scheduler_config
     trainer: Trainer | None = None
     try:
         from miles.trainers.factory import build_trainer
@@ -177,14 +177,8 @@ async def assemble(
                     evaluation = AgentEvaluation(agents, eval_recorder, cfg.eval.max_new_tokens)
                     closing.append(agents.aclose)
                 else:
-                    runner = SessionScheduler(
-                        engines,
-                        tokenizer=tito,
-                        config=scheduler_cfg,
-                        recorder=recorder,
-                        run_id="train",
-                        recipe=train_recipe,
-                        observer=session_metrics,
+                    runner = side.training_scheduler(
+                        recorder=recorder, run_id="train", observer=session_metrics
                     )
                 source = SessionSource(
                     runner,

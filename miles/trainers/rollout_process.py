@@ -137,30 +137,20 @@ def rollout_main(cfg: TrainConfig, start: RolloutStart, inbox: Any, outbox: Any)
 async def _serve(cfg: TrainConfig, start: RolloutStart, inbox: Any, outbox: Any) -> None:
     from miles.sessions.manager import RolloutManager, TaskFeed
     from miles.sessions.recorder import Recorder
-    from miles.sessions.scheduler import SessionScheduler
-    from miles.trainers.data import TaskCursor, load_tasks
-    from miles.trainers.engine_setup import bounded_by_context, build_engine_set
-    from miles.trainers.models import build_policy, build_tito
+    from miles.trainers.data import TaskCursor
+    from miles.trainers.models import build_policy
+    from miles.trainers.rollout_side import RolloutData, RolloutSide
 
-    recipe = cfg.env.recipe
-    recipe.import_modules()
-    tito = build_tito(cfg.model)
-    engines = await build_engine_set(
-        cfg.engine, build_policy(cfg.model, tito.tokenizer), tito.tokenizer, cfg.model.tokenizer
-    )
-    tasks = load_tasks(recipe, cfg.env.train_split, cfg.env.num_train_tasks)
+    cfg.env.recipe.import_modules()
+    data = RolloutData.load(cfg)
+    side = await RolloutSide.build(cfg, data, build_policy(cfg.model, data.tito.tokenizer))
+    engines = side.engine_set
+    tasks = data.train_tasks
     cursor = TaskCursor(len(tasks), cfg.seed)
     recorder = Recorder(Path(cfg.output_dir) / "sessions.jsonl")
     if start.resume_time is not None:
         recorder.drop_after(start.resume_time)
-    scheduler = SessionScheduler(
-        engines.rollout,
-        tokenizer=tito,
-        recorder=recorder,
-        run_id=start.run_id,
-        config=bounded_by_context(cfg.rollout.scheduler, engines.context_length),
-        recipe=recipe.with_kwargs(split=cfg.env.train_split),
-    )
+    scheduler = side.training_scheduler(recorder=recorder, run_id=start.run_id)
     manager = RolloutManager(
         scheduler,
         TaskFeed(lambda p: tasks[cursor.index_at(p)], start=start.position, skip=start.skip),
