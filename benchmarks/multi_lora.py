@@ -156,7 +156,7 @@ def run_config(adapters: list[int], steps: int, tasks: int, out: str, device: st
     cfg = load_train_config(str(ROOT / "configs" / "multi_lora.yaml"), overrides)
     loop = TrainLoop(cfg, echo=lambda _: None)
     summary = asyncio.run(loop.run())
-    base_bytes = sum(t.numel() * t.element_size() for t in loop.model.state_dict().values())
+    base_bytes = sum(t.numel() * t.element_size() for t in loop.parts.model.state_dict().values())
     last = max(Path(out, "checkpoints").glob("step_*"))  # the final checkpoint: every adapter's PEFT folder
     adapter_bytes = sum(f.stat().st_size for f in last.glob("adapters/*/adapter_model.safetensors"))
     sessions = len((Path(out) / "sessions.jsonl").read_text().splitlines())

@@ -102,7 +102,7 @@ def main_job_batch(
 def recorded_batch(path: str, num_seqs: int) -> TrajectoryBatch:
     """The first `num_seqs` trainable sessions of a recorded ``sessions.jsonl`` (as the train loop takes them)."""
     from miles.sessions.recorder import read_sessions
-    from miles.trainers.loop import trainable
+    from miles.trainers.rl_step import trainable
 
     trajs = trainable(read_sessions(path).records)[:num_seqs]
     if not trajs:
