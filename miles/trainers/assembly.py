@@ -116,6 +116,7 @@ async def assemble(
         )
         eval_recorder = Recorder(out / "eval_sessions.jsonl")
         session_metrics = SessionMetrics(observability.labels)
+        publisher = Publisher(trainer, sync, metrics, observability.run)
         policy: PolicyRun
         if cfg.adapters:  # LoRA adapters on one base: each its own env and scheduler, all on one router
             from miles.trainers.lora.run import AdapterRun
@@ -124,7 +125,7 @@ async def assemble(
             policy = AdapterRun.build(
                 cfg,
                 trainer=trainer,
-                sync=sync,
+                publisher=publisher,
                 engines=engines,
                 tokenizer=tito,
                 scheduler_config=scheduler_cfg,
@@ -137,7 +138,6 @@ async def assemble(
                 echo=echo,
             )
         else:
-            publisher = Publisher(trainer, sync, metrics, observability.run)
             engine_evaluation = EngineEvaluation(
                 engines, tito, scheduler_cfg, eval_recorder, cfg.eval.max_new_tokens
             )

@@ -43,13 +43,13 @@ from miles.trainers.errors import ConfigError
 from miles.trainers.evaluate import EvalResult, EvalSet
 from miles.trainers.lora.process import LoraTrainerProcess
 from miles.trainers.metrics_log import MetricsLog
+from miles.trainers.policy_run import Publisher
 from miles.trainers.protocol import StepOutcome, Weights
 from miles.trainers.rl_step import run_step, selection
 from miles.trainers.sources import EngineEvaluation, SessionSource
 from miles.trainers.train_config import AdapterConfig, TrainConfig
 from miles.trainers.trainer_process import TrainerProcessError
 from miles.trajectory import Trajectory, TrajectoryBatch
-from miles.weight_sync import WeightPusher
 
 ALL_ADAPTERS = "all"  # the `adapter` label of a multi-adapter run's step-level (all adapters) metrics
 
@@ -132,7 +132,7 @@ class AdapterRun:
         *,
         cfg: TrainConfig,
         trainer: LoraTrainerProcess,
-        sync: WeightPusher,
+        publisher: Publisher,
         engines: Sequence[RolloutEngine],
         tokenizer: Any,
         recorder: Recorder,
@@ -146,7 +146,8 @@ class AdapterRun:
         self.select = selection(
             on_timeout=cfg.rollout.on_timeout, drop_zero_std_groups=cfg.rollout.drop_zero_std_groups
         )
-        self.cfg, self.trainer, self.weight_sync, self.engines = cfg, trainer, sync, list(engines)
+        self.cfg, self.trainer, self.engines = cfg, trainer, list(engines)
+        self.publisher, self.weight_sync = publisher, publisher.sync
         self.tokenizer, self.eval_recorder, self.metrics_log, self.echo = (
             tokenizer,
             eval_recorder,
@@ -193,7 +194,7 @@ class AdapterRun:
         cfg: TrainConfig,
         *,
         trainer: LoraTrainerProcess,
-        sync: WeightPusher,
+        publisher: Publisher,
         engines: Sequence[RolloutEngine],
         tokenizer: Any,
         scheduler_config: SchedulerConfig,
@@ -250,7 +251,7 @@ class AdapterRun:
             parts,
             cfg=cfg,
             trainer=trainer,
-            sync=sync,
+            publisher=publisher,
             engines=engines,
             tokenizer=tokenizer,
             recorder=recorder,
@@ -266,14 +267,17 @@ class AdapterRun:
 
     @property
     def version(self) -> int:
-        return self.weight_sync.version
+        return self.publisher.version
 
     @property
     def record_failures(self) -> int:
         return sum(p.scheduler.stats.record_failures for p in self.parts)
 
     async def warm_start(self, budget_s: float) -> None:
-        """Every adapter into the engines at version 0 (a fresh adapter is the base)."""
+        """The base to engines that do not hold it already (`model.init_from`, HTTP servers), then every adapter
+        at version 0 (a fresh adapter is the base)."""
+        if self.cfg.model.init_from or self.cfg.engine.kind != "embedded":
+            await self.publisher.push()
         await self._load_adapters()
 
     @property
@@ -499,6 +503,7 @@ class AdapterRun:
         self.recorder.drop_after(saved_at)
         if checkpoint is None:
             return
+        await self.publisher.push(version=checkpoint.extra.get("weight_version"))
         saved = checkpoint.data_cursor.get("adapters", {})
         for part in self.parts:
             part.cursor.position = int(saved.get(part.name, {}).get("position", 0))
