@@ -64,7 +64,8 @@ class LossConfig:
       step size is about the learning rate whatever the gradient's size, so shrinking the gradient cannot
       slow a policy that runs ahead of its stale samples; this shrinks the step. On-policy batches (the
       synchronous loop) have a mismatch near 0 and train at the full rate. The applied factor is the
-      ``lr_scale`` metric. ``None`` disables (docs/benchmarks/async_rl.md).
+      ``lr_scale`` metric. ``None`` disables. On the calculator example at ``max_staleness: 4``, ``0.002``
+      matches the synchronous loop's held-out success with no collapse (docs/benchmarks/async_rl.md).
     - ``kl_coef`` / ``kl_estimator``: KL penalty to a reference policy (``k1`` or ``k3``); 0 disables.
     - ``entropy_coef``: entropy bonus (subtracted from the loss); the entropy metric is reported regardless.
     """
