@@ -314,7 +314,7 @@ def main() -> int:  # noqa: C901 - one flat list of probes reads best
     def _() -> str:
         import torch
 
-        from miles.trainers.checkpoint import load_checkpoint, save_checkpoint
+        from miles.learner.checkpoint import load_checkpoint, save_checkpoint
 
         for step in (1, 2):
             save_checkpoint(tmp / "ck", step=step, model_state={"w": torch.full((8,), float(step))})

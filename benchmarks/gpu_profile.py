@@ -23,7 +23,7 @@ KERNEL_KINDS = (  # first match wins; kernel names of cuBLAS/cuDNN/flash/PyTorch
     ("reduce", re.compile(r"reduce|sum|mean|max|min", re.I)),
     ("elementwise", re.compile(r"elementwise|vectorized|unrolled|pointwise|silu|mul|add|exp|neg", re.I)),
 )
-OWN_FRAMES = re.compile(r"(^|/)(miles|trainers|sessions|benchmarks)/[^/]*\.py")
+OWN_FRAMES = re.compile(r"(^|/)(miles|learner|training|sessions|benchmarks)/[^/]*\.py")
 
 
 def _sync() -> None:

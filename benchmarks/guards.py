@@ -39,13 +39,13 @@ def main() -> None:
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM
 
-    import miles.trainers.torch_backend as backend
+    import miles.learner.torch_backend as backend
     from miles.envs import EnvRecipe
+    from miles.learner.torch_backend import TorchTrainer, TorchTrainerConfig
     from miles.sessions.records import SessionRecord, TurnRecord
     from miles.tito import TITOTokenizer, TokenizerSpec
-    from miles.trainers.demos import oracle_demos
-    from miles.trainers.health import HealthConfig, RunHealth, first_nonfinite, step_activity
-    from miles.trainers.torch_backend import TorchTrainer, TorchTrainerConfig
+    from miles.training.demos import oracle_demos
+    from miles.training.health import HealthConfig, RunHealth, first_nonfinite, step_activity
     from miles.trajectory import TrajectoryBatch
     from miles.types import TerminationReason
 

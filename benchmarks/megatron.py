@@ -151,7 +151,7 @@ def main() -> None:
     for backend in args.backends.split(","):
         torch.manual_seed(0)
         if backend == "megatron":
-            from miles.trainers.megatron import MegatronTrainer, MegatronTrainerConfig
+            from miles.learner.megatron import MegatronTrainer, MegatronTrainerConfig
 
             trainer = MegatronTrainer(
                 hf_config=cfg,
@@ -160,7 +160,7 @@ def main() -> None:
         elif backend == "torch":
             import transformers
 
-            from miles.trainers.torch_backend import TorchTrainer, TorchTrainerConfig
+            from miles.learner.torch_backend import TorchTrainer, TorchTrainerConfig
 
             model = transformers.LlamaForCausalLM(cfg)
             trainer = TorchTrainer(
@@ -189,7 +189,7 @@ def main() -> None:
     if "megatron" in results and "torch" in results:
         print(f"megatron / torch throughput ratio: {results['torch'] / results['megatron']:.2f}x")
     if os.environ.get("RANK") is None:
-        from miles.trainers.megatron.parallel import destroy_parallel
+        from miles.learner.megatron.parallel import destroy_parallel
 
         destroy_parallel()
 

@@ -2,7 +2,7 @@
 
 * **equivalence**: 3 adapters trained together for k steps on real Calculator groups end with the same adapter
   weights as each trained alone on its own groups with the same seeds (fp32, CPU): the max |dw| is printed
-  (target <= 1e-5; `tests/trainers/lora/test_trainer.py` asserts it).
+  (target <= 1e-5; `tests/learner/lora/test_trainer.py` asserts it).
 * **throughput**: `miles train` with 4 adapters at once vs 4 runs of one adapter each, same steps, same
   groups per adapter (so the same total samples), from the shipped Calculator warm start; each run in its own
   process, RL time only (evaluation excluded), and its steady state (the steps after the first
@@ -50,13 +50,13 @@ def equivalence(steps: int, groups: int) -> float:
     from miles.engine import SamplingParams
     from miles.engines.embedded import EmbeddedEngine
     from miles.envs import EnvRecipe
+    from miles.learner.config import TorchOptions, TrainerConfig
+    from miles.learner.lora.config import LoraSpec
+    from miles.learner.lora.trainer import AdapterSpec, MultiLoraTrainer
     from miles.sessions.config import SchedulerConfig, SessionConfig
     from miles.sessions.scheduler import SessionScheduler
     from miles.tito import TITOTokenizer, TokenizerSpec
-    from miles.trainers.data import load_tasks
-    from miles.trainers.lora.config import LoraSpec
-    from miles.trainers.lora.trainer import AdapterSpec, MultiLoraTrainer
-    from miles.trainers.trainer_config import TorchOptions, TrainerConfig
+    from miles.training.data import load_tasks
     from miles.trajectory import TrajectoryBatch
 
     names = ("mul", "addsub", "mixed")
@@ -122,9 +122,9 @@ def equivalence(steps: int, groups: int) -> float:
 def run_config(adapters: list[int], steps: int, tasks: int, out: str, device: str, warmup: int) -> dict:
     """One `miles train` run (in this process) with the adapters `adapters` (indices into OPERATORS); the steady
     state is its steps after the first `warmup`."""
-    from miles.trainers.loop import TrainLoop
-    from miles.trainers.metrics_log import read_metrics
-    from miles.trainers.train_config import load_train_config
+    from miles.training.config import load_train_config
+    from miles.training.loop import TrainLoop
+    from miles.training.metrics_log import read_metrics
 
     overrides = [
         f"output_dir={out}",

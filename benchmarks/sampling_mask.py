@@ -70,9 +70,9 @@ async def rollouts(setting: Setting, tasks: int, seed: int) -> list:
     """The trained trajectories of `tasks` GRPO groups of the calculator example at this setting."""
     from miles.engines.embedded import EmbeddedEngine
     from miles.sessions.scheduler import SessionScheduler
-    from miles.trainers.data import load_tasks
-    from miles.trainers.models import build_policy, build_tito
-    from miles.trainers.train_config import load_train_config
+    from miles.training.config import load_train_config
+    from miles.training.data import load_tasks
+    from miles.training.models import build_policy, build_tito
 
     sampling = "rollout.scheduler.session.sampling"
     cfg = load_train_config(
@@ -137,9 +137,9 @@ def main() -> None:
 
     hf_logging.disable_progress_bar()
 
-    from miles.trainers.models import build_policy, build_tito
-    from miles.trainers.torch_backend import TorchTrainer, TorchTrainerConfig
-    from miles.trainers.train_config import load_train_config
+    from miles.learner.torch_backend import TorchTrainer, TorchTrainerConfig
+    from miles.training.config import load_train_config
+    from miles.training.models import build_policy, build_tito
 
     cfg = load_train_config(str(CONFIG))
     trainer = TorchTrainer(

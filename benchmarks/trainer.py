@@ -37,10 +37,10 @@ from rich.console import Console
 from rich.table import Table
 from transformers import Qwen2ForCausalLM
 
+from miles.learner.advantages import AdvantageConfig, compute_advantages
+from miles.learner.losses import LossConfig
+from miles.learner.torch_backend import AlgorithmConfig, TorchTrainer, TorchTrainerConfig
 from miles.tiny import load_tiny_tokenizer, make_tiny_model, tiny_config
-from miles.trainers.advantages import AdvantageConfig, compute_advantages
-from miles.trainers.losses import LossConfig
-from miles.trainers.torch_backend import AlgorithmConfig, TorchTrainer, TorchTrainerConfig
 from miles.trajectory import Trajectory, TrajectoryBatch, TrajectoryMeta
 
 
@@ -102,7 +102,7 @@ def main_job_batch(
 def recorded_batch(path: str, num_seqs: int) -> TrajectoryBatch:
     """The first `num_seqs` trainable sessions of a recorded ``sessions.jsonl`` (as the train loop takes them)."""
     from miles.sessions.recorder import read_sessions
-    from miles.trainers.rl_step import trainable
+    from miles.training.rl_step import trainable
 
     trajs = trainable(read_sessions(path).records)[:num_seqs]
     if not trajs:

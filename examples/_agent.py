@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 from miles.config import ConfigError, from_dict
-from miles.trainers.loop import RunSummary, TrainLoop
-from miles.trainers.run import format_summary
-from miles.trainers.train_config import TrainConfig
+from miles.training.command import format_summary
+from miles.training.config import TrainConfig
+from miles.training.loop import RunSummary, TrainLoop
 
 
 def parser(

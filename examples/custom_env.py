@@ -67,8 +67,8 @@ def main() -> None:
     from _agent import train
 
     from miles.config import from_dict
-    from miles.trainers.run import format_summary
-    from miles.trainers.train_config import TrainConfig
+    from miles.training.command import format_summary
+    from miles.training.config import TrainConfig
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=8, help="GRPO steps")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from _agent import train
 
-from miles.trainers.train_config import load_train_config
+from miles.training.config import load_train_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

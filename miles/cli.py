@@ -53,25 +53,25 @@ def _cmd_top(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from miles.trainers.run import run_from_cli
+    from miles.training.command import run_from_cli
 
     return run_from_cli(args)
 
 
 def _cmd_sft(args: argparse.Namespace) -> int:
-    from miles.trainers.run import sft_from_cli
+    from miles.training.command import sft_from_cli
 
     return sft_from_cli(args)
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from miles.trainers.run import eval_from_cli
+    from miles.training.command import eval_from_cli
 
     return eval_from_cli(args)
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from miles.trainers.lora.export import export_adapter
+    from miles.training.export import export_adapter
 
     out = export_adapter(args.run, args.adapter, args.out, checkpoint=args.checkpoint, merge=args.merge)
     print(f"wrote {'the base merged with ' if args.merge else ''}adapter {args.adapter} to {out}")

@@ -14,7 +14,7 @@ import pytest
 
 from miles.engines.testing import ServerProcess, save_tiny_checkpoint
 from miles.sessions.recorder import read_sessions
-from miles.trainers.metrics_log import read_metrics
+from miles.training.metrics_log import read_metrics
 from tests.support.router import StubServer
 
 STEPS, TASKS, GROUP = 2, 2, 2

@@ -109,9 +109,9 @@ def test_replay_reports_bad_input(recorded, tmp_path, capsys):
 
 
 def test_the_final_table_fits_long_adapter_modes_in_one_column():
-    from miles.trainers.evaluate import EvalResult
-    from miles.trainers.loop import RunSummary
-    from miles.trainers.run import format_summary
+    from miles.training.command import format_summary
+    from miles.training.evaluate import EvalResult
+    from miles.training.loop import RunSummary
 
     def result(mode: str, rate: float) -> EvalResult:
         return EvalResult(mode=mode, num_tasks=10, success_rate=rate, mean_reward=rate, terminations={})

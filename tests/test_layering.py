@@ -1,5 +1,5 @@
-"""The layering rule of ARCHITECTURE.md: imports point downward only (trainers > sessions > envs > tools >
-miles); the CLI (`miles/cli.py`) is the one module that wires every floor together; and no modules import each
+"""The layering rule of ARCHITECTURE.md: imports point downward only (training > learner > sessions > envs >
+tools > miles); the CLI (`miles/cli.py`) is the one module that wires every floor together; and no modules import each
 other in a circle, counting the imports inside functions and under `TYPE_CHECKING`."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = {"miles.tools": 1, "miles.envs": 2, "miles.sessions": 3, "miles.trainers": 4}
+PACKAGES = {"miles.tools": 1, "miles.envs": 2, "miles.sessions": 3, "miles.learner": 4, "miles.training": 5}
 
 
 def floor_of(module: str) -> int | None:

@@ -29,7 +29,7 @@ def test_smollm2_sees_its_tools_through_chatml_tools_and_trains_one_grpo_step(tm
     from miles.cli import main
     from miles.sessions.recorder import read_sessions
     from miles.tito import TITOTokenizer, TokenizerSpec
-    from miles.trainers.metrics_log import read_metrics
+    from miles.training.metrics_log import read_metrics
 
     run = tmp_path / "run"
     cfg = tmp_path / "smollm2.yaml"

@@ -19,7 +19,7 @@ import torch
 from miles.engines.testing import RolloutProcess
 from miles.ports import free_ports
 from miles.tiny import load_tiny_tokenizer, make_tiny_model
-from miles.trainers.metrics_log import read_metrics
+from miles.training.metrics_log import read_metrics
 
 PROMPT = [5, 17, 29, 41, 53, 65, 77]
 

@@ -199,8 +199,8 @@ def test_the_main_job_on_a_kv_cache_sized_from_a_memory_fraction_ends_long_sessi
 
 
 def test_a_rank_that_fails_under_torchrun_is_one_line_after_its_own_output(tmp_path):
-    """`miles train --dp/--tp` runs its ranks under `miles.trainers.launch`: torchrun without its traceback."""
-    from miles.trainers.launch import torchrun_command
+    """`miles train --dp/--tp` runs its ranks under `miles.training.torchrun`: torchrun without its traceback."""
+    from miles.training.torchrun import torchrun_command
 
     script = tmp_path / "rank.py"
     script.write_text(
@@ -274,7 +274,7 @@ def test_torchrun_s_agent_is_silent_also_through_loggers_it_creates_later():
     after the muting with levels of their own (the rendezvous backends are imported during the run)."""
     code = (
         "import logging\n"
-        "from miles.trainers.launch import mute_launcher_logs\n"
+        "from miles.training.torchrun import mute_launcher_logs\n"
         "mute_launcher_logs()\n"
         "later = logging.getLogger('torch.distributed.elastic.rendezvous.later')\n"
         "later.setLevel(logging.WARNING)\n"
@@ -346,7 +346,7 @@ def test_a_step_that_runs_out_of_memory_is_one_line_naming_the_keys(tmp_path, ca
     line naming the keys that make a step smaller, exit 1, not a traceback."""
     import torch
 
-    from miles.trainers.torch_backend import TorchTrainer
+    from miles.learner.torch_backend import TorchTrainer
 
     def full(self, batch):
         raise torch.OutOfMemoryError(

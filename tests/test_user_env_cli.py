@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from miles.sessions.recorder import read_sessions
-from miles.trainers.metrics_log import read_metrics
+from miles.training.metrics_log import read_metrics
 
 ENV_MODULE = '''
 from miles.envs import ToolEnv, register, reward

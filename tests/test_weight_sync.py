@@ -18,8 +18,8 @@ from miles.engines.embedded import EmbeddedEngine
 from miles.engines.server import serve_in_thread
 from miles.engines.testing import small_qwen2
 from miles.engines.weight_broadcast import WeightGroupError, plan_buckets
-from miles.trainers.torch_backend import TorchTrainer, TorchTrainerConfig
-from miles.trainers.train_config import load_train_config
+from miles.learner.torch_backend import TorchTrainer, TorchTrainerConfig
+from miles.training.config import load_train_config
 from miles.weight_sync import (
     SyncConfig,
     WeightSync,

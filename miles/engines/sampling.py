@@ -4,7 +4,7 @@ Which logprob is reported: for a sampled row (temperature > 0) the logprob of th
 distribution it was drawn from: `log_softmax(logits / temperature)`, renormalised over the tokens top-k/top-p
 kept when the row filters. With it comes the row's *kept count*, how many tokens survived the filter (0 for a
 row that does not filter): a trainer reproduces the logprob from its own logits by keeping its own
-`count` largest logits (`miles.trainers.logprobs`), which is robust to float differences between the two,
+`count` largest logits (`miles.learner.logprobs`), which is robust to float differences between the two,
 where a logit threshold would not be. For a greedy row (temperature == 0) it is the raw `log_softmax(logits)`
 of the argmax token, with count 0.
 

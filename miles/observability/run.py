@@ -37,7 +37,7 @@ DEVICE_PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
 )
 
 #: Trainer metric key -> (family, extra label values). Both backends report these names
-#: (`miles.trainers.losses.policy_loss`, `miles.trainers.metrics.train_step_metrics`).
+#: (`miles.learner.losses.policy_loss`, `miles.learner.metrics.train_step_metrics`).
 TRAIN_GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
     "mismatch_kl": ("miles_train_rollout_kl", ("mean",)),
     "mismatch_kl_max": ("miles_train_rollout_kl", ("max",)),

@@ -1,6 +1,6 @@
 """`RolloutManager`: the scheduler as a stream of finished groups under a staleness bound.
 
-The asynchronous loop runs it in its own process (see `miles.trainers.async_rollout`): sessions keep running
+The asynchronous loop runs it in its own process (see `miles.training.async_rollout`): sessions keep running
 while the trainer trains, and weight updates land while they do. Three pieces:
 
 - **Admission.** Under the `miles.sessions.staleness.StalenessBound`: with `groups_per_version` groups trained

@@ -1,5 +1,5 @@
 """`StalenessBound`: `async.max_staleness`, the whole rule in one place, for both sides of the asynchronous loop
-(the rollout process admits groups by it, `miles.trainers.async_rollout.ProcessSource` takes them by it).
+(the rollout process admits groups by it, `miles.training.async_rollout.ProcessSource` takes them by it).
 
 A group's staleness is the trainer's weight version minus the oldest version among its generated tokens (the
 largest over its samples). With `groups_per_version` groups trained per version, group number `g` (in start

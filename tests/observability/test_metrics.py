@@ -370,10 +370,10 @@ def test_the_trainers_own_metrics_feed_every_trainer_gauge():
     metric fails here rather than leaving a dashboard panel empty."""
     import torch
 
-    from miles.trainers.losses import LossConfig
-    from miles.trainers.metrics import logprob_mismatch
-    from miles.trainers.torch_backend import TorchTrainer
-    from miles.trainers.trainer_config import AlgorithmConfig, TorchTrainerConfig
+    from miles.learner.config import AlgorithmConfig, TorchTrainerConfig
+    from miles.learner.losses import LossConfig
+    from miles.learner.metrics import logprob_mismatch
+    from miles.learner.torch_backend import TorchTrainer
     from miles.trajectory import Trajectory, TrajectoryBatch, TrajectoryMeta
 
     g = torch.Generator().manual_seed(0)

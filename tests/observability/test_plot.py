@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from miles.sessions import Recorder, SessionRecord, TurnRecord
-from miles.trainers.plot import plot_run, reward_edges, sessions_by_step, step_histograms
+from miles.training.plot import plot_run, reward_edges, sessions_by_step, step_histograms
 from miles.types import TerminationReason
 
 

@@ -43,8 +43,8 @@ def test_build_records_the_template_it_used():
 
 
 def test_build_tito_keeps_naming_the_config_key():
-    from miles.trainers.models import ModelSpecError, build_tito
-    from miles.trainers.train_config import ModelConfig
+    from miles.training.config import ModelConfig
+    from miles.training.models import ModelSpecError, build_tito
 
     assert build_tito(ModelConfig(chat_template="compact")).spec.chat_template == "compact"
     with pytest.raises(
