@@ -133,13 +133,13 @@ class TrainLoop:
         )
         self.echo(f"[health] {self.summary.broken}.")
 
-    async def _start(self, parts: RunParts) -> tuple[int, float]:
-        """Resume from the newest checkpoint, or warm-start a fresh run; the step to start at, and the time
-        after which recorded work is redone (inf for a fresh run)."""
+    async def _start(self, parts: RunParts) -> tuple[int, float | None]:
+        """Resume from the newest checkpoint, or warm-start a fresh run; the step to start at, and for a resumed
+        run the time after which recorded work is redone."""
         root = self.out / "checkpoints"
         if not self.resume:
             await parts.policy.warm_start(self.budget.left())
-            return 0, float("inf")
+            return 0, None
         if not any(root.glob("step_*")):  # killed before its first checkpoint: every step is redone
             self._set_aside_after(parts, 0.0)
             await parts.policy.restore(None, saved_at=0.0)
@@ -183,7 +183,7 @@ class TrainLoop:
             await self._evaluate(parts, "start")
         await policy.start(  # session ids stay unique across resumes
             run_id=f"train-r{start_step}" if start_step else "train",
-            resume_time=saved_at if self.resume else None,
+            resume_time=saved_at,
         )
         t_rl = time.perf_counter()
         step, committed = start_step, False
