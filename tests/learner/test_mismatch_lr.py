@@ -5,10 +5,6 @@ from __future__ import annotations
 
 import copy
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,10 +15,9 @@ from miles.learner.losses import LossConfig, mismatch_lr_scale
 from miles.learner.torch_backend import TorchTrainer
 from miles.tiny import make_tiny_model
 from miles.training.config import load_train_config
-from miles.training.metrics_log import read_metrics
 from miles.trajectory import Trajectory, TrajectoryBatch, TrajectoryMeta
+from tests.support.runs import SHORT_ASYNC, trained_rows
 
-REPO = Path(__file__).resolve().parents[2]
 VOCAB = 64
 LR = 1e-2
 
@@ -114,22 +109,8 @@ def test_an_on_policy_batch_steps_at_the_full_rate():
 
 @pytest.mark.slow
 def test_an_async_run_reports_the_scale_it_applied(tmp_path):
-    sets = [
-        "max_seconds=null",
-        "eval.num_tasks=4",
-        "steps=6",
-        "rollout.tasks_per_step=4",
-        "rollout.scheduler.group_size=4",
-        "async.enabled=true",
-        "async.max_staleness=2",
-        "algorithm.loss.mismatch_kl_target=1e-6",  # below any stale batch's mismatch: every such step scales
-    ]
-    args = [sys.executable, "-m", "miles.cli", "train", "--config", str(REPO / "configs/calculator.yaml")]
-    args += ["--output-dir", str(tmp_path), *(x for s in sets for x in ("--set", s))]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r["kind"] == "train" and "approx_kl" in r]
+    # a target below any stale batch's mismatch: every such step scales
+    rows = trained_rows(tmp_path, *SHORT_ASYNC, "algorithm.loss.mismatch_kl_target=1e-6")
     assert rows and all(0.0 < r["lr_scale"] <= 1.0 and r["lr"] == 3e-4 for r in rows)
     stale = [r for r in rows if r["mismatch_kl"] > 1e-6]
     assert stale, "no stale batch in the run"
