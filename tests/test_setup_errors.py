@@ -156,7 +156,7 @@ def test_the_console_script_prints_no_traceback(ranks, tmp_path):
     ]
 
 
-def test_the_main_job_on_a_kv_cache_sized_from_a_memory_fraction_ends_long_sessions_context_full(
+def test_the_calculator_example_on_a_kv_cache_sized_from_a_memory_fraction_ends_long_sessions_context_full(
     tmp_path, monkeypatch
 ):
     """`engine.kv_cache_fraction` bounds the embedded engine's context to what fits: sessions that outgrow it end

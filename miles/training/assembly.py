@@ -29,7 +29,6 @@ from miles.training.metrics_log import MetricsLog
 from miles.training.models import build_policy, check_devices, check_tools_reach_model
 from miles.training.policy_run import OnePolicy, Publisher
 from miles.training.protocol import PolicyRun, RolloutSource
-from miles.training.rollout_process import RolloutProcess, RolloutStart
 from miles.training.rollout_side import RolloutData, RolloutSide
 from miles.training.seeding import seed_everything
 from miles.training.sft import SftStage
@@ -38,9 +37,6 @@ from miles.weight_sync import WeightPusher, build_weight_sync
 
 #: Seconds each part of the run gets to close.
 TEARDOWN_S = 5.0
-
-#: How an asynchronous run starts its rollout process (a child process; a Ray actor on a Ray cluster).
-SpawnRollout = Callable[[TrainConfig, RolloutStart], RolloutProcess]
 
 
 @dataclass(frozen=True)
@@ -69,9 +65,7 @@ def close_trainer_process(trainer: Trainer | None) -> None:
         trainer.close()
 
 
-async def assemble(
-    cfg: TrainConfig, *, metrics: MetricsLog, echo: Callable[[str], None], spawn_rollout: SpawnRollout
-) -> RunParts:
+async def assemble(cfg: TrainConfig, *, metrics: MetricsLog, echo: Callable[[str], None]) -> RunParts:
     """Build the run of `cfg` (see the module doc); a setup mistake fails here, in one line, before the first
     step. What was built is closed again when a later part fails."""
     out = Path(cfg.output_dir)
@@ -150,7 +144,6 @@ async def assemble(
                     push=publisher.push,
                     evaluation=engine_evaluation,
                     observer=session_metrics,
-                    spawn=spawn_rollout,
                 )
             else:
                 recorder = Recorder(out / "sessions.jsonl")
@@ -222,7 +215,7 @@ async def assemble(
             sync=sync,
             observability=observability,
             eval_recorder=eval_recorder,
-            health=RunHealth(cfg.health, warn=echo),
+            health=RunHealth(cfg.health, warn=echo, sessions=out / "sessions.jsonl"),
             policy=policy,
         )
     except BaseException:

@@ -27,12 +27,12 @@ from miles.sessions.staleness import StalenessBound
 from miles.training.config import TrainConfig
 from miles.training.evaluate import EvalResult, EvalSet
 from miles.training.protocol import StepRollout
-from miles.training.rollout_process import Finished, RolloutProcess, RolloutStart
+from miles.training.rollout_process import Finished, RolloutHandle, RolloutStart
 from miles.training.sources import Evaluation
 
 
 class ProcessSource:
-    """Drives a `RolloutProcess`: `start`, then per step `collect` and `publish`; `aclose` at the end.
+    """Drives the rollout manager through its `RolloutHandle`: `start`, then per step `collect` and `publish`; `aclose` at the end.
 
     `push(version, weights)` is the trainer's own weight sync, used for HTTP engines (the rollout process's embedded
     engines get the weights through the process queue instead). `evaluation` runs held-out sessions on the
@@ -50,7 +50,6 @@ class ProcessSource:
         push: Callable[[int, Weights], Awaitable[None]],
         evaluation: Evaluation | None = None,
         observer: SessionObserver | None = None,
-        spawn: Callable[[TrainConfig, RolloutStart], RolloutProcess] = RolloutProcess.spawn,
     ) -> None:
         self.cfg = cfg
         self.acfg = cfg.asynchronous
@@ -61,8 +60,7 @@ class ProcessSource:
         self.observer = observer
         self.position = 0
         self.consumed: set[int] = set()
-        self.process: RolloutProcess | None = None
-        self.spawn = spawn  # how the rollout process starts (a child process; a Ray actor on a Ray cluster)
+        self.process: RolloutHandle | None = None
         self._taken: list[int] = []  # positions of the groups the last `collect` kept as its share
         self._deferred: deque[Finished] = deque()  # finished groups left for the next step
         self._oldest_running: int | None = None  # as the rollout process last reported it
@@ -84,7 +82,9 @@ class ProcessSource:
             run_id=run_id,
             resume_time=resume_time,
         )
-        self.process = self.spawn(self.cfg, start)
+        from miles.training.placement import launch_rollout
+
+        self.process = launch_rollout(self.cfg, start)
         await self.process.ready()
         self.process.publish(version, None if self.http else weights())
         await self.process.wait_acked(version)

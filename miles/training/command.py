@@ -16,8 +16,8 @@ from miles.config import ConfigError
 from miles.learner.errors import CheckpointError
 from miles.learner.trainer_process import TrainerProcessError
 from miles.training.config import TrainConfig, load_train_config
-from miles.training.loop import RunSummary, TrainLoop
 from miles.training.rollout_process import RolloutManagerError
+from miles.training.summary import RunSummary
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -78,9 +78,8 @@ def format_summary(summary: RunSummary, cfg: TrainConfig | None = None) -> str:
 
 
 def run_loop(cfg: TrainConfig, args: argparse.Namespace, *, resume: bool) -> int:
-    """Run one `TrainLoop` and print its table. With several ranks (``parallel.tp * pp * dp > 1``, either
-    backend) the launcher spawns them with torchrun, worker ranks serve trainer commands, and rank 0 runs the
-    loop, releasing the workers when it ends (also on an error). A torchrun rank ends here (`end_rank`)."""
+    """Run `cfg` where it is placed (`run_placed`) and print rank 0's table. A torchrun rank ends here
+    (`end_rank`)."""
     from miles.learner.collective import end_rank
     from miles.training.torchrun import in_torchrun_worker
 
@@ -90,10 +89,34 @@ def run_loop(cfg: TrainConfig, args: argparse.Namespace, *, resume: bool) -> int
     return status
 
 
+def run_placed(cfg: TrainConfig, argv: list[str], *, resume: bool, extend: bool = False) -> RunSummary | int:
+    """Run `cfg`'s trainer ranks where the config places them, each one running `run_rank`: in this process
+    (one rank), under torchrun (``tp * pp * dp`` local ranks, re-running `argv`), or as Ray actors
+    (`cluster.kind: ray`). Returns rank 0's `RunSummary` where this process ran rank 0 or drove the Ray
+    actors; else this process's exit status (torchrun's for its launcher, 0 for a worker rank). Setup errors
+    are raised before any rank starts."""
+    if cfg.cluster.kind == "ray":  # the roles run as Ray actors; this process places and watches them
+        from miles.training.cluster.ray_run import run_on_ray
+
+        return run_on_ray(cfg, resume=resume, extend=extend)
+    from miles.training.models import check_devices
+    from miles.training.placement import check_trainer_setup, world_size_of
+    from miles.training.rank import run_rank
+    from miles.training.torchrun import relaunch_under_torchrun
+
+    check_trainer_setup(cfg)
+    check_devices(cfg)
+    status = relaunch_under_torchrun(world_size_of(cfg), argv)
+    if status is not None:
+        return status
+    summary = run_rank(cfg, resume=resume, extend=extend)
+    return 0 if summary is None else summary
+
+
 def _run_loop(cfg: TrainConfig, args: argparse.Namespace, *, resume: bool) -> int:
-    from miles.learner.collective import leave_process_group, stop_workers
     from miles.training.output_dir import check_fresh_output_dir, leftovers
-    from miles.training.placement import cli_argv, dispatch_ranks
+    from miles.training.placement import cli_argv
+    from miles.training.rank import TrainerRankError
     from miles.training.torchrun import in_torchrun_worker
 
     if not resume and not in_torchrun_worker():  # before any rank, engine or Ray actor starts
@@ -103,24 +126,15 @@ def _run_loop(cfg: TrainConfig, args: argparse.Namespace, *, resume: bool) -> in
                 f"[train] {cfg.output_dir} holds no recorded run, only {', '.join(left)}; the new run starts "
                 "there and replaces them"
             )
-    if cfg.cluster.kind == "ray":  # the roles run as Ray actors; this process places and watches them
-        return run_on_ray_cli(cfg, args, resume=resume)
-    status = dispatch_ranks(cfg, cli_argv(args))
-    if status is not None:
-        return status
-    loop = TrainLoop(cfg, resume=resume, extend=bool(getattr(args, "extend", False)))
     try:
-        summary = asyncio.run(loop.run())
-    except (RolloutManagerError, TrainerProcessError, CheckpointError) as exc:  # one line, no traceback
-        print(f"miles {args.command}: {exc}", file=sys.stderr)
+        outcome = run_placed(cfg, cli_argv(args), resume=resume, extend=bool(getattr(args, "extend", False)))
+    except (RolloutManagerError, TrainerProcessError, TrainerRankError, CheckpointError) as exc:
+        print(f"miles {args.command}: {exc}", file=sys.stderr)  # the run stopped; its checkpoints are intact
         return 1
     except (MemoryError, torch.OutOfMemoryError) as exc:  # the accelerator or the host is full
         print(f"miles {args.command}: {out_of_memory_line(exc, cfg)}", file=sys.stderr)
         return 1
-    finally:
-        stop_workers(getattr(loop, "trainer", None))
-    leave_process_group()
-    return report(summary, cfg, args)
+    return outcome if isinstance(outcome, int) else report(outcome, cfg, args)
 
 
 def out_of_memory_line(exc: BaseException, cfg: TrainConfig) -> str:
@@ -151,18 +165,6 @@ def report(summary: RunSummary, cfg: TrainConfig, args: argparse.Namespace) -> i
         return 3
     print(format_summary(summary, cfg))
     return 0
-
-
-def run_on_ray_cli(cfg: TrainConfig, args: argparse.Namespace, *, resume: bool) -> int:
-    """`run_loop` with `cluster.kind: ray`: the same loop on trainer rank 0's actor (`miles.training.cluster.ray_run`)."""
-    from miles.training.cluster.ray_run import TrainerRankError, run_on_ray
-
-    try:
-        summary = run_on_ray(cfg, resume=resume, extend=bool(getattr(args, "extend", False)))
-    except (RolloutManagerError, TrainerRankError) as exc:  # the run stopped; its checkpoints are intact
-        print(f"miles {args.command}: {exc}", file=sys.stderr)
-        return 1
-    return report(summary, cfg, args)
 
 
 def run_from_cli(args: argparse.Namespace) -> int:

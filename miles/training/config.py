@@ -253,7 +253,7 @@ def _check_backend_sections(cfg: TrainConfig) -> None:
 
 #: `algorithm.loss.tis_cap` of an asynchronous run with `max_staleness > 0` whose loss takes the ratio against
 #: the proximal policy and sets neither it nor `icepop`: without an importance weight against the rollout
-#: policy, stale samples train the current policy as if they were its own (the main job at `max_staleness: 2`
+#: policy, stale samples train the current policy as if they were its own (the calculator example at `max_staleness: 2`
 #: collapsed in 15 steps that way).
 ASYNC_TIS_CAP = 2.0
 #: `algorithm.loss.dual_clip_c` of an asynchronous run that takes the ratio against the rollout policy by default.

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -21,6 +22,7 @@ from miles.types import TerminationReason
 
 #: Sessions that ended for infrastructure reasons say nothing about the policy: recorded, never trained on.
 UNTRAINABLE = (TerminationReason.ENGINE_ERROR, TerminationReason.ABORTED, TerminationReason.ENV_ERROR)
+SESSIONS = Path("sessions.jsonl")
 
 
 @dataclass(frozen=True)
@@ -188,20 +190,34 @@ class RunHealth:
       `on_no_signal: continue` the verdict does not stop the run, and comes again only after a step that
       learned).
 
-    `warn` gets one line the first time each new kind of env error appears, naming the session.
+    A step whose session records could not all be written to `sessions` stops the run at once, so that no
+    session it trains on goes unrecorded. `warn` gets one line the first time each new kind of env error
+    appears, naming the session.
     """
 
-    def __init__(self, config: HealthConfig, warn: Callable[[str], None] = print) -> None:
+    def __init__(
+        self, config: HealthConfig, warn: Callable[[str], None] = print, *, sessions: Path = SESSIONS
+    ) -> None:
         self.config = config
         self.warn = warn
+        self.sessions = sessions
         self.window: list[StepActivity] = []
         self.reported = False
         self.engine_failures = 0
         self.nonfinite = 0
         self._env_errors_seen: set[str] = set()
 
-    def observe(self, activity: StepActivity, row: Mapping[str, Any] | None = None) -> Verdict | None:
-        """Take one step (its sessions, and its metrics row when it trained)."""
+    def observe(
+        self, activity: StepActivity, row: Mapping[str, Any] | None = None, *, unrecorded: int = 0
+    ) -> Verdict | None:
+        """Take one step (its sessions, its metrics row when it trained, and how many session records of the run
+        so far could not be written)."""
+        if unrecorded:
+            return Verdict(
+                f"{unrecorded} session record(s) could not be written to {self.sessions} (the log says why); the "
+                "run stops so that no session it trains on goes unrecorded",
+                stop=True,
+            )
         row = row or {}
         self._warn_env_errors(activity)
         failed = sum(

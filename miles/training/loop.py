@@ -6,9 +6,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import yaml
 
@@ -16,41 +14,16 @@ from miles.config import to_dict
 from miles.envs.recipe import error_line
 from miles.learner.checkpoint import elapsed_at_latest
 from miles.learner.protocol import Trainer
-from miles.training.assembly import RunParts, SpawnRollout, assemble
+from miles.training.assembly import RunParts, assemble
 from miles.training.config import TrainConfig
-from miles.training.evaluate import EvalResult, recorded_evals
-from miles.training.health import StepActivity, step_activity
+from miles.training.health import Verdict, step_activity
 from miles.training.metrics_log import MetricsLog
 from miles.training.output_dir import OutputDirLock, check_fresh_output_dir
 from miles.training.policy_run import NonFiniteWeightsError
+from miles.training.resume import start_run
 from miles.training.rl_step import progress_line, step_row
-from miles.training.rollout_process import RolloutProcess
+from miles.training.summary import RunSummary
 from miles.training.wall import Budget, Ending, within_the_wall
-
-
-@dataclass
-class RunSummary:
-    """The outcome of one run: held-out results at each stage, and where the time went."""
-
-    output_dir: str
-    steps_done: int
-    evals: dict[str, dict[str, EvalResult]] = field(default_factory=dict)
-    seconds: dict[str, float] = field(default_factory=dict)
-    #: Why the run stopped before its budget because it was broken (empty when it was not): the run then
-    #: reports this line and exit status 3, never a score.
-    broken: str = ""
-    #: The signal that stopped the run ("SIGINT", "SIGTERM"), or "": it checkpointed and reports no score.
-    stopped: str = ""
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "output_dir": self.output_dir,
-            "steps_done": self.steps_done,
-            "seconds": self.seconds,
-            "broken": self.broken,
-            "stopped": self.stopped,
-            "evals": {stage: {m: r.to_dict() for m, r in res.items()} for stage, res in self.evals.items()},
-        }
 
 
 class TrainLoop:
@@ -63,11 +36,9 @@ class TrainLoop:
         resume: bool = False,
         extend: bool = False,
         echo: Callable[[str], None] = print,
-        rollout_process: SpawnRollout = RolloutProcess.spawn,
     ) -> None:
         self.cfg, self.resume, self.echo = cfg, resume, echo
         self.extend = extend  # a resumed run gets a whole new max_seconds instead of what its budget has left
-        self.spawn_rollout = rollout_process
         self.out = Path(cfg.output_dir)
         self.lock = OutputDirLock(self.out)  # released at the end of `run`
         try:
@@ -95,9 +66,7 @@ class TrainLoop:
 
     async def _run(self) -> RunSummary:
         t_start, lingered = time.perf_counter(), 0.0
-        self.parts = parts = await assemble(
-            self.cfg, metrics=self.metrics, echo=self.echo, spawn_rollout=self.spawn_rollout
-        )
+        self.parts = parts = await assemble(self.cfg, metrics=self.metrics, echo=self.echo)
         spent = elapsed_at_latest(self.out / "checkpoints") if self.resume and not self.extend else 0.0
         self.budget = Budget(self.cfg.max_seconds, t_start - spent)
         try:
@@ -133,52 +102,21 @@ class TrainLoop:
         )
         self.echo(f"[health] {self.summary.broken}.")
 
-    async def _start(self, parts: RunParts) -> tuple[int, float | None]:
-        """Resume from the newest checkpoint, or warm-start a fresh run; the step to start at, and for a resumed
-        run the time after which recorded work is redone."""
-        root = self.out / "checkpoints"
-        if not self.resume:
-            await parts.policy.warm_start(self.budget.left())
-            return 0, None
-        if not any(root.glob("step_*")):  # killed before its first checkpoint: every step is redone
-            self._set_aside_after(parts, 0.0)
-            await parts.policy.restore(None, saved_at=0.0)
-            self.echo(
-                f"[resume] no checkpoint in {root}: starting at step 0 (the earlier sessions are moved to "
-                "sessions.jsonl.dropped)"
-            )
-            await parts.policy.warm_start(self.budget.left())
-            return 0, 0.0
-        ckpt = parts.trainer.load_checkpoint(root)
-        for reason in ckpt.passed_over:
-            self.echo(f"[resume] passed over a damaged checkpoint: {reason}")
-        saved_at = float(ckpt.extra.get("time", float("inf")))
-        self._set_aside_after(parts, saved_at)
-        await parts.policy.restore(ckpt, saved_at=saved_at)
-        started = recorded_evals(self.out / "metrics.jsonl", "start")
-        self.summary.evals.update(
-            {"start": started} if started else {}
-        )  # the gain is measured from the start
-        limited = self.cfg.max_seconds is not None and not self.extend
-        self.echo(
-            f"[resume] from {ckpt.path.name}: step {ckpt.step}"
-            + (
-                f"; {self.budget.spent():.0f} s of max_seconds ({self.budget.limit:.0f} s) spent"
-                if limited
-                else ""
-            )
-        )
-        return ckpt.step, saved_at
-
-    def _set_aside_after(self, parts: RunParts, saved_at: float) -> None:
-        """Forget the metric rows and held-out sessions written after `saved_at`: a resumed run redoes them."""
-        self.metrics.drop_after(saved_at)
-        parts.eval_recorder.drop_after(saved_at)
-
     async def _train(self, parts: RunParts) -> None:
         """Resume or warm-start, evaluate, the RL steps, the last checkpoint and the final evaluation."""
         cfg, policy = self.cfg, parts.policy
-        start_step, saved_at = await self._start(parts)
+        limited = cfg.max_seconds is not None and not self.extend
+        start_step, saved_at, started = await start_run(
+            parts,
+            self.out,
+            self.metrics,
+            resume=self.resume,
+            budget=self.budget,
+            limited=limited,
+            echo=self.echo,
+        )
+        if started:  # a resumed run measures its gain from the start
+            self.summary.evals["start"] = started
         if start_step == 0:
             await self._evaluate(parts, "start")
         await policy.start(  # session ids stay unique across resumes
@@ -211,7 +149,7 @@ class TrainLoop:
             self.summary.steps_done = step
             self.summary.seconds["rl"] = time.perf_counter() - t_rl
             self.echo(progress_line(step, cfg.steps, row))
-            self._check_health(parts, activity, row)
+            self._heed(parts.health.observe(activity, row, unrecorded=policy.record_failures))
             if self.summary.broken:
                 break
             if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.steps:
@@ -236,17 +174,8 @@ class TrainLoop:
             and not self.budget.over()
         )
 
-    def _check_health(self, parts: RunParts, activity: StepActivity, row: dict[str, Any]) -> None:
-        """Mark the run broken when a session record went unwritten or the health rules say stop."""
-        unrecorded = parts.policy.record_failures
-        if unrecorded:
-            self.summary.broken = (
-                f"{unrecorded} session record(s) could not be written to {self.out / 'sessions.jsonl'} (the log "
-                "says why); the run stops so that no session it trains on goes unrecorded"
-            )
-            self.echo(f"[health] {self.summary.broken}.")
-            return
-        verdict = parts.health.observe(activity, row)
+    def _heed(self, verdict: Verdict | None) -> None:
+        """The run's health after a step: a verdict that stops makes the run broken."""
         if verdict is None:
             return
         if verdict.stop:

@@ -1,15 +1,19 @@
-"""The trainer a `TrainConfig` names, on one process or on every rank of a torchrun job.
+"""Where a run's roles run. Each role has one handle, used the same way whatever runs it:
 
-`dispatch_ranks` decides where a ``miles train`` / ``miles sft`` command runs (in-process, relaunched under
-torchrun with ``tp * pp * dp`` ranks, or as a worker rank); `build_trainer` gives the train loop its `Trainer`
-(rank 0's `CollectiveTrainer` when there are several ranks); `run_worker` is what the other ranks do.
+- **the trainer**: the `Trainer` that `build_trainer` returns: the backend's trainer in this process, in a
+  process of its own (`adapters:`, `LoraTrainerProcess`), or rank 0's `CollectiveTrainer`, which mirrors each
+  collective call onto the other ranks (`run_worker`);
+- **the trainer ranks**: each runs `miles.training.rank.run_rank`, in this process, as a torchrun worker
+  (`miles.training.torchrun`) or as a Ray actor (`miles.training.cluster.ray_run`), started where the config
+  says by `miles.training.command.run_placed`;
+- **the rollout manager** of an asynchronous run: the `RolloutHandle` that `launch_rollout` returns, over a
+  child process (`ChildLink`) or a Ray actor (`ActorLink`).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 from typing import Any
 
 import torch
@@ -28,7 +32,8 @@ from miles.learner.config import MegatronTrainerConfig, TorchTrainerConfig, merg
 from miles.learner.errors import ConfigError
 from miles.learner.protocol import Trainer
 from miles.training.config import TrainConfig
-from miles.training.torchrun import in_torchrun_worker, relaunch_under_torchrun
+from miles.training.rollout_process import ChildLink, RolloutHandle, RolloutLink, RolloutStart
+from miles.training.torchrun import in_torchrun_worker
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +178,19 @@ def run_worker(cfg: TrainConfig, *, timeout_s: float = DEFAULT_COMMAND_TIMEOUT_S
     return done
 
 
+def launch_rollout(cfg: TrainConfig, start: RolloutStart) -> RolloutHandle:
+    """Start the rollout manager of an asynchronous run where the config places it: a Ray actor on a Ray
+    cluster (`cluster.kind: ray`), else a child process; its callers get the same `RolloutHandle` either way."""
+    link: RolloutLink
+    if cfg.cluster.kind == "ray":
+        from miles.training.cluster.rollout import ActorLink
+
+        link = ActorLink.start(cfg, start)
+    else:
+        link = ChildLink.start(cfg, start)
+    return RolloutHandle(link, timeout_s=cfg.asynchronous.manager_timeout_s)
+
+
 def cli_argv(args: Any) -> list[str]:
     """The ``miles train`` / ``miles sft`` command line that `args` (the CLI's namespace) was parsed from."""
     argv = [args.command, "--config", str(args.config)]
@@ -187,24 +205,3 @@ def cli_argv(args: Any) -> list[str]:
         if value is not None:
             argv += [f"--{flag.replace('_', '-')}", str(value)]
     return argv
-
-
-def dispatch_ranks(cfg: TrainConfig, argv: list[str]) -> int | None:
-    """Where a ``miles train`` / ``miles sft`` command runs, for either backend. Returns None when this process
-    should run the train loop (a single process, or rank 0 under torchrun), else its exit status: the launcher
-    re-runs ``argv`` under torchrun with ``tp * pp * dp`` ranks and returns torchrun's status; a worker rank
-    serves rank 0's trainer commands and returns 0. Setup errors are raised before any rank starts."""
-    from miles.training.models import check_devices
-
-    check_trainer_setup(cfg)
-    check_devices(cfg)
-    world = world_size_of(cfg)
-    if world == 1 and not in_torchrun_worker():
-        return None
-    status = relaunch_under_torchrun(world, argv)
-    if status is not None:
-        return status
-    if int(os.environ.get("RANK", "0")) == 0:
-        return None
-    run_worker(cfg)
-    return 0

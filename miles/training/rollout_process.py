@@ -1,13 +1,13 @@
 """The rollout process of the asynchronous loop: it runs a `RolloutManager` (the scheduler,
 its router, the engines and the recorder) and streams finished groups to the trainer.
 
-Transport: two `torch.multiprocessing` queues (spawn context). The trainer's messages go in `inbox`, the
-manager's come back in `outbox`. Weights for the process's embedded engines travel in the queue itself:
+Transport: a `RolloutLink`; in a child process (`ChildLink`) two `torch.multiprocessing` queues (spawn context),
+the trainer's messages in `inbox` and the manager's back in `outbox`. Weights for the process's embedded engines travel in the queue itself:
 CPU tensors through shared memory, CUDA tensors through CUDA IPC, and the trainer holds on to them until
 the manager says they are loaded. HTTP engines take their weights from the trainer's own weight sync; the
 manager only learns the new version (and, with `inflight: continue`, holds new turns while it lands).
 
-Neither side shares Python state or an event loop with the other; `RolloutProcess` is the trainer's handle.
+Neither side shares Python state or an event loop with the other; `RolloutHandle` is the trainer's handle.
 """
 
 from __future__ import annotations
@@ -331,52 +331,47 @@ def _quiet_dead_peer_handshakes() -> None:
     sys.excepthook = hook
 
 
-class Channel(Protocol):
-    """One direction of messages between the trainer and the rollout manager: a `multiprocessing` queue, or
-    a Ray actor's queue seen through its handle."""
+class RolloutLink(Protocol):
+    """The trainer's end of the wire to the rollout manager, wherever the manager runs: a child process
+    (`ChildLink`) or a Ray actor (`miles.training.cluster.rollout.ActorLink`)."""
 
-    def put(self, message: Any) -> None: ...
+    def send(self, message: Any) -> None:
+        """Hand the manager `message`; messages arrive in the order they were sent."""
+        ...
 
-    def get(self, block: bool = True, timeout: float | None = None) -> Any: ...
+    def receive(self, timeout_s: float) -> Any | None:
+        """The manager's next message, or None when none came within `timeout_s`."""
+        ...
 
-    def qsize(self) -> int: ...
+    def waiting(self) -> int:
+        """Messages the manager sent that were not received yet (0 where the transport cannot tell)."""
+        ...
 
-    def cancel_join_thread(self) -> None: ...
+    def exit_code(self) -> int | None:
+        """None while the manager runs; then its exit status (1 when it died without one)."""
+        ...
 
-    def close(self) -> None: ...
+    def wait_exit(self, timeout_s: float) -> None:
+        """Wait up to `timeout_s` for the manager to exit."""
+        ...
+
+    def kill(self) -> None:
+        """End the manager now."""
+        ...
+
+    def release(self) -> None:
+        """Let go of the transport once the manager has exited or was killed."""
+        ...
 
 
-class Worker(Protocol):
-    """Where the rollout manager runs: a child process, or a Ray actor's `run` call."""
+class ChildLink:
+    """`RolloutLink` to a manager in a spawned child process, over two `torch.multiprocessing` queues."""
 
-    @property
-    def exitcode(self) -> int | None: ...
-
-    def is_alive(self) -> bool: ...
-
-    def join(self, timeout: float | None = None) -> None: ...
-
-    def terminate(self) -> None: ...
-
-
-class RolloutProcess:
-    """The trainer's handle on the rollout manager: `next_group()`, `publish()`, `hold()`, `requeue()`,
-    `close()`, over two `Channel`s and the `Worker` that runs it. `spawn` starts it as a child process;
-    `miles.training.cluster.rollout.spawn_on_ray` as a Ray actor.
-
-    A dead or silent manager raises `RolloutManagerError` from whichever call notices it.
-    """
-
-    def __init__(self, inbox: Channel, outbox: Channel, process: Worker, *, timeout_s: float) -> None:
+    def __init__(self, inbox: Any, outbox: Any, process: multiprocessing.process.BaseProcess) -> None:
         self.inbox, self.outbox, self.process = inbox, outbox, process
-        self.timeout_s = timeout_s
-        self.groups: deque[Finished] = deque()
-        self.acked = 0
-        self._sent: dict[int, Any] = {}  # weights kept alive until the manager has loaded them
-        self._ready = False
 
     @classmethod
-    def spawn(cls, cfg: TrainConfig, start: RolloutStart) -> RolloutProcess:
+    def start(cls, cfg: TrainConfig, start: RolloutStart) -> ChildLink:
         """Start `rollout_main` in a spawned child process with `async.rollout_threads` torch threads."""
         import torch.multiprocessing as mp
 
@@ -395,36 +390,71 @@ class RolloutProcess:
                 os.environ.pop("OMP_NUM_THREADS", None)
             else:
                 os.environ["OMP_NUM_THREADS"] = env_threads
-        return cls(inbox, outbox, process, timeout_s=cfg.asynchronous.manager_timeout_s)
+        return cls(inbox, outbox, process)
 
-    @property
-    def buffered(self) -> int:
-        """Finished groups received and not yet taken."""
-        return len(self.groups) + self._queued()
+    def send(self, message: Any) -> None:
+        self.inbox.put(message)
 
-    def _queued(self) -> int:
+    def receive(self, timeout_s: float) -> Any | None:
+        try:
+            return self.outbox.get(True, timeout_s)
+        except queue.Empty:
+            return None
+
+    def waiting(self) -> int:
         try:
             return self.outbox.qsize()
         except NotImplementedError:  # macOS
             return 0
 
+    def exit_code(self) -> int | None:
+        return None if self.process.is_alive() else self.process.exitcode
+
+    def wait_exit(self, timeout_s: float) -> None:
+        self.process.join(timeout_s)
+
+    def kill(self) -> None:
+        self.process.terminate()
+
+    def release(self) -> None:
+        for q in (self.inbox, self.outbox):
+            q.cancel_join_thread()
+            q.close()
+
+
+class RolloutHandle:
+    """The trainer's handle on the rollout manager: `next_group()`, `publish()`, `hold()`, `requeue()`,
+    `close()`, over a `RolloutLink`, so its callers never change with where the manager runs
+    (`miles.training.placement.launch_rollout` picks the link).
+
+    A dead or silent manager raises `RolloutManagerError` from whichever call notices it.
+    """
+
+    def __init__(self, link: RolloutLink, *, timeout_s: float) -> None:
+        self.link = link
+        self.timeout_s = timeout_s
+        self.groups: deque[Finished] = deque()
+        self.acked = 0
+        self._sent: dict[int, Any] = {}  # weights kept alive until the manager has loaded them
+        self._ready = False
+
+    @property
+    def buffered(self) -> int:
+        """Finished groups received and not yet taken."""
+        return len(self.groups) + self.link.waiting()
+
     async def _receive(self, deadline_s: float) -> None:
         """Take one message from the manager (waiting up to `deadline_s`) and file it."""
         end = time.monotonic() + deadline_s
-        while True:
-            try:
-                msg = await asyncio.to_thread(self.outbox.get, True, 0.5)
-                break
-            except queue.Empty:
-                if not self.process.is_alive():
-                    raise RolloutManagerError(
-                        f"the rollout process exited with code {self.process.exitcode}; "
-                        "continue the run with --resume"
-                    ) from None
-                if time.monotonic() > end:
-                    raise RolloutManagerError(
-                        f"the rollout process sent nothing for {deadline_s:.0f} s (async.manager_timeout_s)"
-                    ) from None
+        while (msg := await asyncio.to_thread(self.link.receive, 0.5)) is None:
+            if (code := self.link.exit_code()) is not None:
+                raise RolloutManagerError(
+                    f"the rollout process exited with code {code}; continue the run with --resume"
+                )
+            if time.monotonic() > end:
+                raise RolloutManagerError(
+                    f"the rollout process sent nothing for {deadline_s:.0f} s (async.manager_timeout_s)"
+                )
         if isinstance(msg, Failed):
             raise RolloutManagerError(f"the rollout process failed: {msg.message}")
         if isinstance(msg, Finished):
@@ -456,38 +486,33 @@ class RolloutProcess:
         """Read, and drop, what the manager still sends until it exits (up to `timeout_s`): a process cannot
         exit while its queue holds messages the pipe has no room for, and nobody would read them any more."""
         end = time.monotonic() + timeout_s
-        while self.process.is_alive() and time.monotonic() < end:
-            try:
-                self.outbox.get(True, 0.1)
-            except queue.Empty:
-                pass
-        self.process.join(max(0.0, end - time.monotonic()))
+        while self.link.exit_code() is None and time.monotonic() < end:
+            self.link.receive(0.1)
+        self.link.wait_exit(max(0.0, end - time.monotonic()))
 
     def publish(self, version: int, state_dict: dict[str, torch.Tensor] | None) -> None:
         """Send weights `version` (see `Weights`); returns at once, `wait_acked` waits for them to land."""
         if state_dict is not None:
             self._sent[version] = state_dict
-        self.inbox.put(Weights(version, state_dict))
+        self.link.send(Weights(version, state_dict))
 
     async def hold(self, version: int) -> None:
         """Make the manager hold new turns and drain the ones in flight (before an HTTP weight push)."""
-        self.inbox.put(Hold(version))
+        self.link.send(Hold(version))
         await self.wait_acked(version)
 
     def requeue(self, position: int, *, rerun: bool) -> None:
         """Tell the manager the group of `position` takes no place under the bound any more (too stale, or it
         trained nothing): start another in its place, running that task again when `rerun`."""
-        self.inbox.put(Requeue(position, rerun))
+        self.link.send(Requeue(position, rerun))
 
     async def close(self, timeout_s: float = 60.0) -> None:
         """Stop the manager (its running sessions are aborted and recorded) and wait for it to exit."""
-        if self.process.is_alive():
-            self.inbox.put(Stop())
+        if self.link.exit_code() is None:
+            self.link.send(Stop())
             await asyncio.to_thread(self._drain_until_exit, timeout_s)
-        if self.process.is_alive():
-            self.process.terminate()
-            await asyncio.to_thread(self.process.join, 10.0)
+        if self.link.exit_code() is None:
+            self.link.kill()
+            await asyncio.to_thread(self.link.wait_exit, 10.0)
         self._sent.clear()
-        for q in (self.inbox, self.outbox):
-            q.cancel_join_thread()
-            q.close()
+        self.link.release()

@@ -450,7 +450,7 @@ def test_daemon_thread_pool_grows_bounded_and_shrinks():
 
 def test_tool_boxes_share_one_pool_so_sessions_do_not_leave_a_thread_each():
     """One env (and ToolBox) per session: a pool per box started a thread per session that idled 30 s
-    (2,400 live threads in a main-job process). All boxes share the process's pool."""
+    (2,400 live threads in a calculator-example process). All boxes share the process's pool."""
 
     @tool
     def square(x: int) -> int:

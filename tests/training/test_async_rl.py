@@ -1,5 +1,5 @@
 """Fully asynchronous RL: token-level weight versions, the staleness bound (admission in the rollout manager,
-the filter in the trainer), `max_staleness: 0` reproducing the synchronous loop on the main job's config, and a
+the filter in the trainer), `max_staleness: 0` reproducing the synchronous loop on the calculator example's config, and a
 killed rollout process followed by `--resume`."""
 
 from __future__ import annotations
@@ -341,7 +341,7 @@ SMALL = ("steps=3", "rollout.tasks_per_step=4", "rollout.scheduler.group_size=4"
 
 
 @pytest.mark.slow
-def test_max_staleness_0_reproduces_the_synchronous_loop_on_the_main_job(tmp_path):
+def test_max_staleness_0_reproduces_the_synchronous_loop_on_the_calculator_example(tmp_path):
     for mode in ("false", "true"):
         proc = _train(tmp_path / mode, *SMALL, f"async.enabled={mode}", "async.max_staleness=0")
         assert proc.returncode == 0, proc.stderr[-3000:]
@@ -566,7 +566,8 @@ def test_groups_of_a_step_that_trained_nothing_free_their_places():
 
 @pytest.mark.slow
 def test_the_rollout_process_stops_at_once_with_finished_groups_the_trainer_never_read(tmp_path):
-    from miles.training.rollout_process import RolloutProcess, RolloutStart
+    from miles.training.placement import launch_rollout
+    from miles.training.rollout_process import RolloutStart
 
     cfg = load_train_config(
         str(REPO / "configs" / "calculator.yaml"),
@@ -574,7 +575,7 @@ def test_the_rollout_process_stops_at_once_with_finished_groups_the_trainer_neve
     )
 
     async def go() -> tuple[int | None, float, int]:
-        process = RolloutProcess.spawn(cfg, RolloutStart())
+        process = launch_rollout(cfg, RolloutStart())
         await process.ready()
         process.publish(1, None)  # the engines keep the warm start they loaded
         await process.wait_acked(1)
@@ -584,7 +585,7 @@ def test_the_rollout_process_stops_at_once_with_finished_groups_the_trainer_neve
         buffered = process.buffered
         t0 = time.monotonic()
         await process.close(timeout_s=30)
-        return process.process.exitcode, time.monotonic() - t0, buffered
+        return process.link.exit_code(), time.monotonic() - t0, buffered
 
     exitcode, seconds, buffered = asyncio.run(go())
     assert buffered >= 2 * cfg.rollout.tasks_per_step

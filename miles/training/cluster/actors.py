@@ -11,7 +11,6 @@ remote). Each wraps an existing role without changing it:
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import ipaddress
 import os
@@ -25,7 +24,6 @@ import httpx
 from miles.engines.embedded import EmbeddedEngine
 from miles.ports import free_port
 from miles.training.cluster.config import enter_driver_folder
-from miles.training.cluster.rollout import spawn_on_ray
 from miles.training.config import TrainConfig
 
 
@@ -189,22 +187,11 @@ class TrainerRankActor:
         return self.host, free_port(self.host)
 
     def run(self, cfg: TrainConfig, env: dict[str, str], resume: bool, extend: bool = False) -> Any:
-        """Join the process group described by `env` (torchrun's variables) and train."""
-        from miles.learner.collective import leave_process_group, stop_workers
-        from miles.training.loop import TrainLoop
-        from miles.training.placement import run_worker
+        """Join the process group described by `env` (torchrun's variables) and run this rank (`run_rank`)."""
+        from miles.training.rank import run_rank
 
         os.environ.update(env)
-        if self.rank:
-            run_worker(cfg)
-            return None
         if is_loopback(cfg.sync.master_address) and not is_loopback(self.host):
-            # The engines join the weight-update group here; the default loopback address is this node's.
+            # The engines join the weight-update group here (rank 0); the default loopback address is this node's.
             cfg = dataclasses.replace(cfg, sync=dataclasses.replace(cfg.sync, master_address=self.host))
-        loop = TrainLoop(cfg, resume=resume, extend=extend, rollout_process=spawn_on_ray)
-        try:
-            summary = asyncio.run(loop.run())
-        finally:
-            stop_workers(getattr(loop, "trainer", None))
-        leave_process_group()
-        return summary
+        return run_rank(cfg, resume=resume, extend=extend)

@@ -45,16 +45,13 @@ from miles.training.cluster.config import ClusterConfig
 from miles.training.config import TrainConfig
 from miles.training.output_dir import DRIVER_LOCK_NAME, OutputDirLock
 from miles.training.placement import check_trainer_setup, world_size_of
+from miles.training.rank import TrainerRankError
 from miles.training.torchrun import WORKER_ENV
 
 RAY_INSTALL = "pip install -e '.[ray]'"
 NAMESPACE = "miles"
 # Ray's switch for single-machine clusters: with it off, Ray's own processes bind and advertise 127.0.0.1.
 _LOOPBACK_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
-
-
-class TrainerRankError(RuntimeError):
-    """A trainer rank's actor died; the run stopped (its checkpoints are intact) and `--resume` continues it."""
 
 
 # ---- placement ----------------------------------------------------------------------------------------

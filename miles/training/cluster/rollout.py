@@ -2,9 +2,8 @@
 
 `RolloutManagerActor` runs the rollout process's own body (`rollout_main`: the `RolloutManager` with its
 scheduler, router and recorder, against the engine actors' URLs) in a thread, with two in-actor queues in
-place of the process's `torch.multiprocessing` queues. `spawn_on_ray` gives the trainer its handle: the same
-`RolloutProcess` (next_group, publish, hold, requeue, close), over the actor's `Channel` and `Worker` instead of
-a child process's.
+place of the process's `torch.multiprocessing` queues. `ActorLink` is the trainer's `RolloutLink` to it, so the
+trainer drives it through the same `RolloutHandle` as a child process.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ from typing import Any
 
 from miles.training.cluster.config import enter_driver_folder
 from miles.training.config import TrainConfig
-from miles.training.rollout_process import RolloutProcess, RolloutStart, rollout_main
+from miles.training.rollout_process import RolloutStart, rollout_main
 
 
 class RolloutManagerActor:
@@ -49,30 +48,46 @@ class RolloutManagerActor:
         return self.outbox.qsize()
 
 
-class _Mailbox:
-    """The actor's two queues as the trainer sees them: `put` goes to the manager, `get` and `qsize` read what
-    it sent; with the `multiprocessing` queue methods `RolloutProcess` uses."""
+class ActorLink:
+    """`RolloutLink` to a manager in a `RolloutManagerActor`: messages through the actor's two queues, and the
+    actor's `run` call as the manager's life (its status, or 1 when the actor died)."""
 
     def __init__(self, actor: Any) -> None:
         self.actor = actor
+        self.run = actor.run.remote()
 
-    def put(self, message: Any) -> None:
+    @classmethod
+    def start(cls, cfg: TrainConfig, start: RolloutStart) -> ActorLink:
+        """Start `rollout_main` in a `RolloutManagerActor`, placed by `cluster.manager`."""
+        import ray
+
+        manager = cfg.cluster.manager
+        actor = (
+            ray.remote(RolloutManagerActor)
+            .options(
+                num_cpus=manager.cpus,
+                resources=dict(manager.resources) or None,
+                max_restarts=0,
+                max_concurrency=4,
+            )
+            .remote(cfg, start, os.getcwd())
+        )
+        return cls(actor)
+
+    def send(self, message: Any) -> None:
         import ray
 
         ray.get(self.actor.put.remote(message))  # waited for: the manager sees messages in the order sent
 
-    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+    def receive(self, timeout_s: float) -> Any | None:
         import ray
 
         try:
-            message = ray.get(self.actor.take.remote(timeout if block else 0.0))
+            return ray.get(self.actor.take.remote(timeout_s))
         except ray.exceptions.RayActorError:
-            message = None  # the actor is gone: the caller finds out from `is_alive`
-        if message is None:
-            raise queue.Empty
-        return message
+            return None  # the actor is gone: `exit_code` says so
 
-    def qsize(self) -> int:
+    def waiting(self) -> int:
         import ray
 
         try:
@@ -80,67 +95,26 @@ class _Mailbox:
         except ray.exceptions.RayActorError:
             return 0
 
-    def cancel_join_thread(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-class _ActorProcess:
-    """The actor's `run` call, with the `multiprocessing.Process` methods `RolloutProcess` uses; its exit code
-    is the manager's status, or 1 when the actor died."""
-
-    def __init__(self, actor: Any, run: Any) -> None:
-        self.actor, self.run = actor, run
-
-    def is_alive(self) -> bool:
+    def exit_code(self) -> int | None:
         import ray
 
         ready, _ = ray.wait([self.run], timeout=0)
-        return not ready
-
-    @property
-    def exitcode(self) -> int | None:
-        import ray
-
-        if self.is_alive():
+        if not ready:
             return None
         try:
             return int(ray.get(self.run))
         except ray.exceptions.RayError:
             return 1
 
-    def join(self, timeout: float | None = None) -> None:
+    def wait_exit(self, timeout_s: float) -> None:
         import ray
 
-        ray.wait([self.run], timeout=timeout)
+        ray.wait([self.run], timeout=timeout_s)
 
-    def terminate(self) -> None:
+    def kill(self) -> None:
         import ray
 
         ray.kill(self.actor, no_restart=True)
 
-
-def spawn_on_ray(cfg: TrainConfig, start: RolloutStart) -> RolloutProcess:
-    """`RolloutProcess` with the manager in a `RolloutManagerActor` (placed by `cluster.manager`)."""
-    import ray
-
-    manager = cfg.cluster.manager
-    actor = (
-        ray.remote(RolloutManagerActor)
-        .options(
-            num_cpus=manager.cpus,
-            resources=dict(manager.resources) or None,
-            max_restarts=0,
-            max_concurrency=4,
-        )
-        .remote(cfg, start, os.getcwd())
-    )
-    mailbox = _Mailbox(actor)
-    return RolloutProcess(
-        mailbox,
-        mailbox,
-        _ActorProcess(actor, actor.run.remote()),
-        timeout_s=cfg.asynchronous.manager_timeout_s,
-    )
+    def release(self) -> None:
+        self.kill()  # its manager has returned; the actor holds the CPUs `cluster.manager` reserved

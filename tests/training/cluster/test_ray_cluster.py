@@ -120,7 +120,7 @@ def node_with(resource: str) -> str:
     return next(n["NodeID"] for n in ray.nodes() if n["Alive"] and resource in n["Resources"])
 
 
-def test_the_main_job_on_two_nodes_reaches_the_local_run_s_metrics(cluster, tmp_path):
+def test_the_calculator_example_on_two_nodes_reaches_the_local_run_s_metrics(cluster, tmp_path):
     """configs/calculator.yaml, 3 steps, same seed: in-process engines (cluster.kind local) against engine actors
     on node B and the trainer on node A. The rollouts are the same tokens (sampling is seeded per request), so
     rewards, sessions and evaluations are equal; the training metrics agree to float tolerance (the engines'
