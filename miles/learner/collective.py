@@ -2,10 +2,11 @@
 other ranks follow.
 
 Under torchrun, rank 0 runs the whole `TrainLoop` (rollout, engines, scheduler, weight sync) as in a
-single-process run; its trainer is a `CollectiveTrainer`, which broadcasts every collective call (method name
-and arguments) to the worker ranks over a gloo group before running it locally. The workers run
-`serve_trainer_commands`: they receive the same calls and execute them on their own trainer until rank 0
-sends ``stop``. With world size 1 there are no workers and no wrapper.
+single-process run; its trainer is a `CollectiveTrainer`, which broadcasts every collective call (a
+`miles.learner.commands.TrainerCommand`) to the worker ranks over a gloo group before running it locally. The
+workers run `serve_trainer_commands`: they receive the same commands and apply them to their own trainer until
+rank 0 sends `STOP`, refusing any command outside `WORKER_COMMANDS`. With world size 1 there are no workers and
+no wrapper.
 
 Commands travel through ``broadcast_object_list``, so a `TrajectoryBatch` argument is pickled on rank 0 and
 unpickled on every worker, whole: each trainer computes advantages over the full batch (a GRPO group may span
@@ -18,7 +19,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, NoReturn
@@ -27,13 +27,12 @@ import torch
 import torch.distributed as dist
 
 from miles.learner.checkpoint import Checkpoint
+from miles.learner.commands import STOP, Allowed, CommandKind, CommandProtocolError, TrainerCommand, apply
 from miles.learner.errors import ConfigError
 from miles.learner.protocol import Trainer
 from miles.ports import free_port
 from miles.trajectory import TrajectoryBatch
 
-STOP = "stop"
-SET_STEP = "set_step"
 # The `Trainer` methods that rank 0 mirrors onto the workers (every one is a collective on the trainer side).
 COLLECTIVE_METHODS = (
     "train_step",
@@ -45,12 +44,10 @@ COLLECTIVE_METHODS = (
     "load_checkpoint",
     "save_pretrained",
 )
+# What a worker rank applies: those calls, and rank 0's writes of the step counter.
+WORKER_COMMANDS: Allowed = {CommandKind.CALL: COLLECTIVE_METHODS, CommandKind.WRITE: ("step",)}
 # Workers wait this long for the next command (rollout and evaluation on rank 0 happen in between).
 DEFAULT_COMMAND_TIMEOUT_S = 4 * 3600.0
-
-
-class CommandProtocolError(RuntimeError):
-    """A worker received a command that is not one of `COLLECTIVE_METHODS`, ``set_step`` or ``stop``."""
 
 
 def init_distributed() -> None:
@@ -67,15 +64,6 @@ def init_distributed() -> None:
         dist.init_process_group(backend)
     else:
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-
-
-@dataclass(frozen=True)
-class TrainerCommand:
-    """One call that rank 0 broadcasts: a method name with its arguments."""
-
-    name: str
-    args: tuple[Any, ...] = ()
-    kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 class CommandChannel:
@@ -149,14 +137,15 @@ class CollectiveTrainer:
         self.__dict__["channel"] = channel
         self.__dict__["stopped"] = False
 
-    def _send(self, name: str, *args: Any, **kwargs: Any) -> None:
+    def _run(self, command: TrainerCommand) -> Any:
+        """`command` sent to the workers, then applied here."""
         if self.stopped:
-            raise RuntimeError(f"CollectiveTrainer.{name} after stop(): the workers are gone")
-        self.channel.send(TrainerCommand(name, args, kwargs))
+            raise RuntimeError(f"CollectiveTrainer.{command.name} after stop(): the workers are gone")
+        self.channel.send(command)
+        return apply(self.trainer, command)
 
     def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        self._send(name, *args, **kwargs)
-        return getattr(self.trainer, name)(*args, **kwargs)
+        return self._run(TrainerCommand.call(name, *args, **kwargs))
 
     def train_step(self, batch: TrajectoryBatch) -> dict[str, float]:
         """`Trainer.train_step` on every rank."""
@@ -203,13 +192,12 @@ class CollectiveTrainer:
 
     @step.setter
     def step(self, value: int) -> None:
-        self._send(SET_STEP, int(value))
-        self.trainer.step = int(value)
+        self._run(TrainerCommand.write("step", int(value)))
 
     def stop(self) -> None:
         """Tell the workers to return from `serve_trainer_commands` (idempotent)."""
         if not self.stopped:
-            self.channel.send(TrainerCommand(STOP))
+            self.channel.send(STOP)
             self.__dict__["stopped"] = True
 
     def __getattr__(self, name: str) -> Any:
@@ -223,7 +211,9 @@ class CollectiveTrainer:
 
 
 def serve_trainer_commands(trainer: Trainer, channel: CommandChannel) -> int:
-    """A worker rank: execute rank 0's calls on `trainer` until ``stop``; returns how many were executed.
+    """A worker rank: apply rank 0's commands to `trainer` until `STOP`; returns how many were applied.
+
+    A command outside `WORKER_COMMANDS` raises `CommandProtocolError`.
 
     An exception in a command propagates (the process exits and torchrun ends the job) rather than leaving
     rank 0 waiting in a collective that this rank never joins.
@@ -231,14 +221,9 @@ def serve_trainer_commands(trainer: Trainer, channel: CommandChannel) -> int:
     done = 0
     while True:
         command = channel.receive()
-        if command.name == STOP:
+        if command.kind is CommandKind.STOP:
             return done
-        if command.name == SET_STEP:
-            trainer.step = int(command.args[0])
-        elif command.name in COLLECTIVE_METHODS:
-            getattr(trainer, command.name)(*command.args, **command.kwargs)
-        else:
-            raise CommandProtocolError(f"unknown trainer command {command.name!r}")
+        apply(trainer, command, WORKER_COMMANDS)
         done += 1
 
 

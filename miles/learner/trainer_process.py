@@ -1,11 +1,13 @@
 """`TrainerProcess`: a trainer built and driven in a process of its own.
 
-The parent calls the trainer's methods by name through a `multiprocessing` pipe (spawn context), one call at a
-time; arguments and results travel pickled by value (a step's batch or an adapter's weights are a few MB: a copy
-through the pipe costs less than setting up shared memory for each of their tensors), as the `Trainer` protocol
-allows. The trainer's work then shares neither an interpreter lock nor a core with the parent's engines and
-sessions. An error raised by a call is raised again in the parent, of the same type, with the trainer
-process's traceback as a note; a trainer process that dies is a `TrainerProcessError`.
+The parent sends the trainer `miles.learner.commands.TrainerCommand` s (method calls, attribute reads and
+writes) through a `multiprocessing` pipe (spawn context), one at a time, and the trainer process runs each with
+`miles.learner.commands.apply`. Arguments and results travel pickled by value (a step's batch or an adapter's
+weights are a few MB: a copy through the pipe costs less than setting up shared memory for each of their
+tensors), as the `Trainer` protocol allows. The trainer's work then shares neither an interpreter lock nor a
+core with the parent's engines and sessions. An error raised by a command is raised again in the parent, of the
+same type, with the trainer process's traceback as a note; a trainer process that dies is a
+`TrainerProcessError`.
 """
 
 from __future__ import annotations
@@ -15,11 +17,13 @@ import signal
 import threading
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.multiprocessing as torch_mp
+
+from miles.learner.commands import STOP, CommandKind, TrainerCommand, apply
 
 
 class TrainerProcessError(RuntimeError):
@@ -27,11 +31,9 @@ class TrainerProcessError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class _Call:
-    method: str
-    args: tuple[Any, ...] = ()
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    threads: int | None = None  # torch threads for this call (None: as they are)
+class _Request:
+    command: TrainerCommand
+    threads: int | None = None  # torch threads from this command on (None: as they are)
 
 
 @dataclass(frozen=True)
@@ -39,9 +41,6 @@ class _Reply:
     value: Any = None
     error: BaseException | None = None
     trace: str = ""
-
-
-_GET, _SET = "getattr", "setattr"  # method names of attribute reads and writes
 
 
 def _send(conn: Any, obj: Any) -> None:
@@ -74,21 +73,15 @@ def _serve(build: Callable[..., Any], args: tuple[Any, ...], conn: Any, threads:
     _send(conn, _Reply())
     while True:
         try:
-            call = _recv(conn)
+            request = _recv(conn)
         except EOFError:  # the parent is gone
             return
-        if call is None:
+        if request.command.kind is CommandKind.STOP:
             return
-        if call.threads is not None:
-            torch.set_num_threads(call.threads)
+        if request.threads is not None:
+            torch.set_num_threads(request.threads)
         try:
-            if call.method == _GET:
-                value = getattr(trainer, call.args[0])
-            elif call.method == _SET:
-                value = setattr(trainer, *call.args)
-            else:
-                value = getattr(trainer, call.method)(*call.args, **call.kwargs)
-            reply = _Reply(value=value)
+            reply = _Reply(value=apply(trainer, request.command))
         except Exception as exc:
             reply = _failure(exc)
         try:
@@ -148,8 +141,8 @@ class TrainerProcess:
             raise reply.error
         return reply.value
 
-    def call(self, method: str, *args: Any, threads: int | None = None, **kwargs: Any) -> Any:
-        """`trainer.method(*args, **kwargs)` in the trainer process (with `threads` torch threads from then on)."""
+    def apply(self, command: TrainerCommand, *, threads: int | None = None) -> Any:
+        """`command` run on the trainer in the trainer process (with `threads` torch threads from then on)."""
         with self._lock:
             if not self._proc.is_alive():
                 raise TrainerProcessError(
@@ -157,18 +150,22 @@ class TrainerProcess:
                     "continue the run with --resume"
                 )
             try:
-                _send(self._conn, _Call(method, args, kwargs, threads))
+                _send(self._conn, _Request(command, threads))
             except OSError:
                 pass  # the reply's absence names the failure
-            return self._answer(self._receive(method))
+            return self._answer(self._receive(command.label))
+
+    def call(self, method: str, /, *args: Any, threads: int | None = None, **kwargs: Any) -> Any:
+        """`trainer.method(*args, **kwargs)` in the trainer process (with `threads` torch threads from then on)."""
+        return self.apply(TrainerCommand.call(method, *args, **kwargs), threads=threads)
 
     def get(self, attribute: str) -> Any:
         """The trainer's `attribute`."""
-        return self.call(_GET, attribute)
+        return self.apply(TrainerCommand.read(attribute))
 
     def set(self, attribute: str, value: Any) -> None:
         """Set the trainer's `attribute` to `value`."""
-        self.call(_SET, attribute, value)
+        self.apply(TrainerCommand.write(attribute, value))
 
     @property
     def alive(self) -> bool:
@@ -183,7 +180,7 @@ class TrainerProcess:
         with self._lock:
             if self._proc.is_alive():
                 try:
-                    _send(self._conn, None)
+                    _send(self._conn, _Request(STOP))
                 except OSError:
                     pass
                 self._proc.join(timeout_s)
