@@ -106,7 +106,7 @@ class RunMetrics:
         return self.metrics.child(name, *self._values, *extra)
 
     def observe_step(self, row: Mapping[str, Any]) -> None:
-        """One RL step's metrics row (as `TrainLoop._rl_step` writes it, trainer metrics included): phase
+        """One RL step's metrics row (as `miles.training.rl_step.step_row` builds it, trainer metrics included): phase
         times, idle ratios, tokens/s, MFU, mean reward and success, the zero-spread group share, then
         `observe_train(row)`.
 
