@@ -10,7 +10,8 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+
+import torch
 
 from miles.learner.lora.process import LoraTrainerProcess
 from miles.learner.protocol import Trainer
@@ -43,7 +44,7 @@ TEARDOWN_S = 5.0
 class RunParts:
     """A run's parts, as `assemble` built them; `aclose` closes them all, each within `TEARDOWN_S`."""
 
-    model: Any
+    model: torch.nn.Module
     engine_set: EngineSet
     trainer: Trainer
     sync: WeightPusher

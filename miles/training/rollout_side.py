@@ -5,7 +5,8 @@ policy, the scheduler settings bounded by the engines' context, and the training
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+
+import torch
 
 from miles.envs import EnvRecipe, Task
 from miles.sessions.config import SchedulerConfig
@@ -49,7 +50,7 @@ class RolloutSide:
     scheduler_config: SchedulerConfig
 
     @classmethod
-    async def build(cls, cfg: TrainConfig, data: RolloutData, model: Any) -> RolloutSide:
+    async def build(cls, cfg: TrainConfig, data: RolloutData, model: torch.nn.Module) -> RolloutSide:
         """The engines `cfg.engine` names, each with a copy of `model` (taken before a trainer wraps it)."""
         engine_set = await build_engine_set(cfg.engine, model, data.tito.tokenizer, cfg.model.tokenizer)
         return cls(data, engine_set, bounded_by_context(cfg.rollout.scheduler, engine_set.context_length))

@@ -18,6 +18,7 @@ from miles.sessions.config import SchedulerConfig
 from miles.sessions.recorder import Recorder
 from miles.sessions.router import RouterStats
 from miles.sessions.scheduler import GroupRunner
+from miles.tito import TITOTokenizer
 from miles.training.data import TaskCursor
 from miles.training.evaluate import EvalResult, EvalSet, evaluate, summarize
 from miles.training.protocol import StepRollout
@@ -46,7 +47,7 @@ class EngineEvaluation:
     """Held-out sessions on the trainer's own engines, run by a scheduler in this process."""
 
     engines: Sequence[RolloutEngine]
-    tokenizer: Any
+    tokenizer: TITOTokenizer
     scheduler: SchedulerConfig
     recorder: Recorder | None
     max_new_tokens: int | None
