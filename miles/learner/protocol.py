@@ -16,8 +16,10 @@ import torch
 from miles.learner.checkpoint import Checkpoint
 from miles.trajectory import TrajectoryBatch
 
-#: The trainer's weights under their Hugging Face names, made when asked (a consistent CPU snapshot).
-Weights = Callable[[], dict[str, torch.Tensor]]
+#: A model's weights under their Hugging Face names.
+StateDict = dict[str, torch.Tensor]
+#: The trainer's weights, made when asked (a consistent CPU snapshot).
+Weights = Callable[[], StateDict]
 
 
 @runtime_checkable

@@ -22,7 +22,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,7 +33,6 @@ from miles.envs import EnvRecipe, Task
 from miles.learner.checkpoint import Checkpoint
 from miles.learner.errors import ConfigError
 from miles.learner.lora.process import LoraTrainerProcess
-from miles.learner.protocol import Weights
 from miles.learner.trainer_process import TrainerProcessError
 from miles.observability import RunLabels, RunMetrics
 from miles.sessions.config import SchedulerConfig
@@ -88,7 +87,7 @@ class AdapterPart:
     scheduler: SessionScheduler
     metrics: RunMetrics
     #: Its sessions, pushes and evaluations, set by `AdapterRun` (over `scheduler`, `train_tasks`, `cursor`).
-    source: SessionSource | None = None
+    source: SessionSource[AdapterWeights] | None = None
     #: The step number of the sync rows that the adapter's next push writes.
     step_index: int = 0
 
@@ -163,13 +162,13 @@ class AdapterRun:
         for part in self.parts:
             part.source = self._source(part)
 
-    def _source(self, part: AdapterPart) -> SessionSource:
+    def _source(self, part: AdapterPart) -> SessionSource[AdapterWeights]:
         """`part`'s sessions from its own tasks and cursor, its pushes under its own version, and its held-out
         sessions under its own policy."""
         name = part.name
 
-        async def push(version: int, weights: Weights) -> None:
-            await self._push(name, version, part.step_index, cast(AdapterWeights, weights()))
+        async def push(version: int, weights: Callable[[], AdapterWeights]) -> None:
+            await self._push(name, version, part.step_index, weights())
 
         assert isinstance(part.scheduler.recorder, Recorder)
         return SessionSource(
@@ -390,7 +389,7 @@ class AdapterRun:
         """`part`'s copy of the one step body, with its update in the trainer process."""
         assert part.source is not None
 
-        async def learn(batch: TrajectoryBatch) -> tuple[dict[str, float], Weights]:
+        async def learn(batch: TrajectoryBatch) -> tuple[dict[str, float], Callable[[], AdapterWeights]]:
             async with self._updating:
                 threads_all = torch.get_num_threads()
                 threads = threads_all if part.scheduler.router.inflight == 0 else max(1, threads_all - 1)
@@ -401,8 +400,7 @@ class AdapterRun:
                 )
                 metrics, weights = await asyncio.shield(self._update)
                 self._update = None
-            # the source hands the thunk back to `push` above, which takes an adapter's weights, not a state dict
-            return metrics, cast(Weights, lambda: weights)
+            return metrics, lambda: weights
 
         part.step_index = index
         last = self.weight_sync.adapter_version(part.name)

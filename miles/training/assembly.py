@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from miles.learner.lora.process import LoraTrainerProcess
-from miles.learner.protocol import Trainer
+from miles.learner.protocol import StateDict, Trainer
 from miles.observability import Observability, run_labels, start_observability
 from miles.sessions.metrics import SessionMetrics
 from miles.sessions.recorder import Recorder
@@ -137,7 +137,7 @@ async def assemble(cfg: TrainConfig, *, metrics: MetricsLog, echo: Callable[[str
             engine_evaluation = EngineEvaluation(
                 engines, tito, scheduler_cfg, eval_recorder, cfg.eval.max_new_tokens
             )
-            source: RolloutSource
+            source: RolloutSource[StateDict]
             if cfg.asynchronous.enabled:  # the rollout process runs (and records) the training sessions
                 source = ProcessSource(
                     cfg,

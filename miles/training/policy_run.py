@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from miles.learner.checkpoint import Checkpoint
-from miles.learner.protocol import Trainer, Weights
+from miles.learner.protocol import StateDict, Trainer, Weights
 from miles.observability import RunMetrics
 from miles.sessions.metrics import SessionMetrics
 from miles.sessions.records import SessionRecord
@@ -81,7 +81,7 @@ class OnePolicy:
         cfg: TrainConfig,
         *,
         publisher: Publisher,
-        source: RolloutSource,
+        source: RolloutSource[StateDict],
         sft: SftStage,
         eval_sets: Sequence[EvalSet],
         session_metrics: SessionMetrics,

@@ -10,12 +10,11 @@ step's sessions come from and where new weights go, and `PolicyRun`, what the tr
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 from miles.learner.checkpoint import Checkpoint
-from miles.learner.protocol import Weights
 from miles.sessions.records import SessionRecord
 from miles.sessions.router import RouterStats
 from miles.trajectory import Trajectory
@@ -32,11 +31,16 @@ class StepRollout:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
+#: What a source's engines load from the trainer: a full state dict (`miles.learner.protocol.Weights` makes
+#: one), or one LoRA adapter's weights (`miles.engines.lora.AdapterWeights`).
+Payload = TypeVar("Payload", contravariant=True)
+
+
 @runtime_checkable
-class RolloutSource(Protocol):
+class RolloutSource(Protocol[Payload]):
     """The rollout side of a run, as the train loop drives it: `restore` (a resumed run), `start`, then per
     step `collect` and `publish` (or `untrained`), `evaluate` whenever asked, `stop` after the last step and
-    `aclose` at the end."""
+    `aclose` at the end. Weights reach it as a thunk of its `Payload`, made only when the engines take them."""
 
     #: Whether the data cursor is consistent when the loop's work is aborted between awaits (a checkpoint may
     #: then be written): true where sessions run in the loop's own process.
@@ -47,7 +51,9 @@ class RolloutSource(Protocol):
         (a time.time()) are moved aside, since the resumed run redoes them."""
         ...
 
-    async def start(self, version: int, weights: Weights, *, run_id: str, resume_time: float | None) -> None:
+    async def start(
+        self, version: int, weights: Callable[[], Payload], *, run_id: str, resume_time: float | None
+    ) -> None:
         """Begin serving sessions under weights `version` (`weights()` gives them to engines that need them);
         session ids begin with `run_id`."""
         ...
@@ -60,7 +66,7 @@ class RolloutSource(Protocol):
         """The last `collect` trained nothing (no group had a reward spread): no new weights come of it."""
         ...
 
-    async def publish(self, version: int, weights: Weights) -> None:
+    async def publish(self, version: int, weights: Callable[[], Payload]) -> None:
         """Hand weights `version` (the trainer's, after this step) to the engines."""
         ...
 

@@ -6,33 +6,31 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from miles.engine import EngineError
 from miles.envs.recipe import error_line
-from miles.learner.protocol import Weights
 from miles.sessions.records import SessionRecord
 from miles.training.health import UNTRAINABLE, StepActivity
 from miles.training.protocol import RolloutSource, StepOutcome
 from miles.trajectory import Trajectory, TrajectoryBatch
 from miles.types import TerminationReason
 
-#: An update on a batch: its metrics, and the new weights (made when the engines take them).
-Learn = Callable[[TrajectoryBatch], Awaitable[tuple[dict[str, float], Weights]]]
+P = TypeVar("P")
 
 
 async def run_step(
-    source: RolloutSource,
+    source: RolloutSource[P],
     *,
     version: int,
     select: Callable[[list[SessionRecord]], list[Trajectory]],
-    learn: Learn,
+    learn: Callable[[TrajectoryBatch], Awaitable[tuple[dict[str, float], Callable[[], P]]]],
     warn: Callable[[str], None],
 ) -> StepOutcome:
-    """One step of a policy at weight `version`: collect, `select` what trains, `learn` on it, publish the new
-    weights as `version + 1`. A step with nothing to train tells the source (`untrained`). A weight update that
+    """One step of a policy at weight `version`: collect, `select` what trains, `learn` on it (its metrics, and
+    the new weights as the source's payload, made when the engines take them), publish them as `version + 1`. A step with nothing to train tells the source (`untrained`). A weight update that
     does not reach the engines is a warning and `sync_failed` in the metrics (the run's health counts it); the
     engines keep `version`."""
     t0 = time.perf_counter()

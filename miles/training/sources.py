@@ -8,12 +8,11 @@ import asyncio
 import dataclasses
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from miles.engine import RolloutEngine
 from miles.envs import Task
 from miles.envs.recipe import error_line
-from miles.learner.protocol import Weights
 from miles.sessions.config import SchedulerConfig
 from miles.sessions.recorder import Recorder
 from miles.sessions.router import RouterStats
@@ -87,10 +86,14 @@ class AgentEvaluation:
         return summarize(part.key("greedy" if greedy else "sampled"), records)
 
 
-class SessionSource:
+P = TypeVar("P")
+
+
+class SessionSource(Generic[P]):
     """The synchronous loop's sessions: each step runs `tasks_per_step` groups (plus `oversample` extra ones
     whose slowest are dropped) from the data cursor on `runner`, in this process; `publish` syncs the new
-    weights to the engines at once (`push(version, weights)`), before the next step's sessions start."""
+    weights (a thunk of `P`: a state dict, or an adapter's weights) to the engines at once
+    (`push(version, weights)`), before the next step's sessions start."""
 
     checkpoints_when_aborted = True
 
@@ -102,7 +105,7 @@ class SessionSource:
         cursor: TaskCursor,
         tasks_per_step: int,
         oversample: int,
-        push: Callable[[int, Weights], Awaitable[None]],
+        push: Callable[[int, Callable[[], P]], Awaitable[None]],
         evaluation: Evaluation,
         recorder: Recorder,
         closing: Sequence[Callable[[], Awaitable[Any]]] = (),
@@ -117,7 +120,9 @@ class SessionSource:
         self.cursor.position = int(cursor.get("position", 0))
         self.recorder.drop_after(saved_at)
 
-    async def start(self, version: int, weights: Weights, *, run_id: str, resume_time: float | None) -> None:
+    async def start(
+        self, version: int, weights: Callable[[], P], *, run_id: str, resume_time: float | None
+    ) -> None:
         self.runner.run_id = run_id  # the engines already hold `version`: the loop synced them
 
     async def collect(self, version: int) -> StepRollout:
@@ -128,7 +133,7 @@ class SessionSource:
     def untrained(self) -> None:
         return None  # nothing runs between steps: the next step starts from the same weights
 
-    async def publish(self, version: int, weights: Weights) -> None:
+    async def publish(self, version: int, weights: Callable[[], P]) -> None:
         await self.push(version, weights)
 
     async def evaluate(self, part: EvalSet, *, greedy: bool, run_id: str) -> EvalResult:
