@@ -1,11 +1,12 @@
-"""The rollout process of the asynchronous loop: it runs a `RolloutManager` (the scheduler,
-its router, the engines and the recorder) and streams finished groups to the trainer.
+"""The rollout process of the asynchronous loop: it runs a `RolloutManager` (the scheduler, its router, the
+engines and the recorder) and streams finished groups to the trainer.
 
-Transport: a `RolloutLink`; in a child process (`ChildLink`) two `torch.multiprocessing` queues (spawn context),
-the trainer's messages in `inbox` and the manager's back in `outbox`. Weights for the process's embedded engines travel in the queue itself:
-CPU tensors through shared memory, CUDA tensors through CUDA IPC, and the trainer holds on to them until
-the manager says they are loaded. HTTP engines take their weights from the trainer's own weight sync; the
-manager only learns the new version (and, with `inflight: continue`, holds new turns while it lands).
+Transport: a `RolloutLink`. To a child process (`ChildLink`) it is two `torch.multiprocessing` queues (spawn
+context): the trainer's messages go in `inbox`, the manager's come back in `outbox`. Weights for the process's
+embedded engines travel in the queue itself: CPU tensors through shared memory, CUDA tensors through CUDA IPC,
+and the trainer holds on to them until the manager says they are loaded. HTTP engines take their weights from
+the trainer's own weight sync; the manager only learns the new version (and, with `inflight: continue`, holds
+new turns while it lands). On Ray the manager runs in an actor (`miles.training.cluster.rollout.ActorLink`).
 
 Neither side shares Python state or an event loop with the other; `RolloutHandle` is the trainer's handle.
 """
