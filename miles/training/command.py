@@ -100,9 +100,10 @@ def run_placed(cfg: TrainConfig, argv: list[str], *, resume: bool, extend: bool 
 
         return run_on_ray(cfg, resume=resume, extend=extend)
     from miles.training.models import check_devices
-    from miles.training.placement import check_trainer_setup, world_size_of
+    from miles.training.placement import world_size_of
     from miles.training.rank import run_rank
     from miles.training.torchrun import relaunch_under_torchrun
+    from miles.training.trainer_setup import check_trainer_setup
 
     check_trainer_setup(cfg)
     check_devices(cfg)
@@ -115,7 +116,6 @@ def run_placed(cfg: TrainConfig, argv: list[str], *, resume: bool, extend: bool 
 
 def _run_loop(cfg: TrainConfig, args: argparse.Namespace, *, resume: bool) -> int:
     from miles.training.output_dir import check_fresh_output_dir, leftovers
-    from miles.training.placement import cli_argv
     from miles.training.rank import TrainerRankError
     from miles.training.torchrun import in_torchrun_worker
 
@@ -165,6 +165,22 @@ def report(summary: RunSummary, cfg: TrainConfig, args: argparse.Namespace) -> i
         return 3
     print(format_summary(summary, cfg))
     return 0
+
+
+def cli_argv(args: argparse.Namespace) -> list[str]:
+    """The ``miles train`` / ``miles sft`` command line that `args` (the CLI's namespace) was parsed from."""
+    argv = [args.command, "--config", str(args.config)]
+    for override in getattr(args, "overrides", None) or []:
+        argv += ["--set", override]
+    if getattr(args, "resume", False):
+        argv.append("--resume")
+    if getattr(args, "extend", False):
+        argv.append("--extend")
+    for flag in ("output_dir", "seed", "backend", "tp", "pp", "dp"):
+        value = getattr(args, flag, None)
+        if value is not None:
+            argv += [f"--{flag.replace('_', '-')}", str(value)]
+    return argv
 
 
 def run_from_cli(args: argparse.Namespace) -> int:

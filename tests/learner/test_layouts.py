@@ -185,7 +185,7 @@ def test_trainer_config_errors_name_the_key(overrides, key):
 
 def test_model_that_does_not_split_over_tp_or_pp_is_named():
     from miles.training.config import load_train_config
-    from miles.training.placement import check_model_fits
+    from miles.training.trainer_setup import check_model_fits
 
     hf_config = tiny_hf().config
     kv, layers = hf_config.num_key_value_heads, hf_config.num_hidden_layers

@@ -44,9 +44,10 @@ from miles.training.cluster.actors import (
 from miles.training.cluster.config import ClusterConfig
 from miles.training.config import TrainConfig
 from miles.training.output_dir import DRIVER_LOCK_NAME, OutputDirLock
-from miles.training.placement import check_trainer_setup, world_size_of
+from miles.training.placement import world_size_of
 from miles.training.rank import TrainerRankError
 from miles.training.torchrun import WORKER_ENV
+from miles.training.trainer_setup import check_trainer_setup
 
 RAY_INSTALL = "pip install -e '.[ray]'"
 NAMESPACE = "miles"

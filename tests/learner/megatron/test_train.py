@@ -178,7 +178,8 @@ def test_megatron_checkpoint_round_trip_continues_identically(tmp_path, megatron
 
 def test_train_config_maps_to_megatron_trainer_config():
     from miles.training.config import load_train_config
-    from miles.training.placement import megatron_trainer_config, world_size_of
+    from miles.training.placement import world_size_of
+    from miles.training.trainer_setup import megatron_trainer_config
 
     cfg = load_train_config(
         None,
