@@ -19,6 +19,7 @@ from miles.training.config import TrainConfig
 from miles.training.health import Verdict, step_activity
 from miles.training.metrics_log import MetricsLog
 from miles.training.output_dir import OutputDirLock, check_fresh_output_dir
+from miles.training.placement import RunPlacement
 from miles.training.policy_run import NonFiniteWeightsError
 from miles.training.resume import start_run
 from miles.training.rl_step import progress_line, step_row
@@ -66,6 +67,8 @@ class TrainLoop:
 
     async def _run(self) -> RunSummary:
         t_start, lingered = time.perf_counter(), 0.0
+        self.summary.placement = RunPlacement.of(self.cfg)
+        self.echo(self.summary.placement.line())
         self.parts = parts = await assemble(self.cfg, metrics=self.metrics, echo=self.echo)
         spent = elapsed_at_latest(self.out / "checkpoints") if self.resume and not self.extend else 0.0
         self.budget = Budget(self.cfg.max_seconds, t_start - spent)

@@ -8,11 +8,14 @@
   says by `miles.training.command.run_placed`;
 - **the rollout manager** of an asynchronous run: the `RolloutHandle` that `launch_rollout` returns, over a
   child process (`ChildLink`) or a Ray actor (`ActorLink`).
+
+`RunPlacement` says in one line where a config puts each role; every run prints it as it starts.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -45,6 +48,59 @@ def world_size_of(cfg: TrainConfig) -> int:
     """How many ranks the config asks for: ``tp * pp * dp``."""
     p = cfg.parallel
     return p.tp * p.pp * p.dp
+
+
+def _count(n: int, thing: str) -> str:
+    return f"{n} {thing}{'' if n == 1 else 's'}"
+
+
+@dataclass(frozen=True)
+class RunPlacement:
+    """Where each role of a run runs, as its config places it: the run prints it as it starts (`line`) and
+    keeps it in ``summary.json``."""
+
+    trainer: str
+    ranks: str
+    rollout: str
+    engines: str
+
+    @classmethod
+    def of(cls, cfg: TrainConfig) -> RunPlacement:
+        """The placement `cfg` asks for."""
+        on_ray, p = cfg.cluster.kind == "ray", cfg.parallel
+        world = world_size_of(cfg)
+        trainer = cfg.backend + (f" (tp {p.tp}, pp {p.pp}, dp {p.dp})" if world > 1 else "")
+        if cfg.adapters:
+            trainer += f", {_count(len(cfg.adapters), 'LoRA adapter')} in a trainer process of their own"
+        if on_ray:
+            ranks = f"on {_count(world, 'Ray actor')}"
+        else:
+            ranks = "in this process" if world == 1 else f"on {_count(world, 'torchrun rank')}"
+        loop_process = "the trainer's process" if world == 1 else "rank 0's process"
+        if cfg.asynchronous.enabled:
+            where = "a Ray actor" if on_ray else "a child process"
+            rollout = f"{where} (async, max_staleness {cfg.asynchronous.max_staleness})"
+        elif cfg.rollout.agent.enabled:
+            rollout = f"the user's agents (a subprocess per session), through the endpoint in {loop_process}"
+        else:
+            rollout = f"{loop_process} (synchronous)"
+        engine = cfg.engine
+        if on_ray:
+            engines = _count(len(engine.urls), "Ray engine actor")
+        elif engine.kind == "embedded":
+            engines = f"{_count(engine.num_engines, 'embedded engine')} on {engine.device}"
+        elif engine.kind == "router":
+            engines = f"sglang-router over {_count(len(engine.urls), 'server')}"
+        else:
+            engines = _count(len(engine.urls), "SGLang server")
+        return cls(trainer=trainer, ranks=ranks, rollout=rollout, engines=engines)
+
+    def line(self) -> str:
+        """One line for the run's output."""
+        return (
+            f"[placement] trainer: {self.trainer} {self.ranks} · rollout: {self.rollout} · "
+            f"engines: {self.engines}"
+        )
 
 
 def _local_trainer(cfg: TrainConfig, model: torch.nn.Module) -> Trainer:

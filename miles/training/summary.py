@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from miles.training.evaluate import EvalResult
+
+if TYPE_CHECKING:
+    from miles.training.placement import RunPlacement
 
 
 @dataclass
@@ -21,6 +25,8 @@ class RunSummary:
     broken: str = ""
     #: The signal that stopped the run ("SIGINT", "SIGTERM"), or "": it checkpointed and reports no score.
     stopped: str = ""
+    #: Where each role ran.
+    placement: RunPlacement | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -29,5 +35,6 @@ class RunSummary:
             "seconds": self.seconds,
             "broken": self.broken,
             "stopped": self.stopped,
+            "placement": dataclasses.asdict(self.placement) if self.placement else None,
             "evals": {stage: {m: r.to_dict() for m, r in res.items()} for stage, res in self.evals.items()},
         }

@@ -248,8 +248,27 @@ def torch_runs(tmp_path_factory):
         out = base / f"dp{dp}"
         proc = miles_train(config, "--dp", str(dp), "--output-dir", str(out))
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+        (out / "stdout.txt").write_text(proc.stdout)
         runs[dp] = out
     return runs
+
+
+@pytest.mark.slow
+def test_each_run_says_and_records_where_its_ranks_ran(torch_runs):
+    for dp, ranks in ((1, "in this process"), (2, "on 2 torchrun ranks")):
+        placement = json.loads((torch_runs[dp] / "summary.json").read_text())["placement"]
+        assert placement["ranks"] == ranks
+        assert (
+            placement["rollout"]
+            == ("the trainer's process" if dp == 1 else "rank 0's process") + " (synchronous)"
+        )
+        printed = [
+            line for line in (torch_runs[dp] / "stdout.txt").read_text().splitlines() if "[placement]" in line
+        ]
+        assert printed == [
+            f"[placement] trainer: {placement['trainer']} {ranks} · rollout: {placement['rollout']} · "
+            f"engines: {placement['engines']}"
+        ]
 
 
 @pytest.mark.slow

@@ -135,6 +135,13 @@ def test_the_calculator_example_on_two_nodes_reaches_the_local_run_s_metrics(clu
     assert [r["node_id"] for r in manifest["ranks"]] == [node_with("node_a")]
     assert [s["method"] for s in rows(tmp_path / "ray", "sync")] == ["broadcast"] * 4  # HTTP engines
     assert [s["method"] for s in rows(tmp_path / "local", "sync")] == ["in_process"] * 4
+    placements = [
+        json.loads((tmp_path / run / "summary.json").read_text())["placement"] for run in ("local", "ray")
+    ]
+    assert [(p["ranks"], p["engines"]) for p in placements] == [
+        ("in this process", "1 embedded engine on cpu"),
+        ("on 1 Ray actor", "1 Ray engine actor"),
+    ]
 
     a, b = rows(tmp_path / "local"), rows(tmp_path / "ray")
     assert len(a) == len(b) == 3
